@@ -1,0 +1,128 @@
+"""The commit protocol: data first, manifest last.
+
+Every rank makes its data files durable, then publishes a small *part*
+(its entries and file sizes, or the error that stopped it) under
+``.parts/``. Rank 0 collects all parts and writes the manifest, the commit
+point; on any error it writes an abort marker instead. Other ranks wait for
+either. This needs no collective on the training process group, so
+background saves can run it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, entries_from_json, entries_to_json
+from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.storage import Storage
+
+PARTS_DIR = ".parts"
+#: Seconds rank 0 waits for the other ranks' parts (and they for the commit).
+COMMIT_TIMEOUT = float(os.environ.get("PPE_SNAPSHOT_COMMIT_TIMEOUT", "1800"))
+
+
+@dataclass
+class RankPart:
+    rank: int
+    entries: dict[str, Entry] = field(default_factory=dict)
+    replicated: dict[str, Entry] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "rank": self.rank, "error": self.error, "files": self.files,
+            "entries": entries_to_json(self.entries), "replicated": entries_to_json(self.replicated),
+        }).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "RankPart":
+        doc = json.loads(data)
+        return cls(doc["rank"], entries_from_json(doc["entries"]), entries_from_json(doc["replicated"]),
+                   doc["files"], doc["error"])
+
+
+def _part_name(take_id: str, rank: int) -> str:
+    return f"{PARTS_DIR}/{take_id}.rank{rank}.json"
+
+
+def _abort_name(take_id: str) -> str:
+    return f"{PARTS_DIR}/{take_id}.abort"
+
+
+def publish_part(storage: Storage, take_id: str, part: RankPart) -> None:
+    storage.put_atomic(_part_name(take_id, part.rank), part.to_bytes())
+
+
+def _poll(what: str, ready, timeout: float):
+    deadline, delay = time.monotonic() + timeout, 0.002
+    while True:
+        result = ready()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            raise SnapshotError(f"gave up after {timeout:.0f} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float = COMMIT_TIMEOUT) -> list[RankPart]:
+    """Rank 0: wait until every rank has published its part."""
+    parts: dict[int, RankPart] = {}
+
+    def ready():
+        for r in range(world_size):
+            if r not in parts and storage.exists(_part_name(take_id, r)):
+                parts[r] = RankPart.from_bytes(storage.read_bytes(_part_name(take_id, r)))
+        return [parts[r] for r in range(world_size)] if len(parts) == world_size else None
+
+    return _poll(f"the parts of ranks {sorted(set(range(world_size)) - set(parts))} of snapshot {storage.url}",
+                 ready, timeout)
+
+
+def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
+    replicated: dict[str, Entry] = {}
+    files: dict[str, int] = {}
+    for part in parts:
+        replicated.update(part.replicated)
+        files.update(part.files)
+    return Manifest(len(parts), [p.entries for p in parts], replicated, files, take_id, metadata)
+
+
+def commit(storage: Storage, manifest: Manifest) -> None:
+    """Make the snapshot visible: check every data file, then write the manifest last."""
+    for name, size in manifest.files.items():
+        stored = storage.size(name)
+        if stored != size:
+            raise SnapshotError(f"{storage.url}/{name} holds {stored} bytes, expected {size}; not committing")
+    storage.put_atomic(MANIFEST_NAME, manifest.to_bytes())
+
+
+def abort(storage: Storage, take_id: str, reason: str) -> None:
+    storage.put_atomic(_abort_name(take_id), reason.encode())
+
+
+def clean_parts(storage: Storage, take_id: str, world_size: int) -> None:
+    for r in range(world_size):
+        storage.remove(_part_name(take_id, r))
+    storage.remove(_abort_name(take_id))
+
+
+def wait_for_commit(storage: Storage, take_id: str, timeout: float = COMMIT_TIMEOUT) -> None:
+    """Ranks other than 0: wait until rank 0 committed (or aborted) this take."""
+    def ready():
+        if storage.exists(_abort_name(take_id)):
+            return storage.read_bytes(_abort_name(take_id)).decode()
+        if storage.exists(MANIFEST_NAME):
+            try:
+                if Manifest.from_bytes(storage.read_bytes(MANIFEST_NAME)).take_id == take_id:
+                    return ""
+            except SnapshotError:
+                return None
+        return None
+
+    reason = _poll(f"rank 0 to commit snapshot {storage.url}", ready, timeout)
+    if reason:
+        raise SnapshotError(f"snapshot {storage.url} was not committed: {reason}")

@@ -1,0 +1,162 @@
+"""App state <-> flat, path-keyed entries.
+
+``flatten`` walks a state dict and yields one item per logical path
+(``"optim/state/0/exp_avg"``): containers and plain values become manifest
+entries directly; tensors, numpy arrays and pickled values become
+:class:`Payload` items whose bytes are written to data files. ``inflate``
+rebuilds the nested structure from entries, reusing the target's existing
+tensors so loads happen in place.
+"""
+from __future__ import annotations
+
+import collections
+import fnmatch
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
+from ppe_snapshot.engine.serialization import (
+    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array,
+)
+from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
+
+
+@dataclass
+class Payload:
+    """A leaf whose bytes go to a data file: ``kind`` is "tensor", "ndarray" or "pickle"."""
+    kind: str
+    data: Any
+    replicated: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "tensor":
+            return self.data.numel() * self.data.element_size()
+        return len(self.data) if self.kind == "pickle" else self.data.nbytes
+
+
+FlatItem = ContainerEntry | ObjectEntry | Payload
+
+
+def escape(key: Any) -> str:
+    """The path segment of a dict key or list index (``/`` and ``%`` are percent-encoded)."""
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def join(prefix: str, key: Any) -> str:
+    return f"{prefix}/{escape(key)}" if prefix else escape(key)
+
+
+def _is_plain(value: Any) -> bool:
+    """A value that is stored inline and holds no tensor or container to flatten."""
+    return not isinstance(value, (torch.Tensor, np.ndarray, dict)) and type(value) not in (list, tuple)
+
+
+def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool) -> None:
+    if isinstance(value, torch.Tensor):
+        if can_store_raw(value):
+            out[path] = Payload("tensor", value.detach())
+            return
+    elif is_raw_array(value):
+        out[path] = Payload("ndarray", value)
+        return
+    elif isinstance(value, dict):
+        kind = "OrderedDict" if isinstance(value, collections.OrderedDict) else "dict"
+        out[path] = ContainerEntry(kind, keys=[encode_value(k) for k in value])
+        seen: dict[str, Any] = {}
+        for k, v in value.items():
+            child = join(path, k)
+            if child in seen:
+                raise UnsupportedValueError(
+                    f"keys {seen[child]!r} and {k!r} of {path or 'the state'} map to the same path {child!r}")
+            seen[child] = k
+            _flatten(child, v, out, allow_pickle)
+        return
+    elif type(value) in (list, tuple) and not all(_is_plain(v) for v in value):
+        out[path] = ContainerEntry(type(value).__name__, length=len(value))
+        for i, v in enumerate(value):
+            _flatten(join(path, i), v, out, allow_pickle)
+        return
+    try:
+        out[path] = ObjectEntry(encode_value(value))
+        return
+    except UnsupportedValueError as e:
+        if not allow_pickle:
+            raise UnsupportedValueError(f"{path}: {e}") from None
+    out[path] = Payload("pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def flatten(key: str, state: Any, allow_pickle: bool = False) -> dict[str, FlatItem]:
+    """Every logical path under ``key`` with its item, parents before children."""
+    out: dict[str, FlatItem] = {}
+    _flatten(escape(key), state, out, allow_pickle)
+    return out
+
+
+def mark_replicated(items: dict[str, FlatItem], patterns: Iterable[str]) -> None:
+    """Mark items matching a glob (or containers whose children all are) as replicated."""
+    patterns = list(patterns)
+    children: dict[str, list[str]] = collections.defaultdict(list)
+    for path in items:
+        if "/" in path:
+            children[path.rsplit("/", 1)[0]].append(path)
+    for path in reversed(list(items)):  # children before parents
+        item = items[path]
+        flag = any(fnmatch.fnmatchcase(path, p) for p in patterns)
+        if not flag and isinstance(item, ContainerEntry) and children[path]:
+            flag = all(_replicated(items[c]) for c in children[path])
+        if flag:
+            items[path] = _with_replicated(item)
+
+
+def _replicated(item: FlatItem) -> bool:
+    return item.replicated
+
+
+def _with_replicated(item: FlatItem) -> FlatItem:
+    if isinstance(item, Payload):
+        item.replicated = True
+        return item
+    return type(item)(**{**item.__dict__, "replicated": True})
+
+
+LoadLeaf = Callable[[str, Entry, Any], Any]
+
+
+def _template_child(template: Any, key: Any) -> Any:
+    if isinstance(template, Mapping):
+        return template.get(key)
+    if isinstance(template, (list, tuple)) and isinstance(key, int) and key < len(template):
+        return template[key]
+    return None
+
+
+def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLeaf, template: Any = None) -> Any:
+    """Rebuild the value stored under ``path``; ``load_leaf`` loads tensors, arrays and pickles."""
+    entry = lookup(path)
+    if entry is None:
+        raise CorruptSnapshotError(f"the manifest lists no entry for {path!r}, which its parent refers to")
+    if isinstance(entry, ContainerEntry):
+        if entry.kind in ("dict", "OrderedDict"):
+            keys = [decode_value(k) for k in entry.keys]
+            cls = collections.OrderedDict if entry.kind == "OrderedDict" else dict
+            return cls((k, inflate(join(path, k), lookup, load_leaf, _template_child(template, k))) for k in keys)
+        items = [inflate(join(path, i), lookup, load_leaf, _template_child(template, i)) for i in range(entry.length)]
+        return tuple(items) if entry.kind == "tuple" else items
+    if isinstance(entry, ObjectEntry):
+        return decode_value(entry.value)
+    return load_leaf(path, entry, template)
+
+
+def check_tensor_target(path: str, entry: TensorEntry, target: torch.Tensor) -> None:
+    """Raise when ``target`` cannot receive the saved tensor at ``path``."""
+    saved = (tuple(entry.shape), entry.dtype)
+    found = (tuple(target.shape), dtype_name(target.dtype) if can_store_raw(target) else str(target.dtype))
+    if saved != found:
+        raise StateMismatchError(
+            f"{path}: the snapshot holds a tensor of shape {list(saved[0])} and dtype {saved[1]}, "
+            f"but the restore target has shape {list(found[0])} and dtype {found[1]}")

@@ -1,0 +1,187 @@
+"""The manifest: the JSON document that describes, and commits, a snapshot.
+
+See ``docs/format.md`` for the layout. Entries are keyed by logical path
+(``"model/layer.weight"``); per-rank entries live in ``ranks[r]``, state
+written once for all ranks in ``replicated``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
+
+FORMAT_NAME = "ppe-snapshot"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of bytes in a data file with its checksum (hex xxh3_64)."""
+    file: str
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor (``kind="tensor"``) or numpy array (``kind="ndarray"``) stored as raw bytes."""
+    dtype: str
+    shape: list[int]
+    chunks: list[Chunk]
+    kind: str = "tensor"
+    replicated: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One piece of a sharded tensor: where it sits in the global tensor and its bytes."""
+    offsets: list[int]
+    sizes: list[int]
+    chunks: list[Chunk]
+
+
+@dataclass(frozen=True)
+class ShardedTensorEntry:
+    """A tensor split over ranks (DTensor, ShardedTensor, FSDP); each shard is written once."""
+    dtype: str
+    shape: list[int]
+    shards: list[Shard]
+    replicated: bool = False
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A non-tensor value, encoded inline as tagged JSON (see serialization.py)."""
+    value: Any
+    replicated: bool = False
+
+
+@dataclass(frozen=True)
+class PickleEntry:
+    """A value saved with pickle (only with ``allow_pickle=True``)."""
+    chunks: list[Chunk]
+    replicated: bool = False
+
+
+@dataclass(frozen=True)
+class ContainerEntry:
+    """A dict / OrderedDict (``keys``, encoded) or list / tuple (``length``); children follow by path."""
+    kind: str
+    keys: list[Any] = field(default_factory=list)
+    length: int = 0
+    replicated: bool = False
+
+
+Entry = Union[TensorEntry, ShardedTensorEntry, ObjectEntry, PickleEntry, ContainerEntry]
+
+_TYPES: dict[str, type] = {
+    "tensor": TensorEntry, "sharded": ShardedTensorEntry, "object": ObjectEntry,
+    "pickle": PickleEntry, "container": ContainerEntry,
+}
+_NAMES = {cls: name for name, cls in _TYPES.items()}
+
+
+def _chunk_from_json(c: dict[str, Any]) -> Chunk:
+    return Chunk(c["file"], c["offset"], c["nbytes"], c["checksum"])
+
+
+def entry_to_json(entry: Entry) -> dict[str, Any]:
+    out = {"type": _NAMES[type(entry)]}
+    out.update(dataclasses.asdict(entry))
+    if not out.get("replicated"):
+        out.pop("replicated", None)
+    return out
+
+
+def entry_from_json(data: dict[str, Any]) -> Entry:
+    data = dict(data)
+    cls = _TYPES.get(data.pop("type", None))
+    if cls is None:
+        raise CorruptSnapshotError(f"manifest entry of unknown type: {data!r:.200}")
+    if "chunks" in data:
+        data["chunks"] = [_chunk_from_json(c) for c in data["chunks"]]
+    if "shards" in data:
+        data["shards"] = [Shard(s["offsets"], s["sizes"], [_chunk_from_json(c) for c in s["chunks"]])
+                          for s in data["shards"]]
+    return cls(**data)
+
+
+def entries_to_json(entries: dict[str, Entry]) -> dict[str, Any]:
+    return {path: entry_to_json(e) for path, e in entries.items()}
+
+
+def entries_from_json(data: dict[str, Any]) -> dict[str, Entry]:
+    return {path: entry_from_json(e) for path, e in data.items()}
+
+
+@dataclass
+class Manifest:
+    world_size: int
+    ranks: list[dict[str, Entry]]
+    replicated: dict[str, Entry]
+    files: dict[str, int]
+    take_id: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def lookup(self, rank: int, path: str) -> Entry | None:
+        """The entry of ``path`` as seen by ``rank``: its own, else the replicated one."""
+        own = self.ranks[rank].get(path) if rank < len(self.ranks) else None
+        return own if own is not None else self.replicated.get(path)
+
+    def paths_for(self, rank: int) -> dict[str, Entry]:
+        merged = dict(self.replicated)
+        if rank < len(self.ranks):
+            merged.update(self.ranks[rank])
+        return merged
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "world_size": self.world_size,
+            "take_id": self.take_id,
+            "metadata": self.metadata,
+            "files": self.files,
+            "replicated": entries_to_json(self.replicated),
+            "ranks": [entries_to_json(r) for r in self.ranks],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CorruptSnapshotError(f"{where} is not a {FORMAT_NAME} manifest")
+        version = doc.get("version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{where} has format version {version!r}, newer than the {FORMAT_VERSION} this "
+                "ppe-snapshot reads; upgrade ppe-snapshot to read it")
+        if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
+            raise UnsupportedFormatError(f"{where} uses checksum {doc.get('checksum_algorithm')!r}, "
+                                         f"this ppe-snapshot knows only {CHECKSUM_ALGORITHM!r}")
+        try:
+            return cls(
+                world_size=doc["world_size"],
+                ranks=[entries_from_json(r) for r in doc["ranks"]],
+                replicated=entries_from_json(doc["replicated"]),
+                files=doc["files"],
+                take_id=doc.get("take_id", ""),
+                metadata=doc.get("metadata", {}),
+            )
+        except (KeyError, TypeError) as e:
+            raise CorruptSnapshotError(f"{where} is incomplete or malformed ({e!r})") from e

@@ -1,0 +1,188 @@
+"""Packing payloads into a rank's data file, and writing it.
+
+Each rank writes one file. Payloads sit at offsets aligned to
+``ALIGNMENT``; each is cut into chunks of at most ``CHUNK_BYTES`` with an
+xxh3_64 checksum each. The same layout serves both ways of writing:
+
+* straight from the live tensors (sync take: no copy of the state), and
+* from a staging buffer that is the exact image of the file (async take:
+  the caller pays one copy, the background writes one sequential buffer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from ppe_snapshot.engine.flatten import Payload
+from ppe_snapshot.engine.manifest import Chunk
+from ppe_snapshot.storage import Storage
+
+ALIGNMENT = 64
+CHUNK_BYTES = 64 << 20
+# Largest piece of a non-CPU or non-contiguous tensor copied to host at once in a sync take.
+BOUNCE_BYTES = 64 << 20
+_PAD = memoryview(bytes(ALIGNMENT))
+
+
+def checksum(data: memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def is_direct(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's memory can be written or read as is."""
+    return tensor.device.type == "cpu" and tensor.is_contiguous()
+
+
+@dataclass
+class Placement:
+    path: str
+    payload: Payload
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class FileLayout:
+    file: str
+    placements: list[Placement]
+    size: int
+
+
+def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
+    placements, offset = [], 0
+    for path, payload in payloads:
+        n = payload.nbytes
+        placements.append(Placement(path, payload, offset, n))
+        offset = align(offset + n)
+    return FileLayout(file, placements, offset)
+
+
+def _payload_views(payload: Payload, bounce: torch.Tensor | None) -> Iterator[memoryview]:
+    """The payload's bytes in pieces of at most CHUNK_BYTES; a piece is valid until the next one."""
+    if payload.kind == "pickle":
+        data = memoryview(payload.data)
+    elif payload.kind == "ndarray":
+        data = memoryview(np.ascontiguousarray(payload.data).reshape(-1).view(np.uint8))
+    elif is_direct(payload.data):
+        data = tensor_bytes(payload.data)
+    else:
+        yield from _bounced_views(payload.data, bounce)
+        return
+    for start in range(0, data.nbytes, CHUNK_BYTES):
+        yield data[start:start + CHUNK_BYTES]
+
+
+def _bounced_views(tensor: torch.Tensor, bounce: torch.Tensor | None) -> Iterator[memoryview]:
+    if tensor.device.type == "cpu":  # non-contiguous: one contiguous copy
+        data = tensor_bytes(tensor.contiguous())
+        for start in range(0, data.nbytes, CHUNK_BYTES):
+            yield data[start:start + CHUNK_BYTES]
+        return
+    flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
+    assert bounce is not None
+    for start in range(0, flat.numel(), BOUNCE_BYTES):
+        piece = flat[start:start + BOUNCE_BYTES]
+        host = bounce[: piece.numel()]
+        host.copy_(piece)
+        yield tensor_bytes(host)
+
+
+def new_bounce(layout: FileLayout) -> torch.Tensor | None:
+    """A host buffer for device tensors, pinned when CUDA is there; None when nothing needs it."""
+    device = [p.payload.data for p in layout.placements
+              if p.payload.kind == "tensor" and p.payload.data.device.type != "cpu"]
+    if not device:
+        return None
+    size = min(BOUNCE_BYTES, max(t.numel() * t.element_size() for t in device))
+    return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[Chunk]]:
+    """Write the file straight from the payloads' memory; returns each path's chunks."""
+    chunks: dict[str, list[Chunk]] = {}
+    bounce = new_bounce(layout)
+    writer = storage.open_writer(layout.file)
+    try:
+        batch: list[memoryview] = []
+        position = 0
+        for p in layout.placements:
+            if position < p.offset:
+                batch.append(_PAD[: p.offset - position])
+                position = p.offset
+            chunks[p.path] = []
+            bounced = p.payload.kind == "tensor" and not is_direct(p.payload.data)
+            for view in _payload_views(p.payload, bounce):
+                chunks[p.path].append(Chunk(layout.file, position, view.nbytes, checksum(view)))
+                batch.append(view)
+                position += view.nbytes
+                if bounced:  # the bounce buffer is reused by the next piece
+                    writer.write(batch)
+                    batch = []
+            if not chunks[p.path]:
+                chunks[p.path].append(Chunk(layout.file, p.offset, 0, checksum(memoryview(b""))))
+        if position < layout.size:
+            batch.append(_PAD[: layout.size - position])
+        writer.write(batch)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return chunks
+
+
+def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
+    """A zeroed host buffer for one rank's file image."""
+    return torch.zeros(size, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+
+
+def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
+    """Copy every payload into its place in ``buffer`` (the file image)."""
+    for p in layout.placements:
+        region = buffer[p.offset:p.offset + p.nbytes]
+        data = p.payload.data
+        if p.payload.kind == "tensor":
+            if p.nbytes:
+                region.view(data.dtype).view(data.shape).copy_(data, non_blocking=data.device.type == "cuda")
+        elif p.payload.kind == "ndarray":
+            np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
+        else:
+            region.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    if any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda" for p in layout.placements):
+        torch.cuda.synchronize()
+
+
+def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> dict[str, list[Chunk]]:
+    """Write the staged file image in one sequential pass; returns each path's chunks."""
+    image = tensor_bytes(buffer[: layout.size])
+    chunks: dict[str, list[Chunk]] = {}
+    for p in layout.placements:
+        pieces = range(p.offset, p.offset + p.nbytes, CHUNK_BYTES) if p.nbytes else [p.offset]
+        chunks[p.path] = [
+            Chunk(layout.file, s, min(CHUNK_BYTES, p.offset + p.nbytes - s),
+                  checksum(image[s:min(s + CHUNK_BYTES, p.offset + p.nbytes)]))
+            for s in pieces
+        ]
+    writer = storage.open_writer(layout.file)
+    try:
+        writer.write([image])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return chunks

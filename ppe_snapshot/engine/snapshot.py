@@ -1,0 +1,179 @@
+"""``Snapshot``: take, restore and inspect a snapshot."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, TypeVar
+
+from ppe_snapshot.engine.flatten import escape, inflate
+from ppe_snapshot.engine.loading import load_pickle, load_tensor
+from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, PickleEntry
+from ppe_snapshot.engine.stateful import state_of
+from ppe_snapshot.engine.take import StagingProvider, TakeJob, group_rank, prepare
+from ppe_snapshot.errors import SnapshotNotFoundError, StateMismatchError
+from ppe_snapshot.storage import Storage, open_storage
+
+T = TypeVar("T")
+
+
+class Snapshot:
+    """A reference to a committed snapshot at ``path`` (a local path or an fsspec URL)."""
+
+    def __init__(self, path: str, pg: Any = None, storage_options: dict[str, Any] | None = None) -> None:
+        self.path = str(path)
+        self.pg = pg
+        self.storage_options = storage_options
+        self._manifest: Manifest | None = None
+
+    def __repr__(self) -> str:
+        return f"Snapshot(path={self.path!r})"
+
+    # -- taking -------------------------------------------------------------
+    @classmethod
+    def take(cls, path: str, app_state: dict[str, Any], pg: Any = None, replicated: list[str] | None = None,
+             storage_options: dict[str, Any] | None = None, *, allow_pickle: bool = False,
+             metadata: dict[str, Any] | None = None) -> "Snapshot":
+        """Persist ``app_state`` at ``path``; returns once the snapshot is committed.
+
+        Tensors are written straight from their memory (no copy of the state).
+        ``replicated`` globs mark state that is identical on every rank: it is
+        written once in total, spread over the ranks. ``allow_pickle`` lets
+        values that have no pickle-free encoding be pickled; ``metadata`` is a
+        small JSON-able dict stored in the manifest (see :attr:`metadata`).
+        """
+        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata)
+        job.write_and_commit()
+        return cls(job.storage.url, pg, storage_options)
+
+    @classmethod
+    def async_take(cls, path: str, app_state: dict[str, Any], pg: Any = None,
+                   replicated: list[str] | None = None, storage_options: dict[str, Any] | None = None, *,
+                   allow_pickle: bool = False, metadata: dict[str, Any] | None = None,
+                   staging: StagingProvider | None = None) -> "PendingSnapshot":
+        """Like :meth:`take`, but returns as soon as the state is copied to a staging buffer.
+
+        The write and the commit go on in a background thread; mutating the
+        state after this returns does not change the snapshot. ``staging``
+        supplies a reusable buffer (writers use it); by default a buffer is
+        allocated and released when the write ends.
+        """
+        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata)
+        job.stage(staging)
+        return PendingSnapshot(job, cls(job.storage.url, pg, storage_options))
+
+    # -- reading ------------------------------------------------------------
+    def _storage(self) -> Storage:
+        return open_storage(self.path, self.storage_options)
+
+    def _read_manifest(self, storage: Storage) -> Manifest:
+        if self._manifest is None:
+            try:
+                data = storage.read_bytes(MANIFEST_NAME)
+            except FileNotFoundError:
+                raise SnapshotNotFoundError(
+                    f"no snapshot at {self.path}: {MANIFEST_NAME} is missing (never taken, still being "
+                    "written, or its save crashed before the commit)") from None
+            self._manifest = Manifest.from_bytes(data, where=f"{self.path}/{MANIFEST_NAME}")
+        return self._manifest
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The ``metadata`` given at take time."""
+        return self._read_manifest(self._storage()).metadata
+
+    def get_manifest(self) -> dict[str, Entry]:
+        """Every entry keyed ``"<rank>/<logical path>"``; replicated entries appear under every rank."""
+        manifest = self._read_manifest(self._storage())
+        return {f"{r}/{path}": entry for r in range(manifest.world_size)
+                for path, entry in sorted(manifest.paths_for(r).items())}
+
+    def restore(self, app_state: dict[str, Any]) -> None:
+        """Load the saved state into ``app_state`` (the same keys as the take, or a subset).
+
+        Tensors are read in place into the objects' existing tensors.
+        """
+        storage = self._storage()
+        try:
+            manifest = self._read_manifest(storage)
+            rank, _ = group_rank(self.pg)
+            for key, obj in app_state.items():
+                path = escape(key)
+                self._check_present(manifest, rank, key, path)
+                state = inflate(path, lambda p: manifest.lookup(rank, p), _leaf_loader(storage),
+                                state_of(key, obj))
+                obj.load_state_dict(state)
+        finally:
+            storage.close()
+
+    def read_object(self, path: str, obj_out: T | None = None, memory_budget_bytes: int | None = None) -> T:
+        """One entry (and everything under it), by its manifest key ``"<rank>/<path>"``.
+
+        With ``obj_out`` a tensor, the data is read into it in place. Reading
+        goes straight into the result's memory; a host buffer is needed only
+        for device or non-contiguous targets and then stays under
+        ``memory_budget_bytes``.
+        """
+        storage = self._storage()
+        try:
+            manifest = self._read_manifest(storage)
+            rank, logical = self._split(manifest, path)
+            if manifest.lookup(rank, logical) is None:
+                raise KeyError(f"{path!r} is not in snapshot {self.path}; get_manifest() lists its entries")
+            return inflate(logical, lambda p: manifest.lookup(rank, p),
+                           _leaf_loader(storage, memory_budget_bytes), obj_out)
+        finally:
+            storage.close()
+
+    def _split(self, manifest: Manifest, path: str) -> tuple[int, str]:
+        head, _, rest = path.partition("/")
+        if head.isdigit() and rest and int(head) < manifest.world_size:
+            return int(head), rest
+        return group_rank(self.pg)[0], path
+
+    def _check_present(self, manifest: Manifest, rank: int, key: str, path: str) -> None:
+        if manifest.lookup(rank, path) is not None:
+            return
+        owners = [r for r, entries in enumerate(manifest.ranks) if path in entries]
+        if owners:
+            raise StateMismatchError(
+                f"app_state[{key!r}] was saved per rank by ranks {owners} of a world of {manifest.world_size}; "
+                f"this process is rank {rank} and has no state there. Read another rank's state with "
+                f"read_object('<rank>/{path}').")
+        saved = sorted({p.split("/", 1)[0] for r in range(manifest.world_size) for p in manifest.paths_for(r)})
+        raise StateMismatchError(f"app_state[{key!r}] is not in snapshot {self.path}; it holds {saved}")
+
+
+def _leaf_loader(storage: Storage, budget: int | None = None):
+    def load(path: str, entry: Entry, template: Any) -> Any:
+        if isinstance(entry, PickleEntry):
+            return load_pickle(storage, path, entry)
+        return load_tensor(storage, path, entry, template, budget)
+    return load
+
+
+class PendingSnapshot:
+    """A snapshot being written in the background by :meth:`Snapshot.async_take`."""
+
+    def __init__(self, job: TakeJob, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(job,), name="ppe-snapshot-write")
+        self._thread.start()
+
+    def _run(self, job: TakeJob) -> None:
+        try:
+            job.write_and_commit()
+        except BaseException as e:  # handed to wait()
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the write has finished (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Snapshot:
+        """Block until committed; raises the background error if the write failed."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"snapshot {self._snapshot.path} is still being written")
+        if self._error is not None:
+            raise self._error
+        return self._snapshot

@@ -1,0 +1,162 @@
+"""The take pipeline: flatten -> plan -> (stage) -> write -> commit."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ppe_snapshot.engine import commit as commit_protocol
+from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
+from ppe_snapshot.engine.manifest import MANIFEST_NAME, Chunk, Entry, Manifest, PickleEntry, TensorEntry
+from ppe_snapshot.engine.packing import (
+    FileLayout, lay_out, new_staging_buffer, stage, write_from_sources, write_staged,
+)
+from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
+from ppe_snapshot.engine.serialization import dtype_name
+from ppe_snapshot.engine.stateful import state_of
+from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
+from ppe_snapshot.storage import Storage, open_storage
+
+#: Gives a host buffer of at least the requested number of bytes (writers reuse theirs).
+StagingProvider = Callable[[int], torch.Tensor]
+
+
+def group_rank(pg: Any) -> tuple[int, int]:
+    """(rank, world size) in ``pg``, or (0, 1) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(pg), dist.get_world_size(pg)
+    return 0, 1
+
+
+def _entry(payload: Payload, chunks: list[Chunk]) -> Entry:
+    if payload.kind == "pickle":
+        return PickleEntry(chunks, payload.replicated)
+    data = payload.data
+    dtype = dtype_name(data.dtype) if payload.kind == "tensor" else data.dtype.str
+    return TensorEntry(dtype, list(data.shape), chunks, payload.kind, payload.replicated)
+
+
+@dataclass
+class TakeJob:
+    """One rank's share of a take, from planning to commit."""
+    storage: Storage
+    take_id: str
+    rank: int
+    world_size: int
+    layout: FileLayout
+    entries: dict[str, Entry]
+    metadata: dict[str, Any]
+    staged: torch.Tensor | None = None
+
+    def stage(self, provider: StagingProvider | None = None) -> None:
+        """Copy this rank's payloads into a buffer the job owns (the caller may mutate them after)."""
+        needs_pin = any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda"
+                        for p in self.layout.placements)
+        buffer = provider(self.layout.size) if provider else new_staging_buffer(self.layout.size, needs_pin)
+        stage(self.layout, buffer)
+        self.staged = buffer
+        for p in self.layout.placements:  # the job must not keep the live state alive
+            p.payload = Payload(p.payload.kind, _Shape.of(p.payload.data), p.payload.replicated)
+
+    def write_and_commit(self) -> None:
+        try:
+            chunks = self._write()
+        except BaseException as e:
+            self._publish_failure(e)
+            raise
+        finally:
+            self.staged = None
+        part = commit_protocol.RankPart(self.rank, files={self.layout.file: self.layout.size} if chunks else {})
+        for placement in self.layout.placements:
+            entry = _entry(placement.payload, chunks[placement.path])
+            (part.replicated if placement.payload.replicated else part.entries)[placement.path] = entry
+        for path, entry in self.entries.items():
+            (part.replicated if entry.replicated else part.entries)[path] = entry
+        if self.world_size == 1:
+            commit_protocol.commit(self.storage, commit_protocol.merge([part], self.take_id, self.metadata))
+            return
+        commit_protocol.publish_part(self.storage, self.take_id, part)
+        if self.rank == 0:
+            self._commit_all()
+        else:
+            commit_protocol.wait_for_commit(self.storage, self.take_id)
+
+    def _write(self) -> dict[str, list[Chunk]]:
+        if not self.layout.placements:
+            return {}
+        if self.staged is not None:
+            return write_staged(self.storage, self.layout, self.staged)
+        return write_from_sources(self.storage, self.layout)
+
+    def _commit_all(self) -> None:
+        parts = commit_protocol.gather_parts(self.storage, self.take_id, self.world_size)
+        failed = [f"rank {p.rank}: {p.error}" for p in parts if p.error]
+        if failed:
+            reason = "; ".join(failed)
+            commit_protocol.abort(self.storage, self.take_id, reason)
+            raise SnapshotError(f"snapshot {self.storage.url} was not committed: {reason}")
+        try:
+            commit_protocol.commit(self.storage, commit_protocol.merge(parts, self.take_id, self.metadata))
+        except BaseException as e:
+            commit_protocol.abort(self.storage, self.take_id, f"rank 0 could not commit: {e!r}")
+            raise
+        commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
+
+    def _publish_failure(self, error: BaseException) -> None:
+        if self.world_size == 1:
+            return
+        try:
+            commit_protocol.publish_part(
+                self.storage, self.take_id, commit_protocol.RankPart(self.rank, error=repr(error)))
+        except Exception:  # the storage itself is failing; rank 0 times out instead
+            pass
+
+
+@dataclass
+class _Shape:
+    """What an entry needs of a staged payload once the live data is let go."""
+    dtype: Any
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, data: Any) -> Any:
+        if isinstance(data, (bytes, bytearray)):
+            return data
+        return cls(data.dtype, tuple(data.shape))
+
+
+def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any) -> tuple[str, str]:
+    """Rank 0 decides the path and take id and checks the target; everyone learns the outcome."""
+    decision: list[Any] = [path, uuid.uuid4().hex[:16], None]
+    if rank == 0 and storage.exists(MANIFEST_NAME):
+        decision[2] = f"a snapshot already exists at {path}; choose a new path or remove it first"
+    if world_size > 1:
+        dist.broadcast_object_list(decision, src=dist.get_global_rank(pg, 0) if pg is not None else 0, group=pg)
+    if decision[2]:
+        raise SnapshotExistsError(decision[2])
+    return decision[0], decision[1]
+
+
+def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
+            storage_options: dict[str, Any] | None, allow_pickle: bool,
+            metadata: dict[str, Any] | None) -> TakeJob:
+    """Flatten and plan this rank's share; agree with the other ranks on path and take id."""
+    if not isinstance(app_state, dict):
+        raise TypeError(f"app_state must be a dict of stateful objects, got {type(app_state).__name__}")
+    rank, world_size = group_rank(pg)
+    items = {}
+    for key, obj in app_state.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"app_state keys must be non-empty strings, got {key!r}")
+        items.update(flatten(key, state_of(key, obj), allow_pickle))
+    mark_replicated(items, replicated_patterns(app_state, replicated))
+    plan = plan_rank(items, rank, world_size)
+    storage = open_storage(str(path), storage_options)
+    path, take_id = _agree(str(path), storage, rank, world_size, pg)
+    if storage.url != path:
+        storage = open_storage(path, storage_options)
+    layout = lay_out(f"data/rank{rank}.bin", plan.payloads)
+    return TakeJob(storage, take_id, rank, world_size, layout, plan.entries, dict(metadata or {}))

@@ -1,0 +1,34 @@
+"""Exceptions raised by ppe-snapshot.
+
+Each one also derives from the built-in exception a caller would naturally
+catch (``FileNotFoundError``, ``ValueError``, ...), so generic handlers keep
+working.
+"""
+
+
+class SnapshotError(Exception):
+    """Base class of every error raised by ppe-snapshot."""
+
+
+class SnapshotNotFoundError(SnapshotError, FileNotFoundError):
+    """No committed snapshot (no manifest) exists at the given path."""
+
+
+class SnapshotExistsError(SnapshotError, FileExistsError):
+    """A committed snapshot already exists where a new one was to be taken."""
+
+
+class CorruptSnapshotError(SnapshotError, ValueError):
+    """The snapshot's manifest or data is damaged: truncated, checksum mismatch, unparsable."""
+
+
+class UnsupportedFormatError(SnapshotError, ValueError):
+    """The manifest was written by a newer (or unknown) format version."""
+
+
+class StateMismatchError(SnapshotError, ValueError):
+    """The restore target does not match the saved state (missing key, shape or dtype)."""
+
+
+class UnsupportedValueError(SnapshotError, TypeError):
+    """A value can only be saved with pickle, and pickle was not allowed."""

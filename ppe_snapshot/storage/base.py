@@ -1,0 +1,74 @@
+"""The storage interface the engine writes through.
+
+A :class:`Storage` is rooted at one snapshot directory (a prefix on object
+stores); every path it takes is relative to that root and uses ``/``.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+
+class BlobWriter(abc.ABC):
+    """A file being written sequentially; durable once :meth:`close` returns."""
+
+    @abc.abstractmethod
+    def write(self, buffers: Sequence[memoryview]) -> None:
+        """Append ``buffers`` in order."""
+
+    @abc.abstractmethod
+    def close(self) -> int:
+        """Make the file durable (fsync / object closed and its size checked).
+
+        Returns the number of bytes in the file.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Give up on the file; it may be left partial or removed."""
+
+
+class Storage(abc.ABC):
+    """Where the bytes of one snapshot go."""
+
+    #: The snapshot location as the user gave it (a path or a URL).
+    url: str
+
+    @abc.abstractmethod
+    def open_writer(self, rel: str) -> BlobWriter:
+        """Start a new file at ``rel``, replacing any file already there."""
+
+    @abc.abstractmethod
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        """Publish ``data`` at ``rel`` all at once: readers see all of it or nothing."""
+
+    @abc.abstractmethod
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole file; raises ``FileNotFoundError`` when it is absent."""
+
+    @abc.abstractmethod
+    def read_into(self, rel: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; raises ``EOFError`` when the file is shorter."""
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool:
+        """Whether a file exists at ``rel``."""
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int:
+        """Size of the file at ``rel`` in bytes."""
+
+    @abc.abstractmethod
+    def list(self, rel: str = "") -> list[str]:
+        """Relative paths of the files under ``rel`` (recursively)."""
+
+    @abc.abstractmethod
+    def remove(self, rel: str) -> None:
+        """Remove one file; no error when it is already gone."""
+
+    @abc.abstractmethod
+    def remove_all(self) -> None:
+        """Remove the snapshot directory and everything in it."""
+
+    def close(self) -> None:
+        """Release open handles (cached readers)."""
