@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from ppe_snapshot.engine.flatten import check_tensor_target
-from ppe_snapshot.engine.manifest import Chunk, PickleEntry, TensorEntry
+from ppe_snapshot.engine.manifest import Chunk, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry
 from ppe_snapshot.engine.packing import CHUNK_BYTES, checksum, is_direct, tensor_bytes
 from ppe_snapshot.engine.serialization import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError
@@ -99,3 +99,24 @@ def load_pickle(storage: Storage, path: str, entry: PickleEntry) -> Any:
     data = bytearray(sum(c.nbytes for c in entry.chunks))
     read_into(storage, entry.chunks, memoryview(data), path)
     return pickle.loads(data)
+
+
+def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTES) -> None:
+    """Read every chunk of every entry through one buffer and check its checksum."""
+    buffer = bytearray(budget)
+    for rank in range(manifest.world_size):
+        for path, entry in manifest.paths_for(rank).items():
+            for chunk in _chunks_of(entry):
+                digest = xxhash.xxh3_64()
+                for start in range(0, chunk.nbytes, budget):
+                    view = memoryview(buffer)[: min(budget, chunk.nbytes - start)]
+                    _read(storage, chunk, start, view)
+                    digest.update(view)
+                if digest.hexdigest() != chunk.checksum:
+                    raise _mismatch(storage, chunk, path)
+
+
+def _chunks_of(entry: Entry) -> list[Chunk]:
+    if isinstance(entry, ShardedTensorEntry):
+        return [c for shard in entry.shards for c in shard.chunks]
+    return list(getattr(entry, "chunks", []))

@@ -5,11 +5,11 @@ import threading
 from typing import Any, Iterable, TypeVar
 
 from ppe_snapshot.engine.flatten import escape, inflate
-from ppe_snapshot.engine.loading import load_pickle, load_tensor
+from ppe_snapshot.engine.loading import load_pickle, load_tensor, verify_chunks
 from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, PickleEntry
 from ppe_snapshot.engine.stateful import state_of
 from ppe_snapshot.engine.take import StagingProvider, TakeJob, group_rank, prepare
-from ppe_snapshot.errors import SnapshotNotFoundError, StateMismatchError
+from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, StateMismatchError
 from ppe_snapshot.storage import Storage, open_storage
 
 T = TypeVar("T")
@@ -85,6 +85,29 @@ class Snapshot:
         manifest = self._read_manifest(self._storage())
         return {f"{r}/{path}": entry for r in range(manifest.world_size)
                 for path, entry in sorted(manifest.paths_for(r).items())}
+
+    def verify(self, deep: bool = True) -> None:
+        """Raise unless the snapshot is committed and whole.
+
+        Checks the manifest and that every data file has its recorded size;
+        with ``deep``, also reads every chunk and checks its checksum.
+        """
+        storage = self._storage()
+        try:
+            manifest = self._read_manifest(storage)
+            for name, size in manifest.files.items():
+                try:
+                    stored = storage.size(name)
+                except FileNotFoundError:
+                    stored = None
+                if stored != size:
+                    raise CorruptSnapshotError(
+                        f"{self.path}/{name} is {'missing' if stored is None else f'{stored} bytes'}, "
+                        f"the manifest says {size} bytes: the snapshot is damaged")
+            if deep:
+                verify_chunks(storage, manifest)
+        finally:
+            storage.close()
 
     def restore(self, app_state: dict[str, Any]) -> None:
         """Load the saved state into ``app_state`` (the same keys as the take, or a subset).

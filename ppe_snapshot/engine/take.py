@@ -24,9 +24,20 @@ from ppe_snapshot.storage import Storage, open_storage
 StagingProvider = Callable[[int], torch.Tensor]
 
 
+class LocalGroup:
+    """Pass ``pg=LOCAL`` for a snapshot taken or restored by this process alone,
+    even when torch.distributed is initialized (one saver rank, any reader)."""
+
+    def __repr__(self) -> str:
+        return "LOCAL"
+
+
+LOCAL = LocalGroup()
+
+
 def group_rank(pg: Any) -> tuple[int, int]:
-    """(rank, world size) in ``pg``, or (0, 1) without torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
+    """(rank, world size) in ``pg``; (0, 1) for ``LOCAL`` or without torch.distributed."""
+    if pg is not LOCAL and dist.is_available() and dist.is_initialized():
         return dist.get_rank(pg), dist.get_world_size(pg)
     return 0, 1
 

@@ -79,6 +79,12 @@ class LocalStorage(Storage):
         self._readers: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        return {"root": self.root, "url": self.url}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["root"], state["url"])
+
     def _abs(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
 
