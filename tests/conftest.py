@@ -1,0 +1,114 @@
+"""Shared test fixtures.
+
+``dist_run``     real multi-process gloo runs on a reused pool of spawned workers
+``s3_endpoint``  a real S3-protocol server (moto) on 127.0.0.1 for the session
+``s3_bucket``    a fresh bucket per test, as ``("s3://<bucket>", storage_options)``
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+import pytest
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import _dist  # noqa: E402
+
+_S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def dist_run():
+    """``dist_run(fn, world_size, *args, timeout=120) -> list`` (one result per rank).
+
+    Runs module-level ``fn(*args)`` on ``world_size`` (1..4) ranks of a fresh
+    gloo process group (``tcp://127.0.0.1:<free port>``), on workers from a
+    session-wide pool that is started lazily and reused across tests.  Raises
+    ``AssertionError`` with every failing rank's traceback if any rank raised;
+    on timeout the pool is killed (restarted on next use) and the call fails.
+    """
+    pool = _dist.get_pool()
+
+    def run(fn, world_size, *args, timeout=120):
+        return pool.run(fn, world_size, *args, timeout=timeout)
+
+    yield run
+    _dist.shutdown_pool()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """Session-wide moto S3 server on 127.0.0.1: yields ``{"endpoint_url": ...}``."""
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in _S3_ENV}
+    os.environ.update(_S3_ENV)
+    # port=0: the OS picks a free port atomically; read it back after start.
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield {"endpoint_url": f"http://{host}:{port}"}
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _clear_s3fs_cache():
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh, uniquely named bucket: yields ``("s3://<bucket>", storage_options)``.
+
+    ``storage_options`` works with ``fsspec.filesystem("s3", **storage_options)``
+    and ``fsspec.open(url, **storage_options)``.  The bucket is emptied and
+    deleted afterwards; s3fs's instance cache is cleared before and after.
+    """
+    import boto3
+
+    endpoint_url = s3_endpoint["endpoint_url"]
+    name = f"test-{uuid.uuid4().hex[:20]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=name)
+    storage_options = {
+        "client_kwargs": {"endpoint_url": endpoint_url},
+        "key": "testing",
+        "secret": "testing",
+    }
+    _clear_s3fs_cache()
+    try:
+        yield f"s3://{name}", storage_options
+    finally:
+        _clear_s3fs_cache()
+        try:
+            paginator = client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=name):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    client.delete_objects(Bucket=name, Delete={"Objects": keys})
+            client.delete_bucket(Bucket=name)
+        except Exception:  # noqa: BLE001 - cleanup is best-effort
+            pass
