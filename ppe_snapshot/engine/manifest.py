@@ -6,7 +6,6 @@ written once for all ranks in ``replicated``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -95,11 +94,29 @@ def _chunk_from_json(c: dict[str, Any]) -> Chunk:
     return Chunk(c["file"], c["offset"], c["nbytes"], c["checksum"])
 
 
+def _chunks_json(chunks: list[Chunk]) -> list[dict[str, Any]]:
+    return [{"file": c.file, "offset": c.offset, "nbytes": c.nbytes, "checksum": c.checksum} for c in chunks]
+
+
+def _fields_json(entry: Entry) -> dict[str, Any]:
+    # Hand-written rather than dataclasses.asdict: manifests hold thousands of entries.
+    if isinstance(entry, TensorEntry):
+        return {"dtype": entry.dtype, "shape": entry.shape, "chunks": _chunks_json(entry.chunks), "kind": entry.kind}
+    if isinstance(entry, ObjectEntry):
+        return {"value": entry.value}
+    if isinstance(entry, ContainerEntry):
+        return {"kind": entry.kind, "keys": entry.keys, "length": entry.length}
+    if isinstance(entry, PickleEntry):
+        return {"chunks": _chunks_json(entry.chunks)}
+    return {"dtype": entry.dtype, "shape": entry.shape,
+            "shards": [{"offsets": s.offsets, "sizes": s.sizes, "chunks": _chunks_json(s.chunks)}
+                       for s in entry.shards]}
+
+
 def entry_to_json(entry: Entry) -> dict[str, Any]:
-    out = {"type": _NAMES[type(entry)]}
-    out.update(dataclasses.asdict(entry))
-    if not out.get("replicated"):
-        out.pop("replicated", None)
+    out = {"type": _NAMES[type(entry)], **_fields_json(entry)}
+    if entry.replicated:
+        out["replicated"] = True
     return out
 
 

@@ -1,0 +1,126 @@
+"""Helpers shared by the benchmark scripts: timing, RSS sampling, page-cache control, reporting."""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    """Resident set size of this process in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class PeakRSS:
+    """Samples RSS every millisecond in a thread; ``extra`` is the peak above the starting RSS."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss())
+
+    def __enter__(self) -> "PeakRSS":
+        gc.collect()
+        self.start = self.peak = rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+def fsync_path(path: str) -> None:
+    """fsync every file under ``path`` (a file or a directory) and the directories themselves."""
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths + ([path] if os.path.isdir(path) else []):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop_cache(path: str) -> None:
+    """Evict a file's (or a directory tree's) pages from the page cache (data must be fsynced)."""
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def tree_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+@contextmanager
+def timer(out: dict, key: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    out[key] = time.perf_counter() - start
+
+
+@dataclass
+class Results:
+    """Samples per (case, method, metric); medians and ratios for the report."""
+    samples: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
+
+    def add(self, case: str, method: str, metrics: dict[str, float]) -> None:
+        for metric, value in metrics.items():
+            self.samples.setdefault((case, method, metric), []).append(value)
+
+    def median(self, case: str, method: str, metric: str) -> float | None:
+        values = self.samples.get((case, method, metric))
+        return statistics.median(values) if values else None
+
+    def methods(self, case: str) -> list[str]:
+        return list(dict.fromkeys(m for c, m, _ in self.samples if c == case))
+
+    def table(self, case: str, metrics: list[tuple[str, str, Callable[[float], str]]]) -> str:
+        lines = ["| method | " + " | ".join(title for _, title, _ in metrics) + " |",
+                 "|---" * (len(metrics) + 1) + "|"]
+        for method in self.methods(case):
+            cells = []
+            for metric, _, fmt in metrics:
+                value = self.median(case, method, metric)
+                cells.append("-" if value is None else fmt(value))
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def secs(n: float) -> str:
+    return f"{n:.3f} s"
+
+
+def gbps(n: float) -> str:
+    return f"{n / 1e9:.2f} GB/s"
