@@ -139,34 +139,56 @@ class _Shape:
         return cls(data.dtype, tuple(data.shape))
 
 
-def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any) -> tuple[str, str]:
-    """Rank 0 decides the path and take id and checks the target; everyone learns the outcome."""
-    decision: list[Any] = [path, uuid.uuid4().hex[:16], None]
-    if rank == 0 and storage.exists(MANIFEST_NAME):
-        decision[2] = f"a snapshot already exists at {path}; choose a new path or remove it first"
+def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any,
+           local_error: BaseException | None) -> tuple[str, str]:
+    """Every rank learns rank 0's path and take id, and whether any rank cannot take part.
+
+    Rank 0 checks that no snapshot exists at the path. A rank whose flatten
+    failed still joins this exchange, so the others raise instead of waiting.
+    """
+    proposal: dict[str, Any] = {"path": path, "take_id": uuid.uuid4().hex[:16],
+                                "error": repr(local_error) if local_error else None}
+    if rank == 0 and local_error is None and storage.exists(MANIFEST_NAME):
+        proposal["exists"] = f"a snapshot already exists at {path}; choose a new path or remove it first"
+    proposals = [proposal]
     if world_size > 1:
-        dist.broadcast_object_list(decision, src=dist.get_global_rank(pg, 0) if pg is not None else 0, group=pg)
-    if decision[2]:
-        raise SnapshotExistsError(decision[2])
-    return decision[0], decision[1]
+        proposals = [None] * world_size
+        dist.all_gather_object(proposals, proposal, group=pg)
+    if local_error is not None:
+        raise local_error
+    if proposals[0].get("exists"):
+        raise SnapshotExistsError(proposals[0]["exists"])
+    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(proposals) if p["error"]]
+    if failed:
+        raise SnapshotError(f"snapshot {path} not taken: {'; '.join(failed)}")
+    return proposals[0]["path"], proposals[0]["take_id"]
 
 
-def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
-            storage_options: dict[str, Any] | None, allow_pickle: bool,
-            metadata: dict[str, Any] | None) -> TakeJob:
-    """Flatten and plan this rank's share; agree with the other ranks on path and take id."""
+def _plan(app_state: dict[str, Any], replicated: Iterable[str] | None, allow_pickle: bool,
+          rank: int, world_size: int):
     if not isinstance(app_state, dict):
         raise TypeError(f"app_state must be a dict of stateful objects, got {type(app_state).__name__}")
-    rank, world_size = group_rank(pg)
     items = {}
     for key, obj in app_state.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"app_state keys must be non-empty strings, got {key!r}")
         items.update(flatten(key, state_of(key, obj), allow_pickle))
     mark_replicated(items, replicated_patterns(app_state, replicated))
-    plan = plan_rank(items, rank, world_size)
+    return plan_rank(items, rank, world_size)
+
+
+def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
+            storage_options: dict[str, Any] | None, allow_pickle: bool,
+            metadata: dict[str, Any] | None) -> TakeJob:
+    """Flatten and plan this rank's share; agree with the other ranks on path and take id."""
+    rank, world_size = group_rank(pg)
+    plan, error = None, None
+    try:
+        plan = _plan(app_state, replicated, allow_pickle, rank, world_size)
+    except Exception as e:  # every rank must still reach the agreement below
+        error = e
     storage = open_storage(str(path), storage_options)
-    path, take_id = _agree(str(path), storage, rank, world_size, pg)
+    path, take_id = _agree(str(path), storage, rank, world_size, pg, error)
     if storage.url != path:
         storage = open_storage(path, storage_options)
     layout = lay_out(f"data/rank{rank}.bin", plan.payloads)
