@@ -25,6 +25,7 @@ ALIGNMENT = 64
 CHUNK_BYTES = 64 << 20
 # Largest piece of a non-CPU or non-contiguous tensor copied to host at once in a sync take.
 BOUNCE_BYTES = 64 << 20
+PAGE = 4096
 _PAD = memoryview(bytes(ALIGNMENT))
 
 
@@ -88,25 +89,38 @@ def _payload_views(payload: Payload, bounce: torch.Tensor | None) -> Iterator[me
         yield data[start:start + CHUNK_BYTES]
 
 
-def _bounced_views(tensor: torch.Tensor, bounce: torch.Tensor | None) -> Iterator[memoryview]:
-    if tensor.device.type == "cpu":  # non-contiguous: one contiguous copy
-        data = tensor_bytes(tensor.contiguous())
-        for start in range(0, data.nbytes, CHUNK_BYTES):
-            yield data[start:start + CHUNK_BYTES]
+def row_major_blocks(tensor: torch.Tensor, max_elements: int) -> Iterator[torch.Tensor]:
+    """Views that cover ``tensor`` in row-major order, each a run of consecutive elements
+    of the flattened tensor, of at most ``max_elements`` elements (or one element)."""
+    if tensor.numel() == 0:
         return
-    flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
+    if tensor.dim() == 0 or tensor.numel() <= max_elements:
+        yield tensor
+        return
+    row = tensor[0].numel()
+    if row <= max_elements:
+        rows = max_elements // row
+        for start in range(0, tensor.shape[0], rows):
+            yield tensor[start:start + rows]
+        return
+    for i in range(tensor.shape[0]):
+        yield from row_major_blocks(tensor[i], max_elements)
+
+
+def _bounced_views(tensor: torch.Tensor, bounce: torch.Tensor | None) -> Iterator[memoryview]:
+    """Device or non-contiguous tensors: row-major pieces copied through the host buffer ``bounce``."""
     assert bounce is not None
-    for start in range(0, flat.numel(), BOUNCE_BYTES):
-        piece = flat[start:start + BOUNCE_BYTES]
-        host = bounce[: piece.numel()]
-        host.copy_(piece)
+    size = tensor.element_size()
+    for block in row_major_blocks(tensor.detach(), bounce.numel() // size):
+        host = bounce[: block.numel() * size]
+        host.view(tensor.dtype).view(block.shape).copy_(block)
         yield tensor_bytes(host)
 
 
 def new_bounce(layout: FileLayout) -> torch.Tensor | None:
-    """A host buffer for device tensors, pinned when CUDA is there; None when nothing needs it."""
+    """A host buffer for device and non-contiguous tensors, pinned when CUDA is there; None when nothing needs it."""
     device = [p.payload.data for p in layout.placements
-              if p.payload.kind == "tensor" and p.payload.data.device.type != "cpu"]
+              if p.payload.kind == "tensor" and not is_direct(p.payload.data)]
     if not device:
         return None
     size = min(BOUNCE_BYTES, max(t.numel() * t.element_size() for t in device))
@@ -147,8 +161,10 @@ def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[C
 
 
 def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
-    """A zeroed host buffer for one rank's file image."""
-    return torch.zeros(size, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    """A zeroed, page-aligned host buffer for one rank's file image (page alignment lets O_DIRECT write it as is)."""
+    raw = torch.zeros(size + PAGE, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    start = -raw.data_ptr() % PAGE
+    return raw[start:start + size]
 
 
 def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
