@@ -1,0 +1,78 @@
+"""A process that saves snapshots until tests/test_crash.py kills it with SIGKILL.
+
+Run as a script (not from the test pool, so it can be killed on its own):
+
+``python _crash_child.py loop <root> <mib>``
+    takes ``<root>/s0``, ``<root>/s1``, ... of a ``<mib>`` MiB state and prints
+    each snapshot's path once it is committed.
+``python _crash_child.py dist <path> <mib>``
+    one rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` from the
+    environment) of a gloo group taking one snapshot; rank 1 holds ``<mib>`` MiB,
+    rank 0 a small state. Prints ``committed`` or exits with ``ERROR_EXIT`` and
+    the error on stderr.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+from ppe_snapshot import Snapshot, StateDict
+
+#: Exit status of a dist child whose take raised.
+ERROR_EXIT = 3
+#: The loop child stops on its own after this many snapshots (it is meant to be killed long before).
+MAX_SNAPSHOTS = 20
+
+
+def big_state(mib: int) -> dict[str, torch.Tensor | int]:
+    """Deterministic state of ``mib`` MiB in four dtypes, marked as snapshot 0."""
+    g = torch.Generator().manual_seed(1234)
+    n = (mib << 20) // 16  # elements per eighth of the bytes, at 2 bytes each
+    state: dict[str, torch.Tensor | int] = {
+        "weights": torch.randn(2 * n, generator=g),  # 1/2 of the bytes
+        "codes": torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g),  # 1/4
+        "halves": torch.randn(n, generator=g).to(torch.bfloat16),  # 1/8
+        "moments": torch.randn(n // 4, generator=g, dtype=torch.float64),  # 1/8
+    }
+    mark(state, 0)
+    return state
+
+
+def mark(state: dict, index: int) -> None:
+    """Make ``state`` the state of the loop's snapshot ``index``."""
+    state["weights"][:4096] = float(index)
+    state["step"] = index
+
+
+def loop(root: str, mib: int) -> None:
+    state = StateDict(big_state(mib))
+    for index in range(MAX_SNAPSHOTS):
+        mark(state, index)
+        path = os.path.join(root, f"s{index}")
+        Snapshot.take(path, {"state": state})
+        print(path, flush=True)
+
+
+def dist_take(path: str, mib: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = big_state(mib) if rank == 1 else {"step": 0, "small": torch.arange(1000.0)}
+    try:
+        Snapshot.take(path, {"state": StateDict(state)})
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(ERROR_EXIT)  # the group's peer is dead; do not wait on its teardown
+    print("committed", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    mode, target, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    {"loop": loop, "dist": dist_take}[mode](target, size)

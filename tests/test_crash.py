@@ -1,0 +1,140 @@
+"""Real crashes: ``kill -9`` of processes in the middle of a take.
+
+A snapshot whose save was killed before the commit has no manifest and is
+never mistaken for a snapshot; every committed one stays whole.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+import _crash_child as child
+from _dist import WORKER_ENV, free_port
+from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
+
+CHILD = child.__file__
+MIB = 200
+DEADLINE_S = 60.0
+
+
+def _spawn(args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **WORKER_ENV, **env})
+
+
+def _wait_until(ready: Callable[[], bool], what: str, procs: list[subprocess.Popen]) -> None:
+    """Poll ``ready`` until true; fail when a child exits first or the deadline passes."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not ready():
+        for p in procs:
+            if p.poll() is not None:
+                out, err = p.communicate()
+                pytest.fail(f"child exited with {p.returncode} before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {DEADLINE_S:.0f} s waiting for {what}")
+        time.sleep(0.002)
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait(timeout=30)
+        for stream in (p.stdout, p.stderr):
+            stream.close()
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict:
+    """The loop child's state (re-marked per snapshot by ``_assert_restores``)."""
+    return child.big_state(MIB)
+
+
+def _assert_restores(path: str, index: int, expected: dict) -> None:
+    snapshot = Snapshot(path)
+    snapshot.verify()
+    child.mark(expected, index)
+    target = StateDict({k: torch.full_like(v, 7) if isinstance(v, torch.Tensor) else -1
+                        for k, v in expected.items()})
+    snapshot.restore({"state": target})
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert target[key].dtype == value.dtype and torch.equal(target[key], value), (path, key)
+        else:
+            assert target[key] == value, (path, key)
+
+
+def test_kill_during_take_leaves_committed_snapshots_whole(tmp_path, expected):
+    rng = random.Random()
+    victim = rng.choice([1, 2])  # the take to kill; every earlier one commits
+    root = tmp_path / "run"
+    proc = _spawn(["loop", str(root), str(MIB)])
+    try:
+        while True:  # kill a random moment after the victim's data file appeared, before its commit
+            data = root / f"s{victim}" / "data" / "rank0.bin"
+            _wait_until(data.exists, f"{data} to appear", [proc])
+            time.sleep(rng.uniform(0, 0.1))
+            if not (root / f"s{victim}" / "manifest.json").exists():
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            victim += 1  # this one already committed: aim at the next take
+        proc.wait(timeout=30)
+        out, _ = proc.communicate()
+    finally:
+        _kill_all([proc])
+    assert proc.returncode == -signal.SIGKILL
+    committed = [str(root / f"s{i}") for i in range(victim)]
+    assert out.split() == committed
+    assert sorted(os.listdir(root)) == sorted(f"s{i}" for i in range(victim + 1))
+
+    for index, path in enumerate(committed):
+        _assert_restores(path, index, expected)
+
+    killed = root / f"s{victim}"
+    assert (killed / "data" / "rank0.bin").exists() and not (killed / "manifest.json").exists()
+    with pytest.raises(SnapshotNotFoundError, match="manifest.json is missing"):
+        Snapshot(str(killed)).restore({"state": StateDict(step=-1)})
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(str(killed)).verify()
+    # the leftovers of the crashed save do not block a new take at the same path
+    child.mark(expected, victim)
+    Snapshot.take(str(killed), {"state": StateDict(expected)})
+    _assert_restores(str(killed), victim, expected)
+
+
+def test_kill_of_one_rank_during_take_prevents_the_commit(tmp_path):
+    path = tmp_path / "snap"
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "PPE_SNAPSHOT_COMMIT_TIMEOUT": "5"}
+    procs = [_spawn(["dist", str(path), str(MIB)], RANK=str(rank), **env) for rank in (0, 1)]
+    rank0, rank1 = procs
+    try:
+        parts = path / ".parts"
+        _wait_until((path / "data" / "rank1.bin").exists, "rank 1 to start writing", procs)
+        rank1_published = parts.exists() and any(name.endswith(".rank1.json") for name in os.listdir(parts))
+        os.kill(rank1.pid, signal.SIGKILL)
+        assert not rank1_published
+        rank1.wait(timeout=30)
+        deadline = time.monotonic() + DEADLINE_S
+        while rank0.poll() is None and time.monotonic() < deadline:
+            assert not (path / "manifest.json").exists()
+            time.sleep(0.05)
+        out, err = rank0.communicate(timeout=1) if rank0.poll() is not None else ("", "")
+    finally:
+        _kill_all(procs)
+    assert rank1.returncode == -signal.SIGKILL
+    assert rank0.returncode == child.ERROR_EXIT, (out, err)
+    assert "SnapshotError: gave up after 5 s waiting for the parts of ranks [1]" in err
+    assert "committed" not in out
+    assert not (path / "manifest.json").exists()
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(str(path)).restore({"state": StateDict(step=-1)})
