@@ -13,8 +13,10 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, entries_from_json, entries_to_json
+from ppe_snapshot.engine.sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import Storage
 
@@ -30,18 +32,21 @@ class RankPart:
     replicated: dict[str, Entry] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    #: This rank's shards of each sharded tensor (an entry, maybe with no shard, per tensor).
+    sharded: dict[str, Entry] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         return json.dumps({
             "rank": self.rank, "error": self.error, "files": self.files,
             "entries": entries_to_json(self.entries), "replicated": entries_to_json(self.replicated),
+            "sharded": entries_to_json(self.sharded),
         }).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RankPart":
         doc = json.loads(data)
         return cls(doc["rank"], entries_from_json(doc["entries"]), entries_from_json(doc["replicated"]),
-                   doc["files"], doc["error"])
+                   doc["files"], doc["error"], entries_from_json(doc.get("sharded", {})))
 
 
 def _part_name(take_id: str, rank: int) -> str:
@@ -56,14 +61,15 @@ def publish_part(storage: Storage, take_id: str, part: RankPart) -> None:
     storage.put_atomic(_part_name(take_id, part.rank), part.to_bytes())
 
 
-def _poll(what: str, ready, timeout: float):
+def _poll(what: Callable[[], str], ready, timeout: float):
+    """Call ``ready`` until it returns a result; on timeout, raise naming ``what()`` (evaluated then)."""
     deadline, delay = time.monotonic() + timeout, 0.002
     while True:
         result = ready()
         if result is not None:
             return result
         if time.monotonic() > deadline:
-            raise SnapshotError(f"gave up after {timeout:.0f} s waiting for {what}")
+            raise SnapshotError(f"gave up after {timeout:.0f} s waiting for {what()}")
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
 
@@ -78,8 +84,10 @@ def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float
                 parts[r] = RankPart.from_bytes(storage.read_bytes(_part_name(take_id, r)))
         return [parts[r] for r in range(world_size)] if len(parts) == world_size else None
 
-    return _poll(f"the parts of ranks {sorted(set(range(world_size)) - set(parts))} of snapshot {storage.url}",
-                 ready, timeout)
+    def missing() -> str:
+        return f"the parts of ranks {sorted(set(range(world_size)) - set(parts))} of snapshot {storage.url}"
+
+    return _poll(missing, ready, timeout)
 
 
 def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
@@ -88,7 +96,8 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
     for part in parts:
         replicated.update(part.replicated)
         files.update(part.files)
-    return Manifest(len(parts), [p.entries for p in parts], replicated, files, take_id, metadata)
+    return Manifest(len(parts), [p.entries for p in parts], replicated, files, take_id, metadata,
+                    sharded=merge_sharded([p.sharded for p in parts]))
 
 
 def commit(storage: Storage, manifest: Manifest) -> None:
@@ -123,6 +132,6 @@ def wait_for_commit(storage: Storage, take_id: str, timeout: float = COMMIT_TIME
                 return None
         return None
 
-    reason = _poll(f"rank 0 to commit snapshot {storage.url}", ready, timeout)
+    reason = _poll(lambda: f"rank 0 to commit snapshot {storage.url}", ready, timeout)
     if reason:
         raise SnapshotError(f"snapshot {storage.url} was not committed: {reason}")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
+from ppe_snapshot.engine.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.engine.serialization import (
     can_store_raw, decode_value, dtype_name, encode_value, is_raw_array,
 )
@@ -39,7 +40,7 @@ class Payload:
         return len(self.data) if self.kind == "pickle" else self.data.nbytes
 
 
-FlatItem = ContainerEntry | ObjectEntry | Payload
+FlatItem = ContainerEntry | ObjectEntry | Payload | ShardedPayload
 
 
 def escape(key: Any) -> str:
@@ -58,6 +59,9 @@ def _is_plain(value: Any) -> bool:
 
 def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool) -> None:
     if isinstance(value, torch.Tensor):
+        if is_sharded(value):
+            out[path] = sharded_payload(path, value)
+            return
         if can_store_raw(value):
             out[path] = Payload("tensor", value.detach())
             return

@@ -9,8 +9,10 @@ import torch
 import xxhash
 
 from ppe_snapshot.engine.flatten import check_tensor_target
-from ppe_snapshot.engine.manifest import Chunk, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry
-from ppe_snapshot.engine.packing import CHUNK_BYTES, checksum, is_direct, tensor_bytes
+from ppe_snapshot.engine.manifest import (
+    BytesEntry, Chunk, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
+)
+from ppe_snapshot.engine.packing import CHUNK_BYTES, checksum, is_direct, row_major_blocks, tensor_bytes
 from ppe_snapshot.engine.serialization import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage
@@ -63,6 +65,43 @@ def read_into_device(storage: Storage, chunks: list[Chunk], flat: torch.Tensor, 
         position += chunk.nbytes
 
 
+class _ChunkReader:
+    """Reads chunks front to back in pieces of any size, verifying each chunk when its last byte is read."""
+
+    def __init__(self, storage: Storage, chunks: list[Chunk], what: str) -> None:
+        self._storage, self._what = storage, what
+        self._chunks = [c for c in chunks if c.nbytes]
+        self._index, self._done, self._digest = 0, 0, xxhash.xxh3_64()
+
+    def read(self, out: memoryview) -> None:
+        filled = 0
+        while filled < out.nbytes:
+            chunk = self._chunks[self._index]
+            n = min(out.nbytes - filled, chunk.nbytes - self._done)
+            view = out[filled:filled + n]
+            _read(self._storage, chunk, self._done, view)
+            self._digest.update(view)
+            filled, self._done = filled + n, self._done + n
+            if self._done == chunk.nbytes:
+                if self._digest.hexdigest() != chunk.checksum:
+                    raise _mismatch(self._storage, chunk, self._what)
+                self._index, self._done, self._digest = self._index + 1, 0, xxhash.xxh3_64()
+
+
+def read_into_strided(storage: Storage, chunks: list[Chunk], target: torch.Tensor, what: str,
+                      budget: int | None) -> None:
+    """Fill a non-contiguous tensor (any device) through a host buffer of at most ``budget`` bytes."""
+    size = target.element_size()
+    step = max(ALIGN_STEP, min(budget or CHUNK_BYTES, CHUNK_BYTES))
+    bounce = torch.empty(min(step, target.numel() * size), dtype=torch.uint8,
+                         pin_memory=target.device.type == "cuda")
+    reader = _ChunkReader(storage, chunks, what)
+    with torch.no_grad():
+        for block in row_major_blocks(target.detach(), step // size):
+            host = bounce[: block.numel() * size]
+            reader.read(tensor_bytes(host))
+            block.copy_(host.view(target.dtype).view(block.shape))
+
 
 def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
                 budget: int | None = None) -> Any:
@@ -79,10 +118,7 @@ def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
         flat = target.detach().reshape(-1).view(torch.uint8)
         read_into_device(storage, entry.chunks, flat, path, budget)
     else:
-        staged = torch.empty(entry.shape, dtype=target.dtype)
-        read_into(storage, entry.chunks, tensor_bytes(staged), path)
-        with torch.no_grad():
-            target.copy_(staged)
+        read_into_strided(storage, entry.chunks, target, path, budget)
     return target
 
 
@@ -101,12 +137,23 @@ def load_pickle(storage: Storage, path: str, entry: PickleEntry) -> Any:
     return pickle.loads(data)
 
 
+def load_bytes(storage: Storage, path: str, entry: BytesEntry) -> bytes:
+    """The raw bytes of an opaque entry, verified; never unpickled."""
+    data = bytearray(sum(c.nbytes for c in entry.chunks))
+    read_into(storage, entry.chunks, memoryview(data), path)
+    return bytes(data)
+
+
 def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTES) -> None:
     """Read every chunk of every entry through one buffer and check its checksum."""
     buffer = bytearray(budget)
+    seen: set[Chunk] = set()  # replicated and sharded entries are seen by every rank
     for rank in range(manifest.world_size):
         for path, entry in manifest.paths_for(rank).items():
             for chunk in _chunks_of(entry):
+                if chunk in seen:
+                    continue
+                seen.add(chunk)
                 digest = xxhash.xxh3_64()
                 for start in range(0, chunk.nbytes, budget):
                     view = memoryview(buffer)[: min(budget, chunk.nbytes - start)]

@@ -2,7 +2,9 @@
 
 See ``docs/format.md`` for the layout. Entries are keyed by logical path
 (``"model/layer.weight"``); per-rank entries live in ``ranks[r]``, state
-written once for all ranks in ``replicated``.
+written once for all ranks in ``replicated``, and tensors split over ranks
+(DTensor, FSDP, ShardedTensor) in ``sharded``, one entry per tensor listing
+every shard with its global offsets.
 """
 from __future__ import annotations
 
@@ -73,6 +75,14 @@ class PickleEntry:
 
 
 @dataclass(frozen=True)
+class BytesEntry:
+    """Opaque bytes stored raw: a value serialized by a torch.distributed.checkpoint planner
+    (by default a ``torch.save`` stream). Read back as ``bytes``, never unpickled."""
+    chunks: list[Chunk]
+    replicated: bool = False
+
+
+@dataclass(frozen=True)
 class ContainerEntry:
     """A dict / OrderedDict (``keys``, encoded) or list / tuple (``length``); children follow by path."""
     kind: str
@@ -81,11 +91,11 @@ class ContainerEntry:
     replicated: bool = False
 
 
-Entry = Union[TensorEntry, ShardedTensorEntry, ObjectEntry, PickleEntry, ContainerEntry]
+Entry = Union[TensorEntry, ShardedTensorEntry, ObjectEntry, PickleEntry, BytesEntry, ContainerEntry]
 
 _TYPES: dict[str, type] = {
     "tensor": TensorEntry, "sharded": ShardedTensorEntry, "object": ObjectEntry,
-    "pickle": PickleEntry, "container": ContainerEntry,
+    "pickle": PickleEntry, "bytes": BytesEntry, "container": ContainerEntry,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
@@ -106,7 +116,7 @@ def _fields_json(entry: Entry) -> dict[str, Any]:
         return {"value": entry.value}
     if isinstance(entry, ContainerEntry):
         return {"kind": entry.kind, "keys": entry.keys, "length": entry.length}
-    if isinstance(entry, PickleEntry):
+    if isinstance(entry, (PickleEntry, BytesEntry)):
         return {"chunks": _chunks_json(entry.chunks)}
     return {"dtype": entry.dtype, "shape": entry.shape,
             "shards": [{"offsets": s.offsets, "sizes": s.sizes, "chunks": _chunks_json(s.chunks)}
@@ -149,14 +159,19 @@ class Manifest:
     files: dict[str, int]
     take_id: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Tensors split over ranks, seen by every rank (of any world size).
+    sharded: dict[str, Entry] = field(default_factory=dict)
 
     def lookup(self, rank: int, path: str) -> Entry | None:
-        """The entry of ``path`` as seen by ``rank``: its own, else the replicated one."""
+        """The entry of ``path`` as seen by ``rank``: its own, else the replicated or sharded one."""
         own = self.ranks[rank].get(path) if rank < len(self.ranks) else None
-        return own if own is not None else self.replicated.get(path)
+        if own is not None:
+            return own
+        shared = self.replicated.get(path)
+        return shared if shared is not None else self.sharded.get(path)
 
     def paths_for(self, rank: int) -> dict[str, Entry]:
-        merged = dict(self.replicated)
+        merged = {**self.sharded, **self.replicated}
         if rank < len(self.ranks):
             merged.update(self.ranks[rank])
         return merged
@@ -171,6 +186,7 @@ class Manifest:
             "metadata": self.metadata,
             "files": self.files,
             "replicated": entries_to_json(self.replicated),
+            "sharded": entries_to_json(self.sharded),
             "ranks": [entries_to_json(r) for r in self.ranks],
         }
         return json.dumps(doc, separators=(",", ":")).encode()
@@ -199,6 +215,7 @@ class Manifest:
                 files=doc["files"],
                 take_id=doc.get("take_id", ""),
                 metadata=doc.get("metadata", {}),
+                sharded=entries_from_json(doc.get("sharded", {})),
             )
         except (KeyError, TypeError) as e:
             raise CorruptSnapshotError(f"{where} is incomplete or malformed ({e!r})") from e

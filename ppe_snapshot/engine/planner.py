@@ -3,8 +3,9 @@
 Per-rank state is written by its rank. Replicated state (glob patterns, and
 every DistributedDataParallel module, inferred) is identical on all ranks,
 so it is written once in total: each payload goes to the least-loaded rank,
-largest first. Every rank computes the same assignment from its own copy,
-so no communication is needed.
+largest first. Sharded tensors (DTensor, ShardedTensor) are written shard by
+shard, each shard by one of the ranks holding it (see sharded.py). Every rank
+computes the same assignment from its own copy, so no communication is needed.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Iterable
 from torch.nn.parallel import DistributedDataParallel
 
 from ppe_snapshot.engine.flatten import FlatItem, Payload, escape
+from ppe_snapshot.engine.sharded import ShardedPayload, ShardPlan, plan_sharded
 
 
 def replicated_patterns(app_state: dict[str, Any], replicated: Iterable[str] | None) -> list[str]:
@@ -42,6 +44,7 @@ class RankPlan:
     """What one rank writes: payloads to its data file, entries that need no bytes."""
     payloads: list[tuple[str, Payload]] = field(default_factory=list)
     entries: dict[str, FlatItem] = field(default_factory=dict)
+    sharded: dict[str, ShardPlan] = field(default_factory=dict)
 
 
 def plan_rank(items: dict[str, FlatItem], rank: int, world_size: int) -> RankPlan:
@@ -49,7 +52,10 @@ def plan_rank(items: dict[str, FlatItem], rank: int, world_size: int) -> RankPla
     shared = [(p, i) for p, i in items.items() if isinstance(i, Payload) and i.replicated]
     owner = assign_replicated(shared, world_size)
     for path, item in items.items():
-        if isinstance(item, Payload):
+        if isinstance(item, ShardedPayload):  # each shard once in total, by a rank holding it
+            plan.sharded[path], tensors = plan_sharded(path, item, dedupe=world_size > 1)
+            plan.payloads += [(name, Payload("tensor", tensor)) for name, tensor in tensors]
+        elif isinstance(item, Payload):
             if not item.replicated or owner[path] == rank:
                 plan.payloads.append((path, item))
         elif not item.replicated or rank == 0:

@@ -5,8 +5,9 @@ import threading
 from typing import Any, Iterable, TypeVar
 
 from ppe_snapshot.engine.flatten import escape, inflate
-from ppe_snapshot.engine.loading import load_pickle, load_tensor, verify_chunks
-from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, PickleEntry
+from ppe_snapshot.engine.loading import load_bytes, load_pickle, load_tensor, verify_chunks
+from ppe_snapshot.engine.manifest import MANIFEST_NAME, BytesEntry, Entry, Manifest, PickleEntry, ShardedTensorEntry
+from ppe_snapshot.engine.sharded import load_sharded
 from ppe_snapshot.engine.stateful import state_of
 from ppe_snapshot.engine.take import StagingProvider, TakeJob, group_rank, prepare
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, StateMismatchError
@@ -169,6 +170,10 @@ def _leaf_loader(storage: Storage, budget: int | None = None):
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, PickleEntry):
             return load_pickle(storage, path, entry)
+        if isinstance(entry, ShardedTensorEntry):
+            return load_sharded(storage, path, entry, template, budget)
+        if isinstance(entry, BytesEntry):
+            return load_bytes(storage, path, entry)
         return load_tensor(storage, path, entry, template, budget)
     return load
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -16,6 +16,7 @@ from ppe_snapshot.engine.packing import (
 )
 from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
 from ppe_snapshot.engine.serialization import dtype_name
+from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
 from ppe_snapshot.engine.stateful import state_of
 from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
 from ppe_snapshot.storage import Storage, open_storage
@@ -61,6 +62,7 @@ class TakeJob:
     entries: dict[str, Entry]
     metadata: dict[str, Any]
     staged: torch.Tensor | None = None
+    sharded: dict[str, ShardPlan] = field(default_factory=dict)
 
     def stage(self, provider: StagingProvider | None = None) -> None:
         """Copy this rank's payloads into a buffer the job owns (the caller may mutate them after)."""
@@ -81,7 +83,10 @@ class TakeJob:
         finally:
             self.staged = None
         part = commit_protocol.RankPart(self.rank, files={self.layout.file: self.layout.size} if chunks else {})
+        part.sharded = sharded_entries(self.sharded, chunks)
         for placement in self.layout.placements:
+            if is_shard_key(placement.path):
+                continue
             entry = _entry(placement.payload, chunks[placement.path])
             (part.replicated if placement.payload.replicated else part.entries)[placement.path] = entry
         for path, entry in self.entries.items():
@@ -173,7 +178,7 @@ def _plan(app_state: dict[str, Any], replicated: Iterable[str] | None, allow_pic
         if not isinstance(key, str) or not key:
             raise TypeError(f"app_state keys must be non-empty strings, got {key!r}")
         items.update(flatten(key, state_of(key, obj), allow_pickle))
-    mark_replicated(items, replicated_patterns(app_state, replicated))
+    mark_replicated(items, replicated_patterns(app_state, replicated) + sharded_state_patterns(items))
     return plan_rank(items, rank, world_size)
 
 
@@ -192,4 +197,5 @@ def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[
     if storage.url != path:
         storage = open_storage(path, storage_options)
     layout = lay_out(f"data/rank{rank}.bin", plan.payloads)
-    return TakeJob(storage, take_id, rank, world_size, layout, plan.entries, dict(metadata or {}))
+    return TakeJob(storage, take_id, rank, world_size, layout, plan.entries, dict(metadata or {}),
+                   sharded=plan.sharded)

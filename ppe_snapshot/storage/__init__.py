@@ -30,4 +30,13 @@ def join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if base else name
 
 
-__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "Storage", "is_local", "join", "open_storage"]
+def __getattr__(name: str) -> Any:
+    # The DCP adapters import the engine, which imports this package: load them on first use.
+    if name in ("SnapshotStorageReader", "SnapshotStorageWriter"):
+        from ppe_snapshot.storage import protocol
+        return getattr(protocol, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
+           "is_local", "join", "open_storage"]
