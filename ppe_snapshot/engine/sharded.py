@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ppe_snapshot.engine.manifest import Chunk, Shard, ShardedTensorEntry
+from ppe_snapshot.engine.manifest import Chunk, Shard, ShardedTensorEntry, TensorEntry
 from ppe_snapshot.engine.serialization import dtype_name, torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, StateMismatchError, UnsupportedValueError
 from ppe_snapshot.storage import Storage
@@ -243,10 +243,15 @@ def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) ->
             f"but the restore target has global shape {found[0]} and dtype {found[1]}")
 
 
-def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry, target: Any,
+def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,
                  budget: int | None = None) -> Any:
     """Load the saved sharded tensor into ``target`` in place (a DTensor, ShardedTensor or
-    full-size tensor); without a tensor target, into a new full tensor."""
+    full-size tensor); without a tensor target, into a new full tensor.
+
+    A whole saved tensor (``TensorEntry``) loads as one shard, e.g. into a DTensor.
+    """
+    if isinstance(entry, TensorEntry):
+        entry = ShardedTensorEntry(entry.dtype, entry.shape, [Shard([0] * len(entry.shape), entry.shape, entry.chunks)])
     if not isinstance(target, torch.Tensor):
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     _check_target(path, entry, target)
@@ -295,7 +300,6 @@ def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], des
     from ppe_snapshot.engine.packing import is_direct, tensor_bytes
 
     item = items[0]
-    import sys as _s; print("SHARD", len(items), file=_s.stderr)
     if len(items) == 1 and not any(item.storage_offsets) and list(item.lengths) == shard.sizes:
         dest = _region(dests[item.dest_index.index], item.dest_offsets, item.lengths)
         if is_direct(dest):
@@ -333,7 +337,6 @@ def _stream_shard(storage: Storage, path: str, shard: Shard, items: list[Any], d
     buffer = torch.empty(max(rows * row, 1), dtype=torch.uint8)
     position = begin
     while position < end:
-        import sys as _s; print("SEG", "hash" if (position < need[0] or position >= need[1]) else "rows", position, need, begin, end, file=_s.stderr)
         if position < need[0] or position >= need[1]:  # bytes of a needed chunk outside the needed rows
             stop = min(need[0] if position < need[0] else end, position + buffer.numel())
             reader.read(tensor_bytes(buffer[: stop - position]))

@@ -6,8 +6,10 @@ from typing import Any, Iterable, TypeVar
 
 from ppe_snapshot.engine.flatten import escape, inflate
 from ppe_snapshot.engine.loading import load_bytes, load_pickle, load_tensor, verify_chunks
-from ppe_snapshot.engine.manifest import MANIFEST_NAME, BytesEntry, Entry, Manifest, PickleEntry, ShardedTensorEntry
-from ppe_snapshot.engine.sharded import load_sharded
+from ppe_snapshot.engine.manifest import (
+    MANIFEST_NAME, BytesEntry, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
+)
+from ppe_snapshot.engine.sharded import is_sharded, load_sharded
 from ppe_snapshot.engine.stateful import state_of
 from ppe_snapshot.engine.take import StagingProvider, TakeJob, group_rank, prepare
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, StateMismatchError
@@ -170,7 +172,7 @@ def _leaf_loader(storage: Storage, budget: int | None = None):
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, PickleEntry):
             return load_pickle(storage, path, entry)
-        if isinstance(entry, ShardedTensorEntry):
+        if isinstance(entry, ShardedTensorEntry) or (isinstance(entry, TensorEntry) and is_sharded(template)):
             return load_sharded(storage, path, entry, template, budget)
         if isinstance(entry, BytesEntry):
             return load_bytes(storage, path, entry)

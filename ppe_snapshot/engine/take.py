@@ -1,6 +1,7 @@
 """The take pipeline: flatten -> plan -> (stage) -> write -> commit."""
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -182,6 +183,19 @@ def _plan(app_state: dict[str, Any], replicated: Iterable[str] | None, allow_pic
     return plan_rank(items, rank, world_size)
 
 
+def _check_metadata(metadata: Any) -> None:
+    """Refuse metadata the manifest cannot hold before anything is written."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata must hold only JSON values (dicts, lists, str, numbers, bools, None): {e}"
+                        ) from None
+
+
 def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
             storage_options: dict[str, Any] | None, allow_pickle: bool,
             metadata: dict[str, Any] | None) -> TakeJob:
@@ -189,6 +203,7 @@ def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[
     rank, world_size = group_rank(pg)
     plan, error = None, None
     try:
+        _check_metadata(metadata)
         plan = _plan(app_state, replicated, allow_pickle, rank, world_size)
     except Exception as e:  # every rank must still reach the agreement below
         error = e
