@@ -124,3 +124,12 @@ def secs(n: float) -> str:
 
 def gbps(n: float) -> str:
     return f"{n / 1e9:.2f} GB/s"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
