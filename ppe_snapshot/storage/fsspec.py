@@ -37,6 +37,7 @@ class _FsspecBlobWriter(BlobWriter):
         try:
             if discard is not None:
                 discard()  # object stores: never complete the upload
+                self._file.closed = True  # else close(), or __del__, flushes into the discarded buffer
             else:
                 self._file.close()
         except Exception:  # giving up anyway; the missing manifest keeps it invisible
@@ -70,10 +71,17 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self._abs(rel))
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
-        data = self.fs.cat_file(self._abs(rel), start=offset, end=offset + out.nbytes)
+        path = self._abs(rel)
+        try:
+            data = self.fs.cat_file(path, start=offset, end=offset + out.nbytes)
+        except FileNotFoundError:
+            raise
+        except OSError:  # object stores refuse a range that starts past the end of the object
+            if offset < self.fs.size(path):
+                raise
+            data = b""
         if len(data) < out.nbytes:
-            raise EOFError(f"{self._abs(rel)} ends at byte {offset + len(data)}, "
-                           f"expected at least {offset + out.nbytes}")
+            raise EOFError(f"{path} ends at byte {offset + len(data)}, expected at least {offset + out.nbytes}")
         out[:] = data
 
     def exists(self, rel: str) -> bool:

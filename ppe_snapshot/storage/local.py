@@ -198,20 +198,22 @@ class LocalStorage(Storage):
         parent = os.path.dirname(path)
         if parent in self._made_dirs:
             return
-        created = not os.path.isdir(parent)
+        existing = parent
+        while not os.path.isdir(existing):
+            existing = os.path.dirname(existing)
         os.makedirs(parent, exist_ok=True)
-        if created:  # make the new directory entries durable too
-            d = parent
-            while d != self.root and d.startswith(self.root):
-                fsync_dir(os.path.dirname(d))
-                d = os.path.dirname(d)
-            fsync_dir(parent)
+        d = parent
+        while d != existing:  # make the new directory entries durable too, the root's own included
+            fsync_dir(os.path.dirname(d))
+            d = os.path.dirname(d)
         self._made_dirs.add(parent)
 
     def open_writer(self, rel: str) -> BlobWriter:
         path = self._abs(rel)
         self._ensure_parent(path)
-        return open_blob_writer(path)
+        writer = open_blob_writer(path)
+        fsync_dir(os.path.dirname(path))  # the new file's directory entry; close() makes its data durable
+        return writer
 
     def put_atomic(self, rel: str, data: bytes) -> None:
         path = self._abs(rel)

@@ -1,0 +1,222 @@
+"""The storage layer on its own (local disk, ``memory://``, a real S3 server), and the engine on S3."""
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from typing import Iterator
+
+import fsspec
+import pytest
+import torch
+from torch import nn
+
+from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, StateDict
+from ppe_snapshot.storage import FsspecStorage, LocalStorage, Storage, open_storage
+from ppe_snapshot.storage import local as local_storage
+
+
+def _aligned(data: bytes) -> memoryview:
+    """``data`` in page-aligned memory (what an O_DIRECT writer may write without a copy)."""
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    return memoryview(buf)
+
+
+@pytest.fixture(params=["local-direct", "local-buffered", "memory", "s3"])
+def storage(request, tmp_path, monkeypatch) -> Iterator[Storage]:
+    """An empty snapshot directory on each backend."""
+    kind = request.param
+    if kind.startswith("local"):
+        monkeypatch.setattr(local_storage, "_DIRECT_IO", kind == "local-direct")
+        store = open_storage(str(tmp_path / "snap"))
+        assert isinstance(store, LocalStorage)
+        yield store
+        store.close()
+    elif kind == "memory":
+        root = f"memory://ppe-snapshot-storage-{uuid.uuid4().hex}"
+        store = open_storage(f"{root}/snap")
+        assert isinstance(store, FsspecStorage)
+        yield store
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+    else:
+        url, options = request.getfixturevalue("s3_bucket")
+        store = open_storage(f"{url}/run/snap", options)
+        assert isinstance(store, FsspecStorage)
+        yield store
+
+
+def test_writer_gives_a_file_of_the_right_size(storage):
+    pieces = [
+        _aligned(bytes(range(256)) * 32),  # 8 KiB, page-aligned at offset 0: written directly by O_DIRECT
+        memoryview(b"abc"),
+        memoryview(b""),
+        memoryview(os.urandom((5 << 20) + 123)),  # more than one O_DIRECT bounce buffer, unaligned
+        _aligned(b"x" * 4096),  # aligned memory at an unaligned file offset
+        memoryview(b"tail"),
+    ]
+    content = b"".join(bytes(p) for p in pieces)
+    writer = storage.open_writer("data/rank0.bin")
+    if isinstance(storage, LocalStorage):
+        wanted = "_DirectBlobWriter" if local_storage._DIRECT_IO else "_BufferedBlobWriter"
+        assert type(writer).__name__ == wanted
+    writer.write(pieces[:3])
+    writer.write(pieces[3:])
+    assert writer.close() == len(content)
+    assert storage.exists("data/rank0.bin")
+    assert storage.size("data/rank0.bin") == len(content)
+    assert storage.read_bytes("data/rank0.bin") == content
+
+    writer = storage.open_writer("data/rank0.bin")  # a new writer replaces the file
+    writer.write([memoryview(b"short")])
+    assert writer.close() == 5
+    assert storage.read_bytes("data/rank0.bin") == b"short"
+
+
+def test_empty_file(storage):
+    writer = storage.open_writer("data/empty.bin")
+    writer.write([])
+    assert writer.close() == 0
+    assert storage.exists("data/empty.bin") and storage.size("data/empty.bin") == 0
+    storage.read_into("data/empty.bin", 0, memoryview(bytearray(0)))
+
+
+def test_put_atomic(storage):
+    storage.put_atomic("manifest.json", b'{"a": 1}')
+    assert storage.read_bytes("manifest.json") == b'{"a": 1}'
+    storage.put_atomic("manifest.json", b'{"a": 2, "b": 3}')
+    storage.put_atomic(".parts/t.rank1.json", b"part")
+    assert storage.read_bytes("manifest.json") == b'{"a": 2, "b": 3}'
+    assert storage.list() == [".parts/t.rank1.json", "manifest.json"]  # no temporary files left over
+
+
+def test_read_into(storage):
+    content = bytes(range(200))
+    writer = storage.open_writer("data/f.bin")
+    writer.write([memoryview(content)])
+    writer.close()
+
+    out = bytearray(10)
+    storage.read_into("data/f.bin", 0, memoryview(out))
+    assert out == content[:10]
+    storage.read_into("data/f.bin", 123, memoryview(out))
+    assert out == content[123:133]
+    storage.read_into("data/f.bin", 190, memoryview(out))  # exactly up to the end
+    assert out == content[190:]
+    whole = bytearray(200)
+    storage.read_into("data/f.bin", 0, memoryview(whole)[50:])  # into the middle of a buffer
+    assert whole[50:] == content[:150] and whole[:50] == bytes(50)
+
+    with pytest.raises(EOFError):
+        storage.read_into("data/f.bin", 195, memoryview(bytearray(10)))
+    with pytest.raises(EOFError):
+        storage.read_into("data/f.bin", 500, memoryview(bytearray(1)))
+
+
+def test_missing_files(storage):
+    assert not storage.exists("manifest.json")
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("manifest.json")
+    with pytest.raises(FileNotFoundError):
+        storage.size("data/rank0.bin")
+    assert storage.list() == []
+    assert storage.list("data") == []
+    storage.remove("nothing-here")
+    storage.remove_all()
+
+
+def test_list_and_remove(storage):
+    for name in ("manifest.json", "data/rank0.bin", "data/rank1.bin", ".parts/x.rank0.json"):
+        storage.put_atomic(name, name.encode())
+    assert storage.list() == [".parts/x.rank0.json", "data/rank0.bin", "data/rank1.bin", "manifest.json"]
+    assert storage.list("data") == ["data/rank0.bin", "data/rank1.bin"]
+
+    storage.remove("data/rank1.bin")
+    storage.remove("data/rank1.bin")  # already gone: no error
+    assert not storage.exists("data/rank1.bin")
+    assert storage.list("data") == ["data/rank0.bin"]
+
+    storage.remove_all()
+    assert storage.list() == []
+    assert not storage.exists("manifest.json") and not storage.exists("data/rank0.bin")
+
+
+def test_s3_abort_leaves_no_object(s3_bucket):
+    url, options = s3_bucket
+    store = open_storage(f"{url}/snap", options)
+    writer = store.open_writer("data/rank0.bin")
+    writer.write([memoryview(b"partial data")])
+    writer.abort()
+    assert not store.exists("data/rank0.bin")
+    assert store.list() == []
+
+
+# -- the engine on S3 ------------------------------------------------------------------
+
+def test_engine_on_s3(s3_bucket):
+    url, options = s3_bucket
+    path = f"{url}/run1/snap"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(4, 16)).sum().backward()
+        optim.step()
+
+    Snapshot.take(path, {"model": model, "optim": optim}, storage_options=options, metadata={"iteration": 2})
+    fs = fsspec.filesystem("s3", **options)
+    stored = sorted(p.split("/snap/", 1)[1] for p in fs.find(path.removeprefix("s3://")))
+    assert stored == ["data/rank0.bin", "manifest.json"]
+
+    fresh = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    snap = Snapshot(path, storage_options=options)
+    snap.restore({"model": fresh, "optim": fresh_optim})
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    saved_state, restored_state = optim.state_dict()["state"], fresh_optim.state_dict()["state"]
+    assert saved_state.keys() == restored_state.keys()
+    for i in saved_state:
+        for k, v in saved_state[i].items():
+            assert torch.equal(restored_state[i][k], v), (i, k)
+    assert fresh_optim.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+
+    assert torch.equal(snap.read_object("0/model/0.weight"), model[0].weight.detach())
+    out = torch.empty(4)
+    assert snap.read_object("0/model/2.bias", obj_out=out) is out and torch.equal(out, model[2].bias.detach())
+    assert snap.read_object("0/optim/param_groups/0/lr") == 0.01
+    manifest = snap.get_manifest()
+    assert {"0/model/0.weight", "0/optim/state/0/exp_avg_sq", "0/optim/state/0/step"} <= set(manifest)
+    assert manifest["0/model/0.weight"].shape == [8, 16]
+    assert snap.metadata == {"iteration": 2}
+    snap.verify()
+
+
+def test_s3_snapshot_without_manifest(s3_bucket):
+    url, options = s3_bucket
+    with pytest.raises(SnapshotNotFoundError, match="manifest.json is missing") as info:
+        Snapshot(f"{url}/nothing", storage_options=options).restore({"model": nn.Linear(2, 2)})
+    assert f"{url}/nothing" in str(info.value)
+
+    # Data without a manifest (a save that never committed) is not a snapshot either.
+    fs = fsspec.filesystem("s3", **options)
+    fs.pipe_file(f"{url}/partial/data/rank0.bin", b"\0" * 64)
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(f"{url}/partial", storage_options=options).verify()
+
+
+def test_s3_truncated_data_is_corrupt(s3_bucket):
+    url, options = s3_bucket
+    path = f"{url}/snap"
+    Snapshot.take(path, {"s": StateDict(a=torch.arange(100), b=torch.ones(50))}, storage_options=options)
+    fs = fsspec.filesystem("s3", **options)
+    data = f"{path}/data/rank0.bin"
+    fs.pipe_file(data, fs.cat_file(data)[:800])  # a whole, b (from byte 832) gone
+    with pytest.raises(CorruptSnapshotError, match="missing or truncated") as info:
+        Snapshot(path, storage_options=options).restore({"s": StateDict()})
+    assert "data/rank0.bin" in str(info.value)
+    with pytest.raises(CorruptSnapshotError, match="800 bytes"):
+        Snapshot(path, storage_options=options).verify()
