@@ -1,0 +1,43 @@
+"""Writers: where a save runs (the caller, a thread, a worker process).
+
+``SimpleWriter`` saves in the caller. ``ThreadWriter`` / ``ThreadQueueWriter``
+and ``ProcessWriter`` / ``ProcessQueueWriter`` block the caller only while
+the state is staged into host buffers they own and reuse, then write and
+commit in the background. All of them are ``pytorch_pfn_extras`` writers.
+
+The classes are imported on first use: the ProcessWriter's worker imports
+``ppe_snapshot.writing._worker``, and keeping this package lazy spares it the
+import of ``pytorch_pfn_extras`` (seconds per worker start).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "SimpleWriter": "_base",
+    "ThreadWriter": "_thread",
+    "ThreadQueueWriter": "_thread",
+    "ProcessWriter": "_process",
+    "ProcessQueueWriter": "_process",
+}
+
+__all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:
+    from ppe_snapshot.writing._base import SimpleWriter
+    from ppe_snapshot.writing._process import ProcessQueueWriter, ProcessWriter
+    from ppe_snapshot.writing._thread import ThreadQueueWriter, ThreadWriter
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -1,0 +1,212 @@
+"""What the background writers share: staging slots, in-flight saves, failures, shutdown.
+
+A writer has ``queue_depth`` slots, each with its own staging buffer that is
+allocated once and grown only when a snapshot needs more. A call takes a free
+slot (waiting for the oldest save in flight when none is free), stages the
+state into the slot's buffer in the caller, and hands the save to the
+background, which writes, commits, runs the post-save hooks and frees the slot.
+"""
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ppe_snapshot.engine.packing import new_staging_buffer
+from ppe_snapshot.engine.take import TakeJob
+from ppe_snapshot.writing._base import WriterBase, add_note, logger
+from ppe_snapshot.writing._files import FileSave, stage_object
+
+_MiB = 1 << 20
+
+
+def grown_size(current: int, needed: int) -> int:
+    """Bytes for a new staging buffer: what is needed, with headroom once a buffer had to grow."""
+    size = max(needed, current + current // 4) if current else needed
+    return max(_MiB, -(-size // _MiB) * _MiB)
+
+
+def _on_cuda(job: TakeJob) -> bool:
+    return any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda" for p in job.layout.placements)
+
+
+@dataclass
+class Ticket:
+    """One save handed to the background."""
+    slot: int
+    stats: dict[str, Any]
+    handoff: float = 0.0
+
+
+def _finalize_at_exit(ref: "weakref.ref[AsyncWriter]") -> None:
+    writer = ref()
+    if writer is None:
+        return
+    try:
+        writer.finalize()
+    except BaseException:  # nobody is left to raise it to
+        logger.exception("a background save failed and was never reported; it surfaced at interpreter exit")
+
+
+class AsyncWriter(WriterBase):
+    """Base of the writers that write in the background; see the subclasses."""
+
+    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
+                 queue_depth: int = 1, **kwds: Any) -> None:
+        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
+            raise ValueError("queue_depth is the number of saves in flight, each holding its own staging "
+                             f"buffer: an int >= 1; got {queue_depth!r}")
+        super().__init__(savefun, fs, out_dir, **kwds)
+        self._buffers: list[torch.Tensor | None] = [None] * queue_depth
+        self._pinned = [False] * queue_depth
+        self._busy = [False] * queue_depth
+        self._failures: deque[BaseException] = deque()
+        self._cond = threading.Condition()
+        self._owner = os.getpid()
+        # Runs at interpreter exit before multiprocessing stops daemonic children: saves in flight complete.
+        self._exit_finalizer = multiprocessing.util.Finalize(
+            self, _finalize_at_exit, args=(weakref.ref(self),), exitpriority=100)
+
+    @property
+    def staging_buffers(self) -> tuple[torch.Tensor | None, ...]:
+        """The staging buffers, one per slot (None until first used); for inspection."""
+        return tuple(self._buffers)
+
+    @property
+    def in_flight(self) -> int:
+        """How many saves were handed over (or are being staged) and have not ended yet."""
+        with self._cond:
+            return sum(self._busy)
+
+    # -- the caller's side ---------------------------------------------------
+    def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
+              start: float) -> None:
+        slot = self._acquire()
+        try:
+            job = self._prepare(path, app_state, metadata, pg)
+            pin = _on_cuda(job)
+            job.stage(lambda nbytes: self._buffer(slot, nbytes, pin))
+            self._submit_take(Ticket(slot, self._new_stats(path, start, job.layout.size)), job)
+        except BaseException:
+            self._release(slot)
+            raise
+
+    def _save_file(self, save: FileSave, target: Any, start: float) -> None:
+        slot = self._acquire()
+        try:
+            skeleton = stage_object(target, lambda nbytes, pin: self._buffer(slot, nbytes, pin))
+            self._submit_file(Ticket(slot, self._new_stats(save.dest, start, None)), save, skeleton)
+        except BaseException:
+            self._release(slot)
+            raise
+
+    def _acquire(self) -> int:
+        """A free slot, after waiting for the oldest save if none is; raises a background failure first."""
+        with self._cond:
+            while True:
+                if self._failures:
+                    raise self._failures.popleft()
+                for slot, busy in enumerate(self._busy):
+                    if not busy:
+                        self._busy[slot] = True
+                        return slot
+                self._cond.wait()
+
+    def _release(self, slot: int) -> None:
+        with self._cond:
+            self._busy[slot] = False
+            self._cond.notify_all()
+
+    def _buffer(self, slot: int, nbytes: int, pin: bool) -> torch.Tensor:
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes or (pin and not self._pinned[slot]):
+            size = grown_size(0 if buffer is None else buffer.numel(), nbytes)
+            self._buffers[slot] = None
+            if buffer is not None:
+                self._drop_buffer(buffer)
+            buffer = self._allocate(size, pin)
+            self._buffers[slot], self._pinned[slot] = buffer, pin
+            self._buffer_changed(slot, buffer)
+        return buffer
+
+    # -- hooks for the subclasses ----------------------------------------------
+    def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+        return new_staging_buffer(nbytes, pin)  # page-aligned: O_DIRECT writes it without a bounce copy
+
+    def _drop_buffer(self, buffer: torch.Tensor) -> None:
+        """A buffer is being replaced by a bigger one."""
+
+    def _buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
+        """A slot has a new buffer."""
+
+    def _submit_take(self, ticket: Ticket, job: TakeJob) -> None:
+        raise NotImplementedError
+
+    def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        """Stop the background once nothing is in flight."""
+
+    # -- the background's side -------------------------------------------------
+    def _finish(self, ticket: Ticket, error: BaseException | None, nbytes: int | None) -> None:
+        """A save ended: run the post-save hooks, record stats or the failure, free the slot."""
+        stats = ticket.stats
+        stats["write_s"] = time.perf_counter() - ticket.handoff
+        if nbytes is not None:
+            stats["bytes"] = nbytes
+        if error is None:
+            try:
+                self._post_save()
+            except BaseException as e:
+                add_note(e, f"raised by a post-save hook after {stats['path']} was committed")
+                error = e
+            else:
+                self._log_done(stats)
+        if error is not None:
+            add_note(error, f"ppe_snapshot: {type(self).__name__} failed to save {stats['path']} in the background")
+            logger.error("saving %s failed in the background (raised at the next call, wait() or finalize()): %r",
+                         stats["path"], error)
+        with self._cond:
+            if error is not None:
+                self._failures.append(error)
+            self._busy[ticket.slot] = False
+            self._cond.notify_all()
+
+    # -- waiting and shutting down -------------------------------------------------
+    def wait(self) -> None:
+        """Block until every save in flight is committed and its hooks ran; raise a background failure."""
+        with self._cond:
+            while any(self._busy):
+                self._cond.wait()
+            if self._failures:
+                raise self._failures.popleft()
+
+    def finalize(self) -> None:
+        """Wait for the saves in flight, then shut the background down (idempotent)."""
+        if self._finalized or os.getpid() != self._owner:  # a forked child does not own the background
+            return
+        self._finalized = True
+        try:
+            self.wait()
+        finally:
+            self._exit_finalizer.cancel()
+            self._shutdown()
+            while self._failures:
+                logger.error("another background save failed: %r", self._failures.popleft())
+
+    def __del__(self) -> None:
+        if "_cond" not in self.__dict__:  # __init__ did not get that far
+            return
+        try:
+            self.finalize()
+        except BaseException:
+            logger.exception("a background save failed and was never reported; "
+                             "it surfaced when its writer was garbage-collected")

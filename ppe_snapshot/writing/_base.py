@@ -1,0 +1,150 @@
+"""What every writer shares (ppe's protocol, the snapshot location, stats), and ``SimpleWriter``."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from pytorch_pfn_extras.writing import Writer
+from pytorch_pfn_extras.writing._writer_base import _PosixFileSystem
+
+from ppe_snapshot.engine import LOCAL, StateDict
+from ppe_snapshot.engine.take import TakeJob, prepare
+from ppe_snapshot.storage import is_local, join
+from ppe_snapshot.writing._files import FileSave
+
+logger = logging.getLogger("ppe_snapshot")
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``; on Python 3.10 the note is kept in ``__notes__`` but not printed."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+class WriterBase(Writer):
+    """A ppe writer whose saves are engine snapshots, or single files with an explicit ``savefun``.
+
+    Args:
+        savefun: ``None`` (the default) takes an engine snapshot, a directory
+            with a manifest, at ``<out_dir>/<filename>``. A function such as
+            ``torch.save`` writes one file there instead, as ppe's writers do.
+        fs: ppe's file-system object, used for single files on local paths.
+        out_dir: Where snapshots go (a local path or an fsspec URL such as
+            ``s3://bucket/run``); it takes precedence over the ``out_dir``
+            of each call, as in ppe.
+        storage_options: Options for fsspec (credentials, endpoint, ...).
+        kwds: Passed to ``savefun``.
+    """
+
+    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "",
+                 **kwds: Any) -> None:
+        self._storage_options: dict[str, Any] | None = kwds.pop("storage_options", None)
+        super().__init__(fs=fs, out_dir=out_dir)
+        self._savefun = savefun
+        self._kwds = kwds
+        self._finalized = False
+        #: ``blocking_s``, ``write_s`` (None until the write ends), ``bytes`` and ``path`` of the last save.
+        self.last_stats: dict[str, Any] = {}
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return self._storage_options
+
+    def initialize(self, out_dir: str) -> None:
+        if out_dir and is_local(out_dir) and not self._storage_options:
+            super().initialize(out_dir)
+        self._initialized = True  # object stores need no directories
+
+    def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
+                 append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL) -> None:
+        """Save ``target`` (a state dict) as ``<self.out_dir or out_dir>/<filename>``.
+
+        ``metadata`` is stored in the snapshot's manifest; ``pg`` is the
+        engine's process group (``LOCAL``: this process alone; ``None``: the
+        default group, each rank writing its part). Both are ignored when a
+        ``savefun`` writes a single file.
+        """
+        if self._finalized:
+            raise RuntimeError(f"this {type(self).__name__} was finalized; create a new writer to save again")
+        start = time.perf_counter()
+        path = join(self.out_dir or out_dir, filename)
+        self._check_path(path)
+        savefun = savefun if savefun is not None else self._savefun
+        if savefun is None:
+            if append:
+                raise ValueError("append=True needs a savefun: an engine snapshot is a directory, "
+                                 "it cannot be appended to")
+            if not isinstance(target, Mapping):
+                raise TypeError(f"an engine snapshot saves a state dict; got a {type(target).__name__}. "
+                                "Pass a dict, or a savefun such as torch.save to write it as one file")
+            self._take(path, {"state": StateDict(target)}, metadata, pg, start)
+        else:
+            self._save_file(self._file_save(path, savefun, append), target, start)
+
+    def _file_save(self, path: str, savefun: Callable[..., Any], append: bool) -> FileSave:
+        fs = self.fs
+        if is_local(path) and type(fs) is _PosixFileSystem:  # plain os calls, resolved as ppe's fs would
+            path = path if path.startswith("file://") else os.path.join(fs.root, path)
+            fs = None
+        return FileSave(path, savefun, append, dict(self._kwds), fs, self._storage_options)
+
+    def _check_path(self, path: str) -> None:
+        """Raise when this writer cannot save at ``path``."""
+
+    def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
+              start: float) -> None:
+        raise NotImplementedError
+
+    def _save_file(self, save: FileSave, target: Any, start: float) -> None:
+        raise NotImplementedError
+
+    def _prepare(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any) -> TakeJob:
+        return prepare(path, app_state, pg, None, self._storage_options, False, metadata)
+
+    def _new_stats(self, path: str, start: float, nbytes: int | None) -> dict[str, Any]:
+        stats = {"path": path, "bytes": nbytes, "blocking_s": time.perf_counter() - start, "write_s": None}
+        self.last_stats = stats
+        return stats
+
+    @staticmethod
+    def _log_done(stats: dict[str, Any]) -> None:
+        logger.info("saved %s: %s bytes, caller blocked %.3f s, written in %.3f s",
+                    stats["path"], stats["bytes"], stats["blocking_s"], stats["write_s"])
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; nothing to wait for here."""
+
+    def finalize(self) -> None:
+        """Nothing runs in the background here: the writer stays usable, as ppe's SimpleWriter does."""
+
+
+class SimpleWriter(WriterBase):
+    """Saves in the caller: the call returns once the snapshot is committed.
+
+    An engine snapshot is written straight from the live tensors (no staging
+    copy). See :class:`WriterBase` for the arguments.
+    """
+
+    def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
+              start: float) -> None:
+        job = self._prepare(path, app_state, metadata, pg)
+        began = time.perf_counter()
+        job.write_and_commit()
+        self._finish(path, start, began, job.layout.size)
+
+    def _save_file(self, save: FileSave, target: Any, start: float) -> None:
+        began = time.perf_counter()
+        nbytes = save.run(target)
+        self._finish(save.dest, start, began, nbytes)
+
+    def _finish(self, path: str, start: float, began: float, nbytes: int) -> None:
+        stats = self._new_stats(path, start, nbytes)
+        stats["write_s"] = time.perf_counter() - began
+        self._log_done(stats)
+        self._post_save()

@@ -1,0 +1,155 @@
+"""Single-file saves (an explicit ``savefun`` such as ``torch.save``), the way ppe writes them.
+
+``savefun(target, file)`` writes to ``tmp_<name>`` beside the destination,
+which is then renamed over it; URLs go through fsspec. Async writers stage
+the target first: :func:`stage_object` copies its tensors into a buffer the
+writer reuses and returns a skeleton (the target with placeholders), and
+:func:`materialize` rebuilds the target from both in the background.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import fsspec
+import torch
+
+from ppe_snapshot.engine.packing import align
+from ppe_snapshot.storage import is_local
+
+#: Gives a host buffer of at least ``nbytes``, pinned when asked (``provider(nbytes, pin)``).
+BufferProvider = Callable[[int, bool], torch.Tensor]
+
+
+@dataclass
+class FileSave:
+    """One single-file save; picklable, so a worker process can run it."""
+    dest: str
+    savefun: Callable[..., Any]
+    append: bool = False
+    kwds: dict[str, Any] = field(default_factory=dict)
+    #: A ppe file-system object for local paths; None means plain ``os`` calls.
+    fs: Any = None
+    storage_options: dict[str, Any] | None = None
+
+    def run(self, obj: Any) -> int:
+        """Save ``obj``; returns the number of bytes written."""
+        if self.storage_options or not is_local(self.dest):
+            return self._run_fsspec(obj)
+        return self._run_local(obj)
+
+    def _write(self, opener: Callable[[str, str], Any], path: str, obj: Any) -> int:
+        with opener(path, "ab" if self.append else "wb") as f:
+            start = f.tell()
+            self.savefun(obj, f, **self.kwds)
+            return f.tell() - start
+
+    def _run_local(self, obj: Any) -> int:
+        path = self.dest[len("file://"):] if self.dest.startswith("file://") else self.dest
+        directory, name = os.path.split(path)
+        fs = self.fs
+        if directory:
+            (fs.makedirs if fs is not None else os.makedirs)(directory, exist_ok=True)
+        opener = fs.open if fs is not None else open
+        if self.append:
+            return self._write(opener, path, obj)
+        tmp = os.path.join(directory, f"tmp_{name}")
+        nbytes = self._write(opener, tmp, obj)
+        (fs.rename if fs is not None else os.replace)(tmp, path)
+        return nbytes
+
+    def _run_fsspec(self, obj: Any) -> int:
+        fs, path = fsspec.core.url_to_fs(self.dest, **(self.storage_options or {}))
+        directory, _, name = path.rpartition("/")
+        if directory:
+            fs.makedirs(directory, exist_ok=True)
+        if self.append:
+            return self._write(fs.open, path, obj)
+        tmp = f"{directory}/tmp_{name}" if directory else f"tmp_{name}"
+        nbytes = self._write(fs.open, tmp, obj)
+        fs.mv(tmp, path)
+        return nbytes
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    """Where a staged tensor lies in the staging buffer."""
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parameter: bool
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+
+
+def _stageable(value: Any) -> bool:
+    return (type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout == torch.strided
+            and not value.is_quantized and value.device.type in ("cpu", "cuda"))
+
+
+def _children(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return []
+
+
+def _collect(value: Any, found: dict[int, torch.Tensor]) -> None:
+    if _stageable(value):
+        found[id(value)] = value
+        return
+    for child in _children(value):
+        _collect(child, found)
+
+
+def stage_object(target: Any, provider: BufferProvider) -> Any:
+    """Copy the tensors found in ``target``'s dicts, lists and tuples into one buffer.
+
+    Returns a deep copy of ``target`` in which those tensors are placeholders
+    (CUDA tensors come back as CPU tensors); other values are deep-copied, so
+    the caller may change ``target`` as soon as this returns.
+    """
+    found: dict[int, torch.Tensor] = {}
+    _collect(target, found)
+    memo: dict[int, Any] = {}
+    size = 0
+    for key, t in found.items():
+        memo[key] = _TensorRef(size, t.dtype, tuple(t.shape), isinstance(t, torch.nn.Parameter), t.requires_grad)
+        size = align(size + memo[key].nbytes)
+    on_cuda = any(t.device.type == "cuda" for t in found.values())
+    buffer = provider(size, on_cuda)
+    for key, t in found.items():
+        ref = memo[key]
+        if ref.nbytes:
+            region = buffer[ref.offset:ref.offset + ref.nbytes].view(t.dtype).view(t.shape)
+            region.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+    if on_cuda:
+        torch.cuda.synchronize()
+    return copy.deepcopy(target, memo)
+
+
+def materialize(skeleton: Any, buffer: torch.Tensor) -> Any:
+    """Rebuild what :func:`stage_object` staged: every placeholder becomes a tensor of its own."""
+    if isinstance(skeleton, _TensorRef):
+        region = buffer[skeleton.offset:skeleton.offset + skeleton.nbytes]
+        tensor = region.view(skeleton.dtype).view(skeleton.shape).clone()
+        if skeleton.parameter:
+            return torch.nn.Parameter(tensor, requires_grad=skeleton.requires_grad)
+        return tensor.requires_grad_(skeleton.requires_grad)
+    if isinstance(skeleton, dict):
+        for key, value in skeleton.items():
+            skeleton[key] = materialize(value, buffer)
+        return skeleton
+    if isinstance(skeleton, list):
+        skeleton[:] = [materialize(v, buffer) for v in skeleton]
+        return skeleton
+    if isinstance(skeleton, tuple):
+        items = [materialize(v, buffer) for v in skeleton]
+        return type(skeleton)._make(items) if hasattr(skeleton, "_fields") else type(skeleton)(items)
+    return skeleton

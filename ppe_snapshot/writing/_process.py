@@ -1,0 +1,259 @@
+"""Writers that write and commit in one long-lived worker process, fed through shared memory."""
+from __future__ import annotations
+
+import itertools
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+from functools import partial
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable
+
+import fsspec.utils
+import torch
+import torch.multiprocessing
+
+from ppe_snapshot.engine.take import TakeJob
+from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.writing._async import AsyncWriter, Ticket
+from ppe_snapshot.writing._base import add_note, logger
+from ppe_snapshot.writing._files import FileSave
+from ppe_snapshot.writing._worker import serve
+
+OnDone = Callable[[BaseException | None, int | None], None]
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
+
+
+def _rebuild_error(data: bytes | None, text: str) -> BaseException:
+    error: Any = None
+    if data is not None:
+        try:
+            error = pickle.loads(data)
+        except Exception:  # the text below still tells what happened
+            error = None
+    if not isinstance(error, BaseException):
+        error = SnapshotError(text.strip().splitlines()[-1] if text.strip() else "unknown error")
+    add_note(error, f"traceback in the writer process:\n{text.rstrip()}")
+    return error
+
+
+class _Worker:
+    """The worker process, the pipes to it, and the thread that collects its answers."""
+
+    def __init__(self) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        jobs_end, self._jobs = ctx.Pipe(duplex=False)
+        self._results, results_end = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=serve, args=(jobs_end, results_end, os.getpid()),
+                                   name="ppe-snapshot-writer", daemon=True)
+        self.process.start()
+        jobs_end.close()  # only the worker holds these ends, so each side sees the other one go
+        results_end.close()
+        self._pending: dict[int, tuple[OnDone, str]] = {}
+        self._lock = threading.Lock()
+        self._exited = False
+        self._collector = threading.Thread(target=self._collect, name="ppe-snapshot-results", daemon=True)
+        self._collector.start()
+
+    def alive(self) -> bool:
+        with self._lock:
+            return not self._exited and self.process.is_alive()
+
+    def send_buffer(self, slot: int, buffer: torch.Tensor) -> None:
+        try:
+            self._jobs.send_bytes(ForkingPickler.dumps(("buffer", slot, buffer)))
+        except OSError as e:
+            raise SnapshotError(f"the writer process (pid {self.process.pid}) is gone: {e}") from e
+
+    def submit(self, ticket: int, payload: bytes, on_done: OnDone, path: str) -> None:
+        with self._lock:
+            if self._exited:
+                raise SnapshotError(f"the writer process (pid {self.process.pid}) "
+                                    f"{_exit_reason(self.process.exitcode)}; {path} was not saved")
+            self._pending[ticket] = (on_done, path)
+        try:
+            self._jobs.send_bytes(payload)
+        except OSError as e:
+            with self._lock:
+                lost = self._pending.pop(ticket, None)
+            if lost is not None:  # else the collector already reported it
+                raise SnapshotError(f"could not hand {path} to the writer process (pid {self.process.pid}): {e}") from e
+
+    def _collect(self) -> None:
+        while True:
+            ready = multiprocessing.connection.wait([self._results, self.process.sentinel])
+            if self._results not in ready:
+                break
+            try:
+                ticket, error, nbytes = self._results.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                on_done, _ = self._pending.pop(ticket)
+            self._report(on_done, _rebuild_error(*error) if error is not None else None, nbytes)
+        self.process.join()
+        with self._lock:
+            self._exited = True
+            lost, self._pending = list(self._pending.values()), {}
+        reason = _exit_reason(self.process.exitcode)
+        for on_done, path in lost:
+            self._report(on_done, SnapshotError(
+                f"the writer process (pid {self.process.pid}) {reason} before {path} was committed"), None)
+
+    @staticmethod
+    def _report(on_done: OnDone, error: BaseException | None, nbytes: int | None) -> None:
+        try:
+            on_done(error, nbytes)
+        except BaseException:  # keep collecting
+            logger.exception("reporting the end of a background save failed")
+
+    def close(self) -> None:
+        """Let the worker finish what it was sent, then stop it."""
+        try:
+            self._jobs.send_bytes(ForkingPickler.dumps(("stop",)))
+        except OSError:  # already gone
+            pass
+        self.process.join()
+        if self._collector is not threading.current_thread():
+            self._collector.join()
+        self._jobs.close()
+        self._results.close()
+
+
+class _ProcessBase(AsyncWriter):
+    def __init__(self, savefun: Callable[..., Any] | None, fs: Any, out_dir: str, queue_depth: int,
+                 kwds: dict[str, Any]) -> None:
+        super().__init__(savefun, fs, out_dir, queue_depth=queue_depth, **kwds)
+        self._tickets = itertools.count()
+        self._registered: set[int] = set()
+        self._worker: _Worker | None = None
+        self._worker = _Worker()
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The pid of the worker process (None once finalized)."""
+        return self._worker.process.pid if self._worker is not None else None
+
+    def _check_path(self, path: str) -> None:
+        if fsspec.utils.get_protocol(path) == "memory":
+            raise ValueError(f"{type(self).__name__} cannot save to {path}: a memory:// file system lives in "
+                             "one process, and this writer writes from its worker process. Use a ThreadWriter "
+                             "for memory://, or a real file system")
+
+    def _acquire(self) -> int:
+        slot = super()._acquire()
+        try:
+            self._live_worker()  # a restart (seconds) happens before staging, not after
+        except BaseException:
+            self._release(slot)
+            raise
+        return slot
+
+    def _live_worker(self) -> _Worker:
+        worker = self._worker
+        if worker is None or not worker.alive():
+            if worker is not None:
+                worker.close()  # reports the saves it lost
+                logger.warning("the writer process (pid %s) %s; starting a new one",
+                               worker.process.pid, _exit_reason(worker.process.exitcode))
+            worker = self._worker = _Worker()
+            for slot, buffer in enumerate(self._buffers):
+                if buffer is not None:
+                    worker.send_buffer(slot, buffer)
+        return worker
+
+    def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+        buffer = torch.zeros(nbytes, dtype=torch.uint8).share_memory_()
+        if pin and torch.cuda.is_available():  # page-locked, so device-to-host copies run at full speed
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+                self._registered.add(buffer.data_ptr())
+            except Exception as e:  # still correct, only slower
+                logger.warning("could not page-lock the shared staging buffer: %s", e)
+        return buffer
+
+    def _drop_buffer(self, buffer: torch.Tensor) -> None:
+        if buffer.data_ptr() in self._registered:
+            self._registered.discard(buffer.data_ptr())
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+
+    def _buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
+        self._live_worker().send_buffer(slot, buffer)
+
+    def _submit_take(self, ticket: Ticket, job: TakeJob) -> None:
+        job.staged = None  # the worker holds the slot's buffer already
+        self._send(ticket, ("take", ticket.slot, job))
+
+    def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
+        self._send(ticket, ("file", ticket.slot, save, skeleton))
+
+    def _send(self, ticket: Ticket, work: tuple[Any, ...]) -> None:
+        number = next(self._tickets)
+        kind, *rest = work
+        try:
+            payload = ForkingPickler.dumps((kind, number, *rest))
+        except Exception as e:
+            raise TypeError(f"{type(self).__name__} hands each save to its worker process, and this one cannot "
+                            f"be pickled ({e}). Use a module-level savefun such as torch.save (and a picklable "
+                            "fs), or a ThreadWriter") from e
+        ticket.handoff = time.perf_counter()
+        self._live_worker().submit(number, payload, partial(self._finish, ticket), ticket.stats["path"])
+
+    def _shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+class ProcessWriter(_ProcessBase):
+    """Stages in the caller, writes and commits in one long-lived worker process.
+
+    The worker is started once, with the ``spawn`` method (never a fork per
+    snapshot), and is fed through a shared-memory staging buffer that the
+    writer allocates once, grows only when a snapshot needs more, and reuses;
+    the training process pays neither the GIL nor copy-on-write faults for
+    the write. The caller is blocked only while the state is copied into that
+    buffer (device-to-host for CUDA state; the worker never touches CUDA).
+    At most one save is in flight: a call waits for the previous save only if
+    it is still running. A background failure is raised at the next call,
+    :meth:`wait` or :meth:`finalize`; a worker that died is replaced at the
+    next call. :meth:`finalize` and interpreter exit stop the worker after
+    the save in flight; the worker also exits by itself when this process dies.
+
+    Like DataLoader workers, the spawned worker imports the main script:
+    guard the script's entry point with ``if __name__ == "__main__":``. It
+    cannot write to ``memory://`` (that file system is private to a process).
+    With a ``savefun``, tensors are staged to host memory, so CUDA tensors
+    are saved as CPU tensors, and ``savefun`` (and ``fs``) must be picklable.
+    Arguments as for :class:`~ppe_snapshot.writing.SimpleWriter`.
+    """
+
+    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "",
+                 **kwds: Any) -> None:
+        super().__init__(savefun, fs, out_dir, 1, kwds)
+
+
+class ProcessQueueWriter(_ProcessBase):
+    """Like :class:`ProcessWriter`, with ``queue_depth`` saves allowed in flight at once.
+
+    The worker writes them one after the other; each holds its own
+    shared-memory staging buffer, so memory grows with the depth (about
+    ``queue_depth`` copies of the state). A call finding the queue full waits
+    for the oldest save. The default depth 1 behaves like :class:`ProcessWriter`.
+    """
+
+    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
+                 queue_depth: int = 1, **kwds: Any) -> None:
+        super().__init__(savefun, fs, out_dir, queue_depth, kwds)

@@ -1,0 +1,97 @@
+"""The ProcessWriter's worker process: writes and commits the saves staged by its parent.
+
+It never touches CUDA: every save arrives staged in a host shared-memory
+buffer that the parent sent once (and again only when it grew). Messages:
+
+* ``("buffer", slot, tensor)``: the staging buffer of a slot;
+* ``("take", ticket, slot, job)``: write and commit an engine snapshot;
+* ``("file", ticket, slot, save, skeleton)``: write a single file;
+* ``("stop",)``: finish what is queued, then exit.
+
+Each save is answered with ``(ticket, error, nbytes)``, ``error`` being None or
+``(pickled exception or None, formatted traceback)``. The worker exits
+when its parent goes away (the pipe closes or it is re-parented).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from ppe_snapshot.writing._files import materialize
+
+#: Seconds between two checks that the parent is still there while idle.
+PARENT_CHECK_S = 1.0
+
+
+def serve(jobs: Connection, results: Connection, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process; it stops us
+    torch.set_num_threads(1)  # leave the cores to training
+    inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+    # A reader thread keeps the pipe drained, so the parent never blocks on a send while we write.
+    threading.Thread(target=_receive, args=(jobs, inbox, parent_pid), daemon=True).start()
+    buffers: dict[int, torch.Tensor] = {}
+    while (message := inbox.get()) is not None:
+        kind, *rest = message
+        if kind == "buffer":
+            slot, buffer = rest
+            buffers[slot] = buffer
+            continue
+        ticket, slot, *work = rest
+        reply = (ticket, *_run(kind, work, buffers[slot]))
+        del message, rest, work
+        try:
+            results.send(reply)
+        except OSError:  # the parent is gone
+            return
+
+
+def _receive(jobs: Connection, inbox: "queue.SimpleQueue[tuple[Any, ...] | None]", parent_pid: int) -> None:
+    try:
+        while True:
+            if not jobs.poll(PARENT_CHECK_S):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            message = jobs.recv()
+            if message[0] == "stop":
+                return
+            inbox.put(message)
+    except (EOFError, OSError):  # the parent closed the pipe or died
+        return
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        raise
+    finally:
+        inbox.put(None)
+
+
+def _run(kind: str, work: list[Any], buffer: torch.Tensor) -> tuple[Any, int | None]:
+    try:
+        if kind == "take":
+            job = work[0]
+            job.staged = buffer
+            job.write_and_commit()
+            return None, None
+        save, skeleton = work
+        return None, save.run(materialize(skeleton, buffer))
+    except BaseException as e:
+        return _describe(e), None
+
+
+def _describe(error: BaseException) -> tuple[bytes | None, str]:
+    text = "".join(traceback.format_exception(error))
+    try:
+        data: bytes | None = pickle.dumps(error)
+        pickle.loads(data)
+    except Exception:  # sent as text only
+        data = None
+    return data, text
