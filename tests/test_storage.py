@@ -220,3 +220,12 @@ def test_s3_truncated_data_is_corrupt(s3_bucket):
     assert "data/rank0.bin" in str(info.value)
     with pytest.raises(CorruptSnapshotError, match="800 bytes"):
         Snapshot(path, storage_options=options).verify()
+
+
+def test_s3_take_into_missing_bucket_fails_instead_of_creating_it(s3_bucket):
+    """A mistyped bucket must be reported, not silently created."""
+    url, options = s3_bucket
+    missing = url + "-typo"
+    with pytest.raises((FileNotFoundError, OSError)):
+        Snapshot.take(f"{missing}/snap", {"s": StateDict(x=torch.arange(10.0))}, storage_options=options)
+    assert not fsspec.filesystem("s3", **options).exists(missing.removeprefix("s3://"))

@@ -7,6 +7,13 @@ import fsspec
 
 from ppe_snapshot.storage.base import BlobWriter, Storage
 
+_DIRECTORY_PROTOCOLS = {"file", "local", "sftp", "ssh", "smb", "hdfs", "arrow_hdfs", "webhdfs"}
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
 # Object stores upload in parts; buffering this much per part keeps requests few.
 _BLOCK_SIZE = 64 << 20
 
@@ -55,15 +62,21 @@ class FsspecStorage(Storage):
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
+    def _make_parent(self, path: str) -> None:
+        # Only file systems with real directories need them; on object stores makedirs
+        # would create a missing bucket, hiding a mistyped name.
+        if set(_protocols(self.fs)) & _DIRECTORY_PROTOCOLS:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+
     def open_writer(self, rel: str) -> BlobWriter:
         path = self._abs(rel)
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self._make_parent(path)
         return _FsspecBlobWriter(self.fs, path)
 
     def put_atomic(self, rel: str, data: bytes) -> None:
         # One PUT on object stores: the object appears whole or not at all.
         path = self._abs(rel)
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self._make_parent(path)
         self.fs.pipe_file(path, data)
         self.fs.invalidate_cache(path)
 
