@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakRSS, Results, drop_cache, fsync_path, gbps, gib, mib, rss, secs, timer, tree_bytes  # noqa: E402
+from common import PeakRSS, Results, drop_cache, fsync_path, gbps, gib, mib, rss, secs, timer, warm_cache  # noqa: E402
 
 import ppe_snapshot as ps  # noqa: E402
 
@@ -167,6 +167,7 @@ def run_case(case: str, app: dict, root: str, rounds: int, results: Results) -> 
             metrics = {"blocking": blocking, "durable": durable, "save_bw": nbytes / durable,
                        "rss_extra": mem.extra}
             if name in restores:
+                warm_cache(path)  # same cache state for every method (O_DIRECT writes skip the cache)
                 with timer(metrics, "restore_warm"):
                     restores[name](path)
                 if name == "ppe-snapshot take":

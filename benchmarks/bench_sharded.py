@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import free_port, gib, secs  # noqa: E402
+from common import drop_cache, free_port, fsync_path, gib, secs, warm_cache  # noqa: E402
 
 import ppe_snapshot as ps  # noqa: E402
 
@@ -85,10 +85,19 @@ def restore_phase(rank: int, world: int, port: int, root: str, rounds: int, scal
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
 
-    times: dict[str, list[float]] = {"ppe-snapshot": [], "dcp": []}
+    def prepare_cache(path: str, cold: bool) -> None:
+        if rank == 0:  # same page-cache state for both methods
+            fsync_path(path)
+            drop_cache(path) if cold else warm_cache(path)
+
+    times: dict[str, list[float]] = {f"{m} {c}": [] for c in ("cold", "warm") for m in ("ppe-snapshot", "dcp")}
     for r in range(rounds):
-        times["ppe-snapshot"].append(timed(lambda: ps.Snapshot(f"{root}/ppe{r}").restore({"model": model, "optim": optim})))
-        times["dcp"].append(timed(lambda: dcp_load(r)))
+        for cache in ("cold", "warm"):
+            prepare_cache(f"{root}/ppe{r}", cache == "cold")
+            times[f"ppe-snapshot {cache}"].append(
+                timed(lambda: ps.Snapshot(f"{root}/ppe{r}").restore({"model": model, "optim": optim})))
+            prepare_cache(f"{root}/dcp{r}", cache == "cold")
+            times[f"dcp {cache}"].append(timed(lambda: dcp_load(r)))
     if rank == 0:
         out.put(("restore", times, None))
     dist.destroy_process_group()
@@ -130,15 +139,18 @@ def main() -> None:
         _, restores, _ = run(restore_phase, 2, args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    med = {k: (statistics.median(saves[k]), statistics.median(restores[k])) for k in saves}
+    take = {k: statistics.median(v) for k, v in saves.items()}
+    restore = {k: statistics.median(v) for k, v in restores.items()}
     lines = [f"Command: `python benchmarks/bench_sharded.py --rounds {args.rounds} --scale {args.scale}`  ",
              f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo on CPU; "
              f"FSDP2 model + Adam, {gib(nbytes)} over 4 ranks; date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"medians of {args.rounds} interleaved rounds (slowest rank).", "",
-             "| method | 4-rank take | 4 -> 2 reshard restore |", "|---|---|---|"]
-    lines += [f"| {k} | {secs(s)} | {secs(r)} |" for k, (s, r) in med.items()]
-    lines += ["", f"- take: {med['dcp'][0] / med['ppe-snapshot'][0]:.2f}x DCP; "
-                  f"reshard restore: {med['dcp'][1] / med['ppe-snapshot'][1]:.2f}x DCP"]
+             "| method | 4-rank take | 4 -> 2 restore, files not cached | 4 -> 2 restore, files in page cache |",
+             "|---|---|---|---|"]
+    lines += [f"| {k} | {secs(take[k])} | {secs(restore[k + ' cold'])} | {secs(restore[k + ' warm'])} |" for k in take]
+    lines += ["", f"- take: {take['dcp'] / take['ppe-snapshot']:.2f}x DCP; reshard restore: "
+                  f"{restore['dcp cold'] / restore['ppe-snapshot cold']:.2f}x DCP (not cached), "
+                  f"{restore['dcp warm'] / restore['ppe-snapshot warm']:.2f}x DCP (cached)"]
     text = "\n".join(lines)
     print(text)
     if args.report:

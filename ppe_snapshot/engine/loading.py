@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pickle
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,47 @@ def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str)
         if checksum(view) != chunk.checksum:
             raise _mismatch(storage, chunk, what)
         position += chunk.nbytes
+
+
+class ReadBatch:
+    """Reads into their final destinations, several in flight at once.
+
+    A cold disk delivers about twice the bandwidth with two reads in flight
+    instead of one (measured here), and page-cache copies use both cores;
+    preadv and xxhash release the GIL. ``join()`` waits for all and raises
+    the first failure. Without a batch, reads happen at once.
+    """
+
+    WORKERS = 4
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._futures: list[Future] = []
+
+    @classmethod
+    def _executor(cls) -> ThreadPoolExecutor:
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(cls.WORKERS, thread_name_prefix="ppe-snapshot-read")
+            return cls._pool
+
+    def read_into(self, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
+        self._futures.append(self._executor().submit(read_into, storage, chunks, out, what))
+
+    def join(self) -> None:
+        futures, self._futures = self._futures, []
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            raise errors[0]
+
+
+def fill(reads: ReadBatch | None, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
+    """Read into a final destination: through ``reads`` when given, else now."""
+    if reads is None:
+        read_into(storage, chunks, out, what)
+    else:
+        reads.read_into(storage, chunks, out, what)
 
 
 def read_into_device(storage: Storage, chunks: list[Chunk], flat: torch.Tensor, what: str,
@@ -104,16 +147,19 @@ def read_into_strided(storage: Storage, chunks: list[Chunk], target: torch.Tenso
 
 
 def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
-                budget: int | None = None) -> Any:
-    """The saved tensor or array at ``path``, loaded into ``target`` in place when it fits."""
+                budget: int | None = None, reads: ReadBatch | None = None) -> Any:
+    """The saved tensor or array at ``path``, loaded into ``target`` in place when it fits.
+
+    Reads straight into the result may be left to ``reads``; the result is complete after its ``join()``.
+    """
     if entry.kind == "ndarray":
-        return _load_array(storage, path, entry, target)
+        return _load_array(storage, path, entry, target, reads)
     if isinstance(target, torch.Tensor):
         check_tensor_target(path, entry, target)
     else:
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     if is_direct(target):
-        read_into(storage, entry.chunks, tensor_bytes(target), path)
+        fill(reads, storage, entry.chunks, tensor_bytes(target), path)
     elif target.is_contiguous():
         flat = target.detach().reshape(-1).view(torch.uint8)
         read_into_device(storage, entry.chunks, flat, path, budget)
@@ -122,12 +168,13 @@ def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
     return target
 
 
-def _load_array(storage: Storage, path: str, entry: TensorEntry, target: Any) -> np.ndarray:
+def _load_array(storage: Storage, path: str, entry: TensorEntry, target: Any,
+                reads: ReadBatch | None) -> np.ndarray:
     dtype = np.dtype(entry.dtype)
     fits = (isinstance(target, np.ndarray) and target.dtype == dtype and list(target.shape) == entry.shape
             and target.flags.c_contiguous and target.flags.writeable)
     out = target if fits else np.empty(entry.shape, dtype=dtype)
-    read_into(storage, entry.chunks, memoryview(out.reshape(-1).view(np.uint8)), path)
+    fill(reads, storage, entry.chunks, memoryview(out.reshape(-1).view(np.uint8)), path)
     return out
 
 

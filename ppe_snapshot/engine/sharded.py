@@ -244,7 +244,7 @@ def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) ->
 
 
 def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,
-                 budget: int | None = None) -> Any:
+                 budget: int | None = None, batch: Any = None) -> Any:
     """Load the saved sharded tensor into ``target`` in place (a DTensor, ShardedTensor or
     full-size tensor); without a tensor target, into a new full tensor.
 
@@ -272,7 +272,7 @@ def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | Tensor
     dests = [local for _, local in regions]
     with torch.no_grad():
         for index, items in sorted(by_shard.items()):
-            _read_shard(storage, path, entry.shards[index], items, dests, budget)
+            _read_shard(storage, path, entry.shards[index], items, dests, budget, batch)
     return target
 
 
@@ -294,16 +294,17 @@ def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 
 def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], dests: list[torch.Tensor],
-                budget: int | None) -> None:
-    """Copy the parts ``items`` of one saved shard into their destinations."""
-    from ppe_snapshot.engine.loading import read_into, read_into_device
+                budget: int | None, batch: Any) -> None:
+    """Copy the parts ``items`` of one saved shard into their destinations (whole-shard reads via ``batch``,
+    a ``loading.ReadBatch``)."""
+    from ppe_snapshot.engine.loading import fill, read_into_device
     from ppe_snapshot.engine.packing import is_direct, tensor_bytes
 
     item = items[0]
     if len(items) == 1 and not any(item.storage_offsets) and list(item.lengths) == shard.sizes:
         dest = _region(dests[item.dest_index.index], item.dest_offsets, item.lengths)
         if is_direct(dest):
-            read_into(storage, shard.chunks, tensor_bytes(dest), path)
+            fill(batch, storage, shard.chunks, tensor_bytes(dest), path)
             return
         if dest.is_contiguous():
             read_into_device(storage, shard.chunks, dest.reshape(-1).view(torch.uint8), path, budget)

@@ -5,7 +5,7 @@ import threading
 from typing import Any, Iterable, TypeVar
 
 from ppe_snapshot.engine.flatten import escape, inflate
-from ppe_snapshot.engine.loading import load_bytes, load_pickle, load_tensor, verify_chunks
+from ppe_snapshot.engine.loading import ReadBatch, load_bytes, load_pickle, load_tensor, verify_chunks
 from ppe_snapshot.engine.manifest import (
     MANIFEST_NAME, BytesEntry, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
 )
@@ -121,11 +121,15 @@ class Snapshot:
         try:
             manifest = self._read_manifest(storage)
             rank, _ = group_rank(self.pg)
+            reads = ReadBatch()
             for key, obj in app_state.items():
                 path = escape(key)
                 self._check_present(manifest, rank, key, path)
-                state = inflate(path, lambda p: manifest.lookup(rank, p), _leaf_loader(storage),
-                                state_of(key, obj))
+                try:
+                    state = inflate(path, lambda p: manifest.lookup(rank, p), _leaf_loader(storage, reads=reads),
+                                    state_of(key, obj))
+                finally:
+                    reads.join()
                 obj.load_state_dict(state)
         finally:
             storage.close()
@@ -144,8 +148,12 @@ class Snapshot:
             rank, logical = self._split(manifest, path)
             if manifest.lookup(rank, logical) is None:
                 raise KeyError(f"{path!r} is not in snapshot {self.path}; get_manifest() lists its entries")
-            return inflate(logical, lambda p: manifest.lookup(rank, p),
-                           _leaf_loader(storage, memory_budget_bytes), obj_out)
+            reads = ReadBatch()
+            try:
+                return inflate(logical, lambda p: manifest.lookup(rank, p),
+                               _leaf_loader(storage, memory_budget_bytes, reads), obj_out)
+            finally:
+                reads.join()
         finally:
             storage.close()
 
@@ -168,15 +176,15 @@ class Snapshot:
         raise StateMismatchError(f"app_state[{key!r}] is not in snapshot {self.path}; it holds {saved}")
 
 
-def _leaf_loader(storage: Storage, budget: int | None = None):
+def _leaf_loader(storage: Storage, budget: int | None = None, reads: ReadBatch | None = None):
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, PickleEntry):
             return load_pickle(storage, path, entry)
         if isinstance(entry, ShardedTensorEntry) or (isinstance(entry, TensorEntry) and is_sharded(template)):
-            return load_sharded(storage, path, entry, template, budget)
+            return load_sharded(storage, path, entry, template, budget, reads)
         if isinstance(entry, BytesEntry):
             return load_bytes(storage, path, entry)
-        return load_tensor(storage, path, entry, template, budget)
+        return load_tensor(storage, path, entry, template, budget, reads)
     return load
 
 
