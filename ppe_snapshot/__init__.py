@@ -9,6 +9,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CorruptSnapshotError", "PendingSnapshot", "RNGState", "Snapshot", "SnapshotError", "SnapshotExistsError",
-    "SnapshotNotFoundError", "StateDict", "Stateful", "StateMismatchError", "UnsupportedFormatError",
-    "UnsupportedValueError",
+    "SnapshotMode", "SnapshotNotFoundError", "StateDict", "Stateful", "StateMismatchError",
+    "UnsupportedFormatError", "UnsupportedValueError", "snapshot", "snapshot_object",
 ]
+
+_EXTENSION = ("SnapshotMode", "snapshot", "snapshot_object")
+
+
+def __getattr__(name: str):
+    # The extension imports pytorch_pfn_extras; loading it on first use keeps
+    # processes that need only the engine (the ProcessWriter's worker) light.
+    if name in _EXTENSION:
+        from ppe_snapshot import extension
+        return getattr(extension, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,248 @@
+"""Training loops for the snapshot extension's tests.
+
+Used in-process by tests/test_extension.py, by the dist_run pool in
+tests/test_extension_distributed.py, and as a script that a test kills:
+
+``python _extension_workers.py <out_dir> <iterations> <kill_at> <writer>``
+    trains with ``snapshot(autoload=True)`` every 2 iterations and kills
+    itself with SIGKILL in the middle of iteration ``<kill_at> + 1``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import pytorch_pfn_extras as ppe
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pytorch_pfn_extras.training import extensions
+
+import ppe_snapshot
+from ppe_snapshot import writing
+
+WRITERS = ("SimpleWriter", "ThreadWriter", "ProcessWriter", "ThreadQueueWriter", "ProcessQueueWriter")
+
+
+class Crash(Exception):
+    """Raised inside the training loop to stand for a failure."""
+
+
+class Net(torch.nn.Module):
+    """Small, with dropout: its training draws from the global RNG."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, width)
+        self.drop = torch.nn.Dropout(0.3)
+        self.fc2 = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def batch(iteration: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data of one iteration: a function of the position alone, so a resumed run sees the same."""
+    g = torch.Generator().manual_seed(10_000 * rank + iteration)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+class Run:
+    """A model, its optimizer and scheduler, and an ExtensionsManager with LogReport, LRScheduler and a snapshot."""
+
+    def __init__(self, out_dir: str, iterations: int, snapshot_kwargs: dict[str, Any] | None = None, *,
+                 trigger: tuple[int, str] = (2, "iteration"), seed: int = 0, iters_per_epoch: int = 4,
+                 target: str = "manager", sync: bool = True, state_objects: dict[str, Any] | None = None) -> None:
+        torch.manual_seed(seed)
+        self.model = Net()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
+        self.rng = ppe_snapshot.RNGState()
+        self.sync = sync
+        self.manager = ppe.training.ExtensionsManager(
+            self.model, self.optimizer, 1000, iters_per_epoch=iters_per_epoch, out_dir=out_dir,
+            stop_trigger=(iterations, "iteration"), state_objects={"rng": self.rng, **(state_objects or {})})
+        self.log_report = extensions.LogReport(trigger=(1, "iteration"))
+        self.manager.extend(self.log_report)
+        self.manager.extend(extensions.LRScheduler(self.scheduler, trigger=(1, "iteration")))
+        self.snapshot = None
+        if snapshot_kwargs is not None:
+            kwargs = dict(snapshot_kwargs)
+            if target == "dict":
+                kwargs["target"] = {"model": self.model, "optimizer": self.optimizer, "rng": self.rng}
+            elif target == "model":
+                kwargs["target"] = self.model
+            self.snapshot = ppe_snapshot.snapshot(**kwargs)
+            self.manager.extend(self.snapshot, trigger=trigger)
+
+    def train(self, crash_at: int | None = None, kill_at: int | None = None, rank: int = 0) -> None:
+        """Train until the stop trigger; raise :class:`Crash` (or SIGKILL) in the iteration after ``*_at``."""
+        manager = self.manager
+        while not manager.stop_trigger:
+            with manager.run_iteration(step_optimizers=["main"]):
+                done = manager.iteration
+                if done == crash_at:
+                    raise Crash(f"crash after {done} iterations")
+                x, y = batch(done, rank)
+                loss = F.mse_loss(self.model(x), y)
+                if done == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss.backward()
+                if self.sync and dist.is_initialized() and dist.get_world_size() > 1:
+                    for p in self.model.parameters():
+                        dist.all_reduce(p.grad)
+                ppe.reporting.report({"loss": loss.item()})
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resumed run must reproduce exactly."""
+        log = [{k: v for k, v in entry.items() if k != "elapsed_time"} for entry in self.log_report.log]
+        return {"iteration": self.manager.iteration, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "log": log, "rng": torch.get_rng_state()}
+
+
+def make_writer(name: str, **kwargs: Any) -> Any:
+    return getattr(writing, name)(**kwargs)
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Bit-exact equality of nested state (tensors with torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+class CollectiveState:
+    """State whose state_dict() is a collective: it hangs unless every rank calls it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls += 1
+        total = torch.tensor([self.calls])
+        dist.all_reduce(total)
+        return {"calls_on_all_ranks": total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# -- functions run on every rank by dist_run ---------------------------------------------------------------
+
+
+def dist_saver_rank_out_of_range() -> str:
+    try:
+        ppe_snapshot.snapshot(saver_rank=dist.get_world_size())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _snapshot_kwargs(mode: str, **extra: Any) -> dict[str, Any]:
+    kwargs = {"snapshot_mode": getattr(ppe_snapshot.SnapshotMode, mode), **extra}
+    if mode == "DISTRIBUTED":
+        kwargs["saver_rank"] = dist.get_world_size() - 1
+    return kwargs
+
+
+def snapshot_names(out_dir: str) -> list[str]:
+    """``snapshot_iter_<n>`` names under ``out_dir``, by n."""
+    found = [n for n in os.listdir(out_dir) if n.startswith("snapshot_iter_") and n[14:].isdigit()]
+    return sorted(found, key=lambda n: int(n[14:]))
+
+
+def flip_byte(path: str, offset: int = 100) -> None:
+    """Damage a file without changing its size: only checksums can tell."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: int,
+                          flip: str | None = None) -> dict[str, Any]:
+    """A straight run, a run that crashes (on every rank), and a resumed run; what each rank saw.
+
+    DISTRIBUTED: the model is replicated (gradients all-reduced), the last rank saves.
+    SHARDED: every rank trains its own model and saves its part of one snapshot.
+    ``flip``: a file of the newest snapshot, relative to it, whose bytes rank 0 damages before resuming.
+    """
+    rank, sharded = dist.get_rank(), mode == "SHARDED"
+    straight = Run(os.path.join(out_dir, f"straight{rank}"), iterations, None, seed=rank if sharded else 0,
+                   sync=not sharded)
+    straight.train(rank=rank)
+    collective = CollectiveState()
+    logs = os.path.join(out_dir, f"logs{rank}")  # each rank's LogReport writes its own
+    kwargs = _snapshot_kwargs(mode, writer=make_writer("ThreadWriter", out_dir=out_dir), autoload=True, n_retains=2)
+    first = Run(logs, iterations, kwargs, seed=rank if sharded else 0, sync=not sharded,
+                state_objects={"collective": collective})
+    try:
+        first.train(crash_at=crash_at, rank=rank)
+    except Crash:
+        pass
+    first.snapshot.writer.finalize()
+    calls = collective.calls
+    dist.barrier()
+    names = snapshot_names(out_dir)
+    newest = os.path.join(out_dir, names[-1])
+    saved_ranks = sorted({int(key.split("/")[0]) for key in ppe_snapshot.Snapshot(newest).get_manifest()})
+    if flip is not None and rank == 0:
+        flip_byte(os.path.join(newest, flip))
+    dist.barrier()
+
+    kwargs["writer"] = make_writer("ThreadWriter", out_dir=out_dir)
+    resumed = Run(logs, iterations, kwargs, seed=100 + rank, sync=not sharded,
+                  state_objects={"collective": CollectiveState()})
+    resumed.manager.start_extensions()
+    resumed_at = resumed.manager.iteration
+    resumed.train(rank=rank)
+    resumed.snapshot.writer.finalize()
+    dist.barrier()
+    return {"straight": straight.state(), "resumed": resumed.state(), "resumed_at": resumed_at,
+            "resumed_from": resumed.snapshot.resumed_from, "names_at_crash": names,
+            "names_at_end": snapshot_names(out_dir), "saved_ranks": saved_ranks, "state_dict_calls": calls}
+
+
+def dist_error_on_one_rank(out_dir: str, mode: str, failing_rank: int) -> dict[str, Any]:
+    """``failing_rank`` raises after 5 iterations; the others stop there normally and must not hang."""
+    rank = dist.get_rank()
+    logs = os.path.join(out_dir, f"logs{rank}")  # each rank's LogReport writes its own
+    kwargs = _snapshot_kwargs(mode, writer=make_writer("ThreadWriter", out_dir=out_dir), snapshot_on_error=True)
+    run = Run(logs, 10 if rank == failing_rank else 5, kwargs, trigger=(4, "iteration"),
+              seed=rank if mode == "SHARDED" else 0, sync=False)
+    raised = None
+    try:
+        run.train(crash_at=5 if rank == failing_rank else None, rank=rank)
+    except Crash as e:
+        raised = str(e)
+    run.snapshot.writer.finalize()
+    model = {k: v.clone() for k, v in run.model.state_dict().items()}
+    dist.barrier()
+    listing = sorted(os.listdir(out_dir))
+    kwargs = _snapshot_kwargs(mode, writer=make_writer("SimpleWriter", out_dir=out_dir), autoload=True)
+    resumed = Run(logs, 10, kwargs, trigger=(4, "iteration"), seed=50, sync=False)
+    resumed.manager.start_extensions()
+    return {"raised": raised, "model": model, "listing": listing, "resumed_at": resumed.manager.iteration}
+
+
+def _main(out_dir: str, iterations: str, kill_at: str, writer: str) -> None:
+    run = Run(out_dir, int(iterations), {"writer": make_writer(writer), "autoload": True})
+    run.train(kill_at=int(kill_at))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

@@ -1,0 +1,86 @@
+"""The snapshot extension on real gloo groups: DISTRIBUTED and SHARDED modes."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ppe_snapshot import Snapshot
+
+from _extension_workers import (
+    assert_same, dist_crash_and_resume, dist_error_on_one_rank, dist_saver_rank_out_of_range,
+)
+
+ITERS = 10
+
+
+def test_saver_rank_out_of_range(dist_run):
+    assert dist_run(dist_saver_rank_out_of_range, 2) == [
+        "Distributed snapshot requires a saver rank in the range [0-2); got saver_rank=2"] * 2
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_saver_writes_every_rank_resumes(dist_run, tmp_path, world_size):
+    results = dist_run(dist_crash_and_resume, world_size, str(tmp_path), "DISTRIBUTED", ITERS, 7)
+    for rank, r in enumerate(results):
+        # state_dict() ran on every rank at each of the 3 snapshots: it is a collective, anything else hangs.
+        assert r["state_dict_calls"] == 3
+        assert r["names_at_crash"] == ["snapshot_iter_4", "snapshot_iter_6"]  # n_retains=2
+        assert r["saved_ranks"] == [0]  # one process wrote it
+        assert r["resumed_at"] == 6 and r["resumed_from"] == os.path.join(str(tmp_path), "snapshot_iter_6")
+        if rank != world_size - 1:  # every rank got the saver rank's log (its losses) back
+            r["straight"].pop("log"), r["resumed"].pop("log")
+        assert_same(r["resumed"], r["straight"], f"rank {rank}")
+        assert_same(r["resumed"]["model"], results[0]["resumed"]["model"])  # replicated
+    assert results[0]["names_at_end"] == ["snapshot_iter_8", "snapshot_iter_10"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_one_snapshot_every_rank_resumes_its_part(dist_run, tmp_path, world_size):
+    results = dist_run(dist_crash_and_resume, world_size, str(tmp_path), "SHARDED", ITERS, 7)
+    for rank, r in enumerate(results):
+        assert r["saved_ranks"] == list(range(world_size))  # one manifest holding every rank's part
+        assert r["names_at_crash"] == ["snapshot_iter_4", "snapshot_iter_6"]
+        assert r["resumed_at"] == 6
+        assert_same(r["resumed"], r["straight"], f"rank {rank}")
+    assert not torch.equal(results[0]["resumed"]["model"]["fc1.weight"], results[1]["resumed"]["model"]["fc1.weight"])
+    assert sorted(os.listdir(tmp_path / "snapshot_iter_10" / "data")) == [f"rank{r}.bin" for r in range(world_size)]
+    assert results[0]["names_at_end"] == ["snapshot_iter_8", "snapshot_iter_10"]
+
+
+@pytest.mark.parametrize("mode, damaged", [("SHARDED", "data/rank1.bin"), ("DISTRIBUTED", "data/rank0.bin")])
+def test_ranks_fall_back_together_when_one_cannot_restore(dist_run, tmp_path, mode, damaged, capfd):
+    # A flipped byte passes the size checks; only rank 1 (SHARDED) or every rank (DISTRIBUTED) sees the
+    # checksum fail while restoring, and all ranks must agree on the older snapshot.
+    results = dist_run(dist_crash_and_resume, 2, str(tmp_path), mode, ITERS, 7, damaged)
+    for rank, r in enumerate(results):
+        assert r["resumed_at"] == 4 and r["resumed_from"] == os.path.join(str(tmp_path), "snapshot_iter_4")
+        if mode == "DISTRIBUTED" and rank == 0:  # the log restored is the saver rank's
+            r["straight"].pop("log"), r["resumed"].pop("log")
+        assert_same(r["resumed"], r["straight"], f"rank {rank}")
+    out = capfd.readouterr()
+    assert "skipping snapshot" in out.err and "snapshot_iter_6" in out.err and "checksum" in out.err
+
+
+@pytest.mark.parametrize("mode, failing", [("DISTRIBUTED", 1), ("DISTRIBUTED", 0), ("SHARDED", 1)])
+def test_snapshot_on_error_does_not_hang_the_other_ranks(dist_run, tmp_path, mode, failing):
+    results = dist_run(dist_error_on_one_rank, 2, str(tmp_path), mode, failing, timeout=90)
+    assert [r["raised"] for r in results] == [None if rank != failing else "crash after 5 iterations"
+                                              for rank in range(2)]
+    listing = results[0]["listing"]
+    model = results[failing]["model"]
+    if mode == "DISTRIBUTED" and failing == 1:  # the saver rank failed: it saved the whole state alone
+        assert [n for n in listing if n.startswith("snapshot")] == ["snapshot_iter_4", "snapshot_iter_5"]
+        saved = Snapshot(str(tmp_path / "snapshot_iter_5")).read_object("0/state/models/main")
+        assert_same(saved, model)
+        assert [r["resumed_at"] for r in results] == [5, 5]
+    elif mode == "DISTRIBUTED":  # another rank failed: only the saver writes, so nothing is added
+        assert [n for n in listing if n.startswith("snapshot")] == ["snapshot_iter_4"]
+        assert [r["resumed_at"] for r in results] == [4, 4]
+    else:  # SHARDED: the failing rank saved its own part alone, which autoload leaves aside
+        assert [n for n in listing if n.startswith("snapshot")] == ["snapshot_iter_4", "snapshot_iter_5.error-rank1"]
+        error_snapshot = Snapshot(str(tmp_path / "snapshot_iter_5.error-rank1"))
+        assert sorted({k.split("/")[0] for k in error_snapshot.get_manifest()}) == ["0"]
+        assert_same(error_snapshot.read_object("0/state/models/main"), model)
+        assert [r["resumed_at"] for r in results] == [4, 4]

@@ -1,0 +1,200 @@
+"""ppe_snapshot.retention: matching names, ordering by training position, pruning."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import fsspec
+import pytest
+import torch
+
+from ppe_snapshot import Snapshot, StateDict
+from ppe_snapshot.engine.commit import PARTS_DIR
+from ppe_snapshot.retention import Candidate, FilenameFormat, list_snapshots, prune, select_prunable
+from ppe_snapshot.storage import join
+
+FMT = "snapshot_iter_{.iteration}"
+
+
+def _take(out: str, name: str, iteration: int | None, storage_options=None, **extra) -> str:
+    url = join(out, name)
+    metadata = {} if iteration is None else {"iteration": iteration, "epoch_detail": iteration / 10, **extra}
+    Snapshot.take(url, {"state": StateDict({"w": torch.arange(4.0)})}, storage_options=storage_options,
+                  metadata=metadata)
+    return url
+
+
+def _names(candidates: list[Candidate]) -> list[str]:
+    return [c.name for c in candidates]
+
+
+# -- the filename format -------------------------------------------------------------------------------
+
+
+def test_format_matches_only_names_it_can_produce():
+    fmt = FilenameFormat(FMT)
+    assert fmt.match("snapshot_iter_10") == {"iteration": "10"}
+    for other in ("snapshot_iter_", "snapshot_iter_x", "tmp_snapshot_iter_10", "snapshot_iter_10.bak",
+                  "snapshot_iter_10.error-rank1", "a/snapshot_iter_10", "snapshot_iter_1a"):
+        assert fmt.match(other) is None, other
+
+
+def test_format_fields_specs_escapes_and_directories():
+    fmt = FilenameFormat("run.{0.epoch:03d}/snap+{.iteration:08d}_{.epoch_detail:.2f}{{x}}_{.name}")
+    assert fmt.depth == 2
+    assert fmt.match("run.003/snap+00000010_3.25{x}_abc") == {
+        "epoch": "003", "iteration": "00000010", "epoch_detail": "3.25", "name": "abc"}
+    assert fmt.match("runX003/snap+00000010_3.25{x}_abc") is None  # "." is literal
+    assert fmt.match("run.003/snap+00000010_3.25{x}_") is None
+
+
+@pytest.mark.parametrize("bad, fragment", [("snap_{", "not a valid format string"),
+                                           ("a//{.iteration}", "empty path component")])
+def test_format_rejects_bad_formats(bad, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        FilenameFormat(bad)
+
+
+# -- listing and ordering --------------------------------------------------------------------------------
+
+
+def test_ordered_by_recorded_position_never_by_name_or_mtime(tmp_path):
+    out = str(tmp_path)
+    for i, it in enumerate([100, 10, 9]):
+        url = _take(out, f"snapshot_iter_{it}", it)
+        os.utime(url, (1_000_000 + i, 1_000_000 + i))  # the newest mtime on the oldest position
+    # The manifest's position wins over the one in the name.
+    _take(out, "snapshot_iter_5", 50)
+    for unrelated in ("other", "tmp_snapshot_iter_3", "snapshot_iter_3.error-rank0"):
+        os.makedirs(tmp_path / unrelated)
+    found = list_snapshots(out, FMT)
+    assert _names(found) == ["snapshot_iter_9", "snapshot_iter_10", "snapshot_iter_5", "snapshot_iter_100"]
+    assert [c.iteration for c in found] == [9, 10, 50, 100]
+    assert all(c.kind == "snapshot" and c.complete for c in found)
+    assert found[0].url == join(out, "snapshot_iter_9")
+
+
+def test_classifies_incomplete_busy_damaged_and_ppe_files(tmp_path):
+    out = str(tmp_path)
+    _take(out, "snapshot_iter_1", 1)
+    (tmp_path / "snapshot_iter_2" / "data").mkdir(parents=True)  # crashed before the commit
+    parts = tmp_path / "snapshot_iter_3" / PARTS_DIR
+    parts.mkdir(parents=True)
+    (parts / "abc.rank1.json").write_text("{}")  # a multi-rank take in progress
+    aborted = tmp_path / "snapshot_iter_4" / PARTS_DIR
+    aborted.mkdir(parents=True)
+    (aborted / "def.rank1.json").write_text("{}")
+    (aborted / "def.abort").write_text("rank 1 failed")
+    truncated = _take(out, "snapshot_iter_5", 5)
+    with open(os.path.join(truncated, "data", "rank0.bin"), "r+b") as f:
+        f.truncate(3)
+    garbled = _take(out, "snapshot_iter_6", 6)
+    with open(os.path.join(garbled, "manifest.json"), "w") as f:
+        f.write("{not json")
+    # ppe's own format: a torch.save'd manager state; the position is read from inside it.
+    torch.save({"_start_iteration": 70, "models": {"main": {"w": torch.ones(2)}}}, tmp_path / "snapshot_iter_7")
+    torch.save({"w": torch.ones(2)}, tmp_path / "snapshot_iter_8")  # not a manager: the name tells
+
+    found = {c.name: c for c in list_snapshots(out, FMT)}
+    assert {n: c.kind for n, c in found.items()} == {
+        "snapshot_iter_1": "snapshot", "snapshot_iter_2": "incomplete", "snapshot_iter_3": "incomplete",
+        "snapshot_iter_4": "incomplete", "snapshot_iter_5": "damaged", "snapshot_iter_6": "damaged",
+        "snapshot_iter_7": "file", "snapshot_iter_8": "file"}
+    assert [n for n, c in found.items() if c.busy] == ["snapshot_iter_3"]
+    assert "manifest.json" in found["snapshot_iter_2"].problem
+    assert "rank0.bin is 3 bytes" in found["snapshot_iter_5"].problem
+    assert "not valid JSON" in found["snapshot_iter_6"].problem
+    assert found["snapshot_iter_7"].iteration == 70
+    assert found["snapshot_iter_8"].iteration == 8
+
+
+def _record_call(path: str) -> None:  # what a malicious pickle would run
+    os.makedirs(path)
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return _record_call, (self.path,)
+
+
+def test_reading_a_ppe_file_position_runs_no_code_from_it(tmp_path):
+    witness = tmp_path / "code-ran"
+    torch.save({"_start_iteration": 12, "evil": _Evil(str(witness))}, tmp_path / "snapshot_iter_1")
+    (found,) = list_snapshots(str(tmp_path), FMT)
+    assert found.iteration == 12
+    assert not witness.exists()
+
+
+def test_missing_out_dir_lists_nothing(tmp_path):
+    assert list_snapshots(str(tmp_path / "nope"), FMT) == []
+    assert prune(str(tmp_path / "nope"), FMT, 1) == []
+
+
+def test_nested_format_lists_across_directories(tmp_path):
+    out = str(tmp_path)
+    fmt = "epoch_{.epoch}/iter_{.iteration}"
+    _take(out, "epoch_0/iter_5", 5)
+    _take(out, "epoch_1/iter_12", 12)
+    (tmp_path / "epoch_1" / "stray").mkdir()
+    (tmp_path / "epoch_2").write_text("a file where a directory is expected")
+    assert _names(list_snapshots(out, fmt)) == ["epoch_0/iter_5", "epoch_1/iter_12"]
+    assert prune(out, fmt, 1) == [join(out, "epoch_0/iter_5")]
+    assert not (tmp_path / "epoch_0" / "iter_5").exists()
+
+
+# -- pruning -----------------------------------------------------------------------------------------------
+
+
+def _c(name: str, kind: str, iteration: int | None, busy: bool = False) -> Candidate:
+    return Candidate(name, name, kind, iteration, None, busy=busy)
+
+
+def test_select_prunable_rules():
+    cands = [_c("d5", "damaged", 5), _c("s10", "snapshot", 10), _c("i15", "incomplete", 15),
+             _c("b17", "incomplete", 17, busy=True), _c("f20", "file", 20), _c("s30", "snapshot", 30),
+             _c("u", "incomplete", None), _c("i40", "incomplete", 40), _c("d50", "damaged", 50)]
+    assert _names(select_prunable(cands, 2)) == ["d5", "s10", "i15"]
+    assert _names(select_prunable(cands, 1)) == ["d5", "s10", "i15", "f20"]
+    assert _names(select_prunable(cands, 5)) == ["d5", "i15"]
+    assert select_prunable(cands, 0) == [] and select_prunable(cands, -1) == []
+    assert select_prunable([_c("i1", "incomplete", 1), _c("d2", "damaged", 2)], 1) == []
+
+
+def _prune_scenario(out: str, storage_options, exists):
+    for it in (10, 20, 30):
+        _take(out, f"snapshot_iter_{it}", it, storage_options)
+    fs, root = fsspec.core.url_to_fs(out, **(storage_options or {}))
+    for rel, data in [("snapshot_iter_15/data/rank0.bin", b"partial"),  # crashed save, older
+                      (f"snapshot_iter_25/{PARTS_DIR}/t.rank1.json", b"{}"),  # a take in progress
+                      ("snapshot_iter_40/data/rank0.bin", b"partial")]:  # being written, newer
+        fs.makedirs(f"{root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(f"{root}/{rel}", data)
+    removed = prune(out, FMT, 2, storage_options)
+    assert sorted(removed) == [join(out, "snapshot_iter_10"), join(out, "snapshot_iter_15")]
+    left = {it for it in (10, 15, 20, 25, 30, 40) if exists(fs, f"{root}/snapshot_iter_{it}")}
+    assert left == {20, 25, 30, 40}
+    assert _names(list_snapshots(out, FMT, storage_options)) == [
+        "snapshot_iter_20", "snapshot_iter_25", "snapshot_iter_30", "snapshot_iter_40"]
+    assert prune(out, FMT, 1, storage_options) == [join(out, "snapshot_iter_20")]
+    snap = Snapshot(join(out, "snapshot_iter_30"), storage_options=storage_options)
+    snap.verify()  # the newest complete one is intact
+
+
+def _exists(fs, path):
+    return bool(fs.exists(path)) and bool(fs.find(path))
+
+
+def test_prune_local(tmp_path):
+    _prune_scenario(str(tmp_path / "out"), None, _exists)
+
+
+def test_prune_memory_url():
+    _prune_scenario(f"memory://retention-{uuid.uuid4().hex}/run", None, _exists)
+
+
+def test_prune_s3(s3_bucket):
+    url, storage_options = s3_bucket
+    _prune_scenario(f"{url}/run", storage_options, _exists)
