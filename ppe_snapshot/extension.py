@@ -6,11 +6,12 @@ snapshot is an engine snapshot (a directory, committed by its manifest);
 ``autoload`` restores the newest complete and valid one by training
 position; ``n_retains`` prunes after each committed save.
 
-RNG state: the saved state is the target's state as defined by the user. To
-resume bit-exactly when training draws random numbers (dropout, shuffling),
-put the global generators in it: ``ExtensionsManager(...,
-state_objects={"rng": ppe_snapshot.RNGState()})`` for the manager target, or
-an ``RNGState()`` value in a dict target.
+RNG state: engine snapshots also hold each rank's global random number
+generators (torch CPU and CUDA, numpy, Python ``random``), beside the
+target's state, and autoload restores them, so training that draws random
+numbers (dropout, shuffling) resumes bit-exactly. Single-file snapshots
+(``savefun=torch.save``) keep ppe's format, which has no RNG state: there,
+put ``ppe_snapshot.RNGState()`` in the manager's ``state_objects``.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from pytorch_pfn_extras.training.extensions import SnapshotMode
 from pytorch_pfn_extras.writing import Writer
 
 from ppe_snapshot import retention
-from ppe_snapshot.engine import LOCAL, Snapshot
+from ppe_snapshot.engine import LOCAL, RNGState, Snapshot, StateDict
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.retention import Candidate, FilenameFormat
 from ppe_snapshot.writing import SimpleWriter
@@ -111,6 +112,10 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
         return _ShardedSnapshot(saver_rank=0 if saver_rank is None else saver_rank, **options)
     raise RuntimeError(f"snapshot_mode must be one of {[m.name for m in SnapshotMode]} of SnapshotMode, "
                        f"got {snapshot_mode!r}")
+
+
+#: The app-state key of the RNG states in engine snapshots written by the extension.
+RNG_KEY = "rng"
 
 
 def _always_true() -> bool:
@@ -254,7 +259,15 @@ class _Snapshot(extension.Extension):
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         self._save(manager, self._format_name(manager), _state_of(self._resolve_target(manager)), LOCAL)
 
-    def _save(self, manager: ExtensionsManagerProtocol, name: str, state: Any, pg: Any) -> None:
+    #: This process's key in the saved RNG states (its global rank in distributed modes).
+    _rng_rank = 0
+
+    def _rng_states(self) -> dict[int, Any]:
+        """The RNG states to save, by rank: this process's own."""
+        return {self._rng_rank: RNGState().state_dict()}
+
+    def _save(self, manager: ExtensionsManagerProtocol, name: str, state: Any, pg: Any,
+              rng: dict[int, Any] | None = None) -> None:
         writer = self.writer
         assert writer is not None, "initialize() sets the writer"
         if not self._engine_writer:
@@ -268,7 +281,9 @@ class _Snapshot(extension.Extension):
             logger.warning("ppe_snapshot: removed %s, which autoload skipped as %s, to save this position again",
                            stale.url, stale.kind if stale.kind != "snapshot" else "damaged")
         previous = getattr(writer, "last_stats", None)
-        writer(name, manager.out, state, savefun=self._savefun, metadata=self._metadata(manager), pg=pg)
+        rng = self._rng_states() if rng is None else rng
+        writer(name, manager.out, state, savefun=self._savefun, metadata=self._metadata(manager), pg=pg,
+               extra_state={RNG_KEY: StateDict(rng)})
         self._report(manager, name, writer.last_stats, previous)
 
     def _report(self, manager: ExtensionsManagerProtocol, name: str, stats: dict[str, Any],
@@ -366,6 +381,16 @@ class _Snapshot(extension.Extension):
         if saved_kind != self._target_kind:
             raise _Unusable(f"it holds a {saved_kind} target and this extension's target is a {self._target_kind}")
         snap.restore({"state": _TargetState(target)})
+        self._restore_rng(snap, pg)
+
+    def _restore_rng(self, snap: Snapshot, pg: Any) -> None:
+        section = 0 if pg is LOCAL else self._rng_rank  # a LOCAL snapshot's entries are all rank 0's
+        key = f"{section}/{RNG_KEY}/{self._rng_rank}"
+        if key not in snap.get_manifest():
+            logger.info("ppe_snapshot: %s holds no RNG state for rank %d; the random number generators "
+                        "continue from their current state", snap.path, self._rng_rank)
+            return
+        RNGState().load_state_dict(snap.read_object(key))
 
     def _resumed(self, manager: ExtensionsManagerProtocol, found: Candidate | None,
                  candidates: list[Candidate]) -> None:
@@ -426,6 +451,7 @@ class _DistributedExtension(_Snapshot):
             raise ValueError(f"Distributed snapshot requires a saver rank in the range [0-{self._size}); "
                              f"got saver_rank={saver_rank}")
         self._saver_rank = saver_rank
+        self._rng_rank = self._rank
 
     @property
     def _is_saver(self) -> bool:
@@ -476,10 +502,11 @@ class _DistributedSnapshot(_DistributedExtension):
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         name = self._format_name(manager)
         state = _state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
+        rng = self._gather_rng_states() if self._engine_writer else None
         failure: list[str | None] = [None]
         if self._is_saver:
             try:
-                self._save(manager, name, state, LOCAL)
+                self._save(manager, name, state, LOCAL, rng)
             except Exception as e:
                 failure[0] = f"{type(e).__name__}: {e}"
                 self._broadcast(failure)
@@ -487,6 +514,14 @@ class _DistributedSnapshot(_DistributedExtension):
         self._broadcast(failure)  # also the barrier: every rank returns once the save is handed off
         if failure[0] is not None:
             raise SnapshotError(f"snapshot {name} failed on saver rank {self._saver_rank}: {failure[0]}")
+
+    def _gather_rng_states(self) -> dict[int, Any] | None:
+        """Every rank's RNG state, on the saver rank (it writes them all; each rank restores its own)."""
+        if self._size == 1:
+            return self._rng_states()
+        states: list[Any] | None = [None] * self._size if self._is_saver else None
+        dist.gather_object(RNGState().state_dict(), states, dst=self._saver_rank)
+        return dict(enumerate(states)) if states is not None else None
 
     def _broadcast(self, objects: list[Any]) -> None:
         if self._size > 1:

@@ -55,7 +55,8 @@ class Run:
 
     def __init__(self, out_dir: str, iterations: int, snapshot_kwargs: dict[str, Any] | None = None, *,
                  trigger: tuple[int, str] = (2, "iteration"), seed: int = 0, iters_per_epoch: int = 4,
-                 target: str = "manager", sync: bool = True, state_objects: dict[str, Any] | None = None) -> None:
+                 target: str = "manager", sync: bool = True, state_objects: dict[str, Any] | None = None,
+                 rng_in_state: bool = True) -> None:
         torch.manual_seed(seed)
         self.model = Net()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
@@ -64,7 +65,8 @@ class Run:
         self.sync = sync
         self.manager = ppe.training.ExtensionsManager(
             self.model, self.optimizer, 1000, iters_per_epoch=iters_per_epoch, out_dir=out_dir,
-            stop_trigger=(iterations, "iteration"), state_objects={"rng": self.rng, **(state_objects or {})})
+            stop_trigger=(iterations, "iteration"),
+            state_objects={**({"rng": self.rng} if rng_in_state else {}), **(state_objects or {})})
         self.log_report = extensions.LogReport(trigger=(1, "iteration"))
         self.manager.extend(self.log_report)
         self.manager.extend(extensions.LRScheduler(self.scheduler, trigger=(1, "iteration")))
@@ -174,22 +176,28 @@ def flip_byte(path: str, offset: int = 100) -> None:
 
 
 def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: int,
-                          flip: str | None = None) -> dict[str, Any]:
+                          flip: str | None = None, own_rng: bool = False) -> dict[str, Any]:
     """A straight run, a run that crashes (on every rank), and a resumed run; what each rank saw.
 
     DISTRIBUTED: the model is replicated (gradients all-reduced), the last rank saves.
     SHARDED: every rank trains its own model and saves its part of one snapshot.
     ``flip``: a file of the newest snapshot, relative to it, whose bytes rank 0 damages before resuming.
+    ``own_rng``: no RNGState in the manager; each rank draws from its own seed, and only the
+    extension's own RNG capture can bring each rank's generators back.
     """
     rank, sharded = dist.get_rank(), mode == "SHARDED"
     straight = Run(os.path.join(out_dir, f"straight{rank}"), iterations, None, seed=rank if sharded else 0,
-                   sync=not sharded)
+                   sync=not sharded, rng_in_state=not own_rng)
+    if own_rng:
+        torch.manual_seed(1000 + rank)
     straight.train(rank=rank)
     collective = CollectiveState()
     logs = os.path.join(out_dir, f"logs{rank}")  # each rank's LogReport writes its own
     kwargs = _snapshot_kwargs(mode, writer=make_writer("ThreadWriter", out_dir=out_dir), autoload=True, n_retains=2)
     first = Run(logs, iterations, kwargs, seed=rank if sharded else 0, sync=not sharded,
-                state_objects={"collective": collective})
+                state_objects={"collective": collective}, rng_in_state=not own_rng)
+    if own_rng:
+        torch.manual_seed(1000 + rank)
     try:
         first.train(crash_at=crash_at, rank=rank)
     except Crash:
@@ -206,7 +214,7 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
 
     kwargs["writer"] = make_writer("ThreadWriter", out_dir=out_dir)
     resumed = Run(logs, iterations, kwargs, seed=100 + rank, sync=not sharded,
-                  state_objects={"collective": CollectiveState()})
+                  state_objects={"collective": CollectiveState()}, rng_in_state=not own_rng)
     resumed.manager.start_extensions()
     resumed_at = resumed.manager.iteration
     resumed.train(rank=rank)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -122,6 +123,33 @@ def test_crash_resume_is_bit_identical_and_retains_newest(tmp_path, straight, wr
     resumed.train()
     assert_same(resumed.state(), straight)
     assert _iterations(tmp_path) == [8, 10]
+
+
+@pytest.mark.parametrize("writer", ["SimpleWriter", "ProcessWriter"])
+def test_resume_restores_global_rng_without_rng_in_the_target(tmp_path, writer, monkeypatch):
+    """Engine snapshots carry the global RNG state themselves: dropout draws continue exactly."""
+    reference = Run(str(tmp_path / "straight"), ITERS, {}, rng_in_state=False)
+    reference.train()
+    out = str(tmp_path / "run")
+    first = Run(out, ITERS, {"writer": make_writer(writer), "autoload": True}, rng_in_state=False)
+    with pytest.raises(Crash):
+        first.train(crash_at=7)
+    first.snapshot.writer.finalize()
+    control = str(tmp_path / "control")
+    shutil.copytree(out, control)
+
+    resumed = Run(out, ITERS, {"writer": make_writer(writer), "autoload": True}, seed=1, rng_in_state=False)
+    resumed.train()
+    assert resumed.manager.iteration == ITERS
+    assert_same(resumed.state(), reference.state())
+
+    # The same resume without restoring the RNG state diverges: the check above can fail.
+    monkeypatch.setattr(ppe_snapshot.extension._Snapshot, "_restore_rng", lambda self, snap, pg: None)
+    diverged = Run(control, ITERS, {"writer": make_writer(writer), "autoload": True}, seed=1, rng_in_state=False)
+    diverged.train()
+    assert diverged.snapshot.resumed_from == join(control, "snapshot_iter_6")
+    with pytest.raises(AssertionError):
+        assert_same(diverged.state(), reference.state())
 
 
 def test_resume_after_sigkill_mid_run(tmp_path, straight):

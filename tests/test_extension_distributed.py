@@ -49,6 +49,20 @@ def test_sharded_one_snapshot_every_rank_resumes_its_part(dist_run, tmp_path, wo
     assert results[0]["names_at_end"] == ["snapshot_iter_8", "snapshot_iter_10"]
 
 
+@pytest.mark.parametrize("mode", ["DISTRIBUTED", "SHARDED"])
+def test_each_rank_resumes_its_own_rng_stream(dist_run, tmp_path, mode):
+    """No RNGState in the target and different random streams per rank: the extension saves and
+    restores every rank's generators (DISTRIBUTED: gathered to the saver), so each rank's dropout
+    continues exactly."""
+    results = dist_run(dist_crash_and_resume, 2, str(tmp_path), mode, ITERS, 7, None, True)
+    for rank, r in enumerate(results):
+        assert r["resumed_at"] == 6
+        if mode == "DISTRIBUTED" and rank == 0:  # the log restored is the saver rank's
+            r["straight"].pop("log"), r["resumed"].pop("log")
+        assert_same(r["resumed"], r["straight"], f"rank {rank}")
+    assert not torch.equal(results[0]["straight"]["rng"], results[1]["straight"]["rng"])
+
+
 @pytest.mark.parametrize("mode, damaged", [("SHARDED", "data/rank1.bin"), ("DISTRIBUTED", "data/rank0.bin")])
 def test_ranks_fall_back_together_when_one_cannot_restore(dist_run, tmp_path, mode, damaged, capfd):
     # A flipped byte passes the size checks; only rank 1 (SHARDED) or every rank (DISTRIBUTED) sees the

@@ -62,13 +62,15 @@ class WriterBase(Writer):
         self._initialized = True  # object stores need no directories
 
     def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
-                 append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL) -> None:
+                 append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL,
+                 extra_state: Mapping[str, Any] | None = None) -> None:
         """Save ``target`` (a state dict) as ``<self.out_dir or out_dir>/<filename>``.
 
         ``metadata`` is stored in the snapshot's manifest; ``pg`` is the
         engine's process group (``LOCAL``: this process alone; ``None``: the
-        default group, each rank writing its part). Both are ignored when a
-        ``savefun`` writes a single file.
+        default group, each rank writing its part); ``extra_state`` holds more
+        app-state entries saved beside the target's ``"state"`` (e.g. the RNG
+        state). All three are ignored when a ``savefun`` writes a single file.
         """
         if self._finalized:
             raise RuntimeError(f"this {type(self).__name__} was finalized; create a new writer to save again")
@@ -83,7 +85,9 @@ class WriterBase(Writer):
             if not isinstance(target, Mapping):
                 raise TypeError(f"an engine snapshot saves a state dict; got a {type(target).__name__}. "
                                 "Pass a dict, or a savefun such as torch.save to write it as one file")
-            self._take(path, {"state": StateDict(target)}, metadata, pg, start)
+            if extra_state and "state" in extra_state:
+                raise ValueError('extra_state cannot use the key "state": it holds the target')
+            self._take(path, {"state": StateDict(target), **(extra_state or {})}, metadata, pg, start)
         else:
             self._save_file(self._file_save(path, savefun, append), target, start)
 
