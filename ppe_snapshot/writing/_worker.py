@@ -34,7 +34,8 @@ PARENT_CHECK_S = 1.0
 
 def serve(jobs: Connection, results: Connection, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process; it stops us
-    torch.set_num_threads(1)  # leave the cores to training
+    torch.set_num_threads(1)  # leave the cores to training,
+    os.nice(10)  # and let training win when both want a core: writing can wait, a step cannot
     inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
     # A reader thread keeps the pipe drained, so the parent never blocks on a send while we write.
     threading.Thread(target=_receive, args=(jobs, inbox, parent_pid), daemon=True).start()
