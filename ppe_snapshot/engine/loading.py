@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pickle
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,20 +48,27 @@ def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str)
 
 
 class ReadBatch:
-    """Reads into their final destinations, several in flight at once.
+    """Reads into their final destinations, gathered and run together at ``join()``.
 
-    A cold disk delivers about twice the bandwidth with two reads in flight
-    instead of one (measured here), and page-cache copies use both cores;
-    preadv and xxhash release the GIL. ``join()`` waits for all and raises
-    the first failure. Without a batch, reads happen at once.
+    Neighbouring chunks of a file are coalesced into runs, each one vectored
+    read (the alignment gaps land in a scratch buffer): thousands of small
+    tensors cost a few syscalls. Runs go, in file order, to a small thread
+    pool: a cold disk delivers about twice the bandwidth with two reads in
+    flight instead of one (measured here), and page-cache copies use both
+    cores; preadv and xxhash release the GIL. ``join()`` raises the first
+    failure. Without a batch, reads happen at once.
     """
 
     WORKERS = 4
+    #: Neighbouring chunks at most this far apart share one vectored read ...
+    MAX_GAP = 4096
+    #: ... of at most this many bytes.
+    MAX_RUN = 32 << 20
     _pool: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
     def __init__(self) -> None:
-        self._futures: list[Future] = []
+        self._reads: list[tuple[Storage, Chunk, memoryview, str]] = []
 
     @classmethod
     def _executor(cls) -> ThreadPoolExecutor:
@@ -71,13 +78,55 @@ class ReadBatch:
             return cls._pool
 
     def read_into(self, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
-        self._futures.append(self._executor().submit(read_into, storage, chunks, out, what))
+        position = 0
+        for chunk in chunks:
+            self._reads.append((storage, chunk, out[position:position + chunk.nbytes], what))
+            position += chunk.nbytes
 
     def join(self) -> None:
-        futures, self._futures = self._futures, []
+        runs, self._reads = self._runs(), []
+        if len(runs) == 1:
+            _read_run(runs[0])
+            return
+        futures = [self._executor().submit(_read_run, run) for run in runs]
         errors = [e for e in (f.exception() for f in futures) if e is not None]
         if errors:
             raise errors[0]
+
+    def _runs(self) -> list[list[tuple[Storage, Chunk, memoryview, str]]]:
+        """The reads grouped into runs of neighbouring chunks of one file, in file order."""
+        ordered = sorted(self._reads, key=lambda r: (id(r[0]), r[1].file, r[1].offset))
+        runs: list[list[tuple[Storage, Chunk, memoryview, str]]] = []
+        for read in ordered:
+            storage, chunk = read[0], read[1]
+            if runs:
+                last = runs[-1][-1]
+                end = last[1].offset + last[1].nbytes
+                if (last[0] is storage and last[1].file == chunk.file and 0 <= chunk.offset - end <= self.MAX_GAP
+                        and chunk.offset + chunk.nbytes - runs[-1][0][1].offset <= self.MAX_RUN):
+                    runs[-1].append(read)
+                    continue
+            runs.append([read])
+        return runs
+
+
+def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
+    """One vectored read for neighbouring chunks of one file, then each chunk's checksum."""
+    storage, first = run[0][0], run[0][1]
+    scratch = memoryview(bytearray(ReadBatch.MAX_GAP))
+    views, position = [], first.offset
+    for _, chunk, view, _ in run:
+        if chunk.offset > position:
+            views.append(scratch[: chunk.offset - position])
+        views.append(view)
+        position = chunk.offset + chunk.nbytes
+    try:
+        storage.read_vectored(first.file, first.offset, views)
+    except (EOFError, FileNotFoundError) as e:
+        raise CorruptSnapshotError(f"data file {first.file} of {storage.url} is missing or truncated: {e}") from e
+    for _, chunk, view, what in run:
+        if checksum(view) != chunk.checksum:
+            raise _mismatch(storage, chunk, what)
 
 
 def fill(reads: ReadBatch | None, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:

@@ -50,6 +50,18 @@ class Storage(abc.ABC):
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes at ``offset``; raises ``EOFError`` when the file is shorter."""
 
+    def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order from the consecutive bytes at ``offset`` (one request for many small reads).
+
+        This default reads the whole range once and copies it out; local storage scatters it directly.
+        """
+        data = memoryview(bytearray(sum(v.nbytes for v in views)))
+        self.read_into(rel, offset, data)
+        position = 0
+        for view in views:
+            view[:] = data[position:position + view.nbytes]
+            position += view.nbytes
+
     @abc.abstractmethod
     def exists(self, rel: str) -> bool:
         """Whether a file exists at ``rel``."""

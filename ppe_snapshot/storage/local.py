@@ -13,6 +13,8 @@ import numpy as np
 
 from ppe_snapshot.storage.base import BlobWriter, Storage
 
+# preadv takes at most this many buffers per call (IOV_MAX on Linux).
+_IOV_MAX = 1024
 # One syscall writes at most this much (Linux caps a single write near 2 GiB).
 _MAX_WRITE = 1 << 30
 # O_DIRECT needs buffers, lengths and offsets aligned to the logical block size; a page covers all disks.
@@ -251,6 +253,23 @@ class LocalStorage(Storage):
                 raise EOFError(f"{self._abs(rel)} ends at byte {offset + done}, "
                                f"expected at least {offset + out.nbytes}")
             done += n
+
+    def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
+        fd = self._reader_fd(rel)
+        pending = [v for v in views if v.nbytes]
+        while pending:
+            batch = pending[:_IOV_MAX]
+            n = os.preadv(fd, batch, offset)
+            if n == 0:
+                raise EOFError(f"{self._abs(rel)} ends at byte {offset}, expected at least "
+                               f"{offset + sum(v.nbytes for v in pending)}")
+            offset += n
+            while n and pending:  # drop what was filled; keep the rest of a partly filled view
+                if n >= pending[0].nbytes:
+                    n -= pending.pop(0).nbytes
+                else:
+                    pending[0] = pending[0][n:]
+                    n = 0
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(self._abs(rel))
