@@ -19,8 +19,12 @@ _IOV_MAX = 1024
 _MAX_WRITE = 1 << 30
 # O_DIRECT needs buffers, lengths and offsets aligned to the logical block size; a page covers all disks.
 _BLOCK = 4096
-#: Size of each of the two bounce buffers of an O_DIRECT writer.
-BOUNCE_BYTES = 4 << 20
+#: Size and number of the bounce buffers of an O_DIRECT writer, and threads writing them out.
+BOUNCE_BYTES = int(os.environ.get("PPE_SNAPSHOT_BOUNCE_MB", "4")) << 20
+BOUNCE_BUFFERS = int(os.environ.get("PPE_SNAPSHOT_BOUNCE_N", "2"))
+DRAIN_THREADS = int(os.environ.get("PPE_SNAPSHOT_DRAIN_THREADS", "1"))
+# Copies at least this large go through numpy, which releases the GIL.
+_GIL_FREE_COPY = 64 << 10
 # PPE_SNAPSHOT_DIRECT_IO=0 writes through the page cache instead.
 _DIRECT_IO = os.environ.get("PPE_SNAPSHOT_DIRECT_IO", "1") != "0"
 
@@ -81,14 +85,16 @@ class _DirectBlobWriter(BlobWriter):
         self._fd = fd
         self._size = 0  # bytes accepted so far = the file offset of the next byte
         self._free: queue.Queue[mmap.mmap] = queue.Queue()
-        for _ in range(2):
+        for _ in range(BOUNCE_BUFFERS):
             self._free.put(mmap.mmap(-1, BOUNCE_BYTES))
         self._full: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
         self._current: mmap.mmap | None = None
         self._fill = 0  # bytes in the current bounce buffer
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._drain, name="ppe-snapshot-direct-io", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._drain, name="ppe-snapshot-direct-io", daemon=True)
+                         for _ in range(DRAIN_THREADS)]
+        for thread in self._threads:
+            thread.start()
 
     def _drain(self) -> None:
         while (item := self._full.get()) is not None:
@@ -129,7 +135,7 @@ class _DirectBlobWriter(BlobWriter):
                     self._current = self._free.get()
                     self._check()
                 take = min(BOUNCE_BYTES - self._fill, view.nbytes)
-                self._current[self._fill:self._fill + take] = view[:take]
+                _copy(self._current, self._fill, view[:take])
                 self._fill += take
                 self._size += take
                 view = view[take:]
@@ -137,9 +143,11 @@ class _DirectBlobWriter(BlobWriter):
                     self._flush_bounce()
 
     def _stop(self) -> None:
-        if self._thread.is_alive():
-            self._full.put(None)
-            self._thread.join()
+        for thread in self._threads:
+            if thread.is_alive():
+                self._full.put(None)
+        for thread in self._threads:
+            thread.join()
 
     def close(self) -> int:
         try:
@@ -157,6 +165,16 @@ class _DirectBlobWriter(BlobWriter):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _copy(dest: mmap.mmap, offset: int, view: memoryview) -> None:
+    """Copy ``view`` into ``dest`` at ``offset``; large copies release the GIL (numpy), so the
+    thread writing the other bounce buffer out keeps the disk busy meanwhile."""
+    if view.nbytes < _GIL_FREE_COPY:
+        dest[offset:offset + view.nbytes] = view
+    else:
+        np.copyto(np.frombuffer(dest, dtype=np.uint8, count=view.nbytes, offset=offset),
+                  np.frombuffer(view, dtype=np.uint8))
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
