@@ -11,6 +11,7 @@ xxh3_64 checksum each. The same layout serves both ways of writing:
 from __future__ import annotations
 
 import mmap
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -195,16 +196,26 @@ def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
 
 
 def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> dict[str, list[Chunk]]:
-    """Write the staged file image in one sequential pass; returns each path's chunks."""
+    """Write the staged file image in one sequential pass; returns each path's chunks.
+
+    The checksums are computed in a second thread while the image is written:
+    both only read the buffer, and the hashing hides behind the disk (which
+    matters most for a background writer that gets little CPU).
+    """
     image = tensor_bytes(buffer[: layout.size])
     chunks: dict[str, list[Chunk]] = {}
-    for p in layout.placements:
-        pieces = range(p.offset, p.offset + p.nbytes, CHUNK_BYTES) if p.nbytes else [p.offset]
-        chunks[p.path] = [
-            Chunk(layout.file, s, min(CHUNK_BYTES, p.offset + p.nbytes - s),
-                  checksum(image[s:min(s + CHUNK_BYTES, p.offset + p.nbytes)]))
-            for s in pieces
-        ]
+
+    def hash_image() -> None:
+        for p in layout.placements:
+            pieces = range(p.offset, p.offset + p.nbytes, CHUNK_BYTES) if p.nbytes else [p.offset]
+            chunks[p.path] = [
+                Chunk(layout.file, s, min(CHUNK_BYTES, p.offset + p.nbytes - s),
+                      checksum(image[s:min(s + CHUNK_BYTES, p.offset + p.nbytes)]))
+                for s in pieces
+            ]
+
+    hasher = threading.Thread(target=hash_image, name="ppe-snapshot-checksums")
+    hasher.start()
     writer = storage.open_writer(layout.file)
     try:
         writer.write([image])
@@ -212,4 +223,8 @@ def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> 
     except BaseException:
         writer.abort()
         raise
+    finally:
+        hasher.join()
+    if len(chunks) != len(layout.placements):  # the hashing thread failed; it printed why
+        raise RuntimeError(f"computing the checksums of {layout.file} failed")
     return chunks
