@@ -133,7 +133,7 @@ def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[C
     """Write the file straight from the payloads' memory; returns each path's chunks."""
     chunks: dict[str, list[Chunk]] = {}
     bounce = new_bounce(layout)
-    writer = storage.open_writer(layout.file)
+    writer = storage.open_writer(layout.file, layout.size)
     try:
         batch: list[memoryview] = []
         position = 0
@@ -216,7 +216,7 @@ def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> 
 
     hasher = threading.Thread(target=hash_image, name="ppe-snapshot-checksums")
     hasher.start()
-    writer = storage.open_writer(layout.file)
+    writer = storage.open_writer(layout.file, layout.size)
     try:
         writer.write([image])
         writer.close()

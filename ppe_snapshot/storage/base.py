@@ -35,8 +35,11 @@ class Storage(abc.ABC):
     url: str
 
     @abc.abstractmethod
-    def open_writer(self, rel: str) -> BlobWriter:
-        """Start a new file at ``rel``, replacing any file already there."""
+    def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:
+        """Start a new file at ``rel``, replacing any file already there.
+
+        ``size``, when known, lets the storage reserve the space up front.
+        """
 
     @abc.abstractmethod
     def put_atomic(self, rel: str, data: bytes) -> None:

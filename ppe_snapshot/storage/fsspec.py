@@ -68,7 +68,7 @@ class FsspecStorage(Storage):
         if set(_protocols(self.fs)) & _DIRECTORY_PROTOCOLS:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
 
-    def open_writer(self, rel: str) -> BlobWriter:
+    def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:
         path = self._abs(rel)
         self._make_parent(path)
         return _FsspecBlobWriter(self.fs, path)

@@ -183,16 +183,33 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:done + _MAX_WRITE], offset + done)
 
 
-def open_blob_writer(path: str) -> BlobWriter:
-    """An O_DIRECT writer where the file system supports it, else a buffered one."""
+def open_blob_writer(path: str, size: int | None = None) -> BlobWriter:
+    """An O_DIRECT writer where the file system supports it, else a buffered one.
+
+    With ``size``, the file's space is reserved first: O_DIRECT writes get no
+    delayed allocation, so ranks writing side by side would otherwise get
+    their files' extents interleaved on disk (measured here: 16-17 extents per
+    128 MiB file), and reading a file back would seek.
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = -1
     if _DIRECT_IO and hasattr(os, "O_DIRECT"):
         try:
-            return _DirectBlobWriter(os.open(path, flags | os.O_DIRECT, 0o644))
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
         except OSError as e:
             if e.errno != errno.EINVAL:  # EINVAL: this file system refuses O_DIRECT
                 raise
-    return _BufferedBlobWriter(os.open(path, flags, 0o644))
+    direct = fd >= 0
+    if not direct:
+        fd = os.open(path, flags, 0o644)
+    if size:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # a real error, e.g. ENOSPC
+                os.close(fd)
+                raise
+    return _DirectBlobWriter(fd) if direct else _BufferedBlobWriter(fd)
 
 
 class LocalStorage(Storage):
@@ -228,10 +245,10 @@ class LocalStorage(Storage):
             d = os.path.dirname(d)
         self._made_dirs.add(parent)
 
-    def open_writer(self, rel: str) -> BlobWriter:
+    def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:
         path = self._abs(rel)
         self._ensure_parent(path)
-        writer = open_blob_writer(path)
+        writer = open_blob_writer(path, size)
         fsync_dir(os.path.dirname(path))  # the new file's directory entry; close() makes its data durable
         return writer
 
