@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakRSS, Results, drop_cache, fsync_path, gbps, gib, mib, rss, secs, timer, warm_cache  # noqa: E402
+from common import PeakRSS, Results, drop_cache, emit, fsync_path, gbps, gib, mib, rss, secs, timer, warm_cache  # noqa: E402
 
 import ppe_snapshot as ps  # noqa: E402
 
@@ -272,10 +272,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = report(results, sizes, growth, args)
-    print(text)
-    if args.report:
-        with open(args.report, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.report)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import drop_cache, free_port, fsync_path, gib, secs, warm_cache  # noqa: E402
+from common import drop_cache, emit, free_port, fsync_path, gib, secs, warm_cache  # noqa: E402
 
 import ppe_snapshot as ps  # noqa: E402
 
@@ -152,10 +152,7 @@ def main() -> None:
                   f"{restore['dcp cold'] / restore['ppe-snapshot cold']:.2f}x DCP (not cached), "
                   f"{restore['dcp warm'] / restore['ppe-snapshot warm']:.2f}x DCP (cached)"]
     text = "\n".join(lines)
-    print(text)
-    if args.report:
-        with open(args.report, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.report)
 
 
 if __name__ == "__main__":

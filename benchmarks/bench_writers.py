@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import large_state, state_bytes  # noqa: E402
-from common import PeakRSS, Results, gib, mib, rss, secs  # noqa: E402
+from common import PeakRSS, Results, emit, gib, mib, rss, secs  # noqa: E402
 
 from ppe_snapshot import writing  # noqa: E402
 
@@ -259,10 +259,7 @@ def main() -> None:
     best_dcp = min(results.median(case, m, "blocking") for m in results.methods(case) if m.startswith("dcp"))
     lines.append(f"- best dcp.async_save blocking: {best_dcp:.3f} s")
     text = "\n".join(lines)
-    print(text)
-    if args.report:
-        with open(args.report, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.report)
 
 
 if __name__ == "__main__":

@@ -143,3 +143,11 @@ def warm_cache(path: str) -> None:
         with open(p, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
+
+
+def emit(text: str, report: str | None) -> None:
+    """Print a benchmark's markdown report, and write it to ``report`` when given."""
+    print(text)
+    if report:
+        with open(report, "w") as f:
+            f.write(text + "\n")

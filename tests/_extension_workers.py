@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from pytorch_pfn_extras.training import extensions
 
 import ppe_snapshot
+
+from _asserts import assert_same  # noqa: F401 - re-exported for the extension tests
 from ppe_snapshot import writing
 
 WRITERS = ("SimpleWriter", "ThreadWriter", "ProcessWriter", "ThreadQueueWriter", "ProcessQueueWriter")
@@ -110,20 +112,6 @@ def make_writer(name: str, **kwargs: Any) -> Any:
     return getattr(writing, name)(**kwargs)
 
 
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    """Bit-exact equality of nested state (tensors with torch.equal)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 class CollectiveState:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import _sharded_workers as W
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError
 from ppe_snapshot.engine.manifest import ShardedTensorEntry
+from _asserts import assert_same
 
 
 def _plain() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -43,21 +44,6 @@ def runs(dist_run, tmp_path_factory) -> dict[str, Any]:
     return {"root": root, "plain1": plain1, "two": two, "four": four, "on2": on2, "on3": on3}
 
 
-def assert_same(actual: Any, expected: Any, where: str = "") -> None:
-    """Nested dicts / lists / tensors equal, tensors bit for bit (dtype and shape included)."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and list(actual) == list(expected), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, f"{where}/{i}")
-    else:
-        assert actual == expected, where
 
 
 def manifest(root: str, name: str) -> dict[str, Any]:

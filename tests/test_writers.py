@@ -21,6 +21,7 @@ from pytorch_pfn_extras.training import extensions as ppe_extensions
 
 from ppe_snapshot import Snapshot, SnapshotError, SnapshotNotFoundError, StateDict
 from ppe_snapshot.writing import ProcessQueueWriter, ProcessWriter, SimpleWriter, ThreadQueueWriter, ThreadWriter
+from _asserts import assert_same
 
 ASYNC = ["thread", "thread_queue", "process", "process_queue"]
 ALL = ["simple"] + ASYNC
@@ -46,21 +47,6 @@ def big_state(mib: int = 32) -> dict:
     return {f"w{i}": torch.randn(n) for i in range(4)}
 
 
-def assert_same(actual, expected, where: str = "state") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), where
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual.cpu(), expected.cpu()), where
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, f"{where}/{i}")
-    else:
-        assert actual == expected, where
 
 
 def restore_model_state(path: str, storage_options: dict | None = None) -> dict:

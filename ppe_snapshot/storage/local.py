@@ -205,8 +205,8 @@ def open_blob_writer(path: str, size: int | None = None) -> BlobWriter:
     if size:
         try:
             os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # a real error, e.g. ENOSPC
+        except OSError as e:  # only an optimization, but no space is worth saying at once
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 os.close(fd)
                 raise
     return _DirectBlobWriter(fd) if direct else _BufferedBlobWriter(fd)
