@@ -385,12 +385,22 @@ class _Snapshot(extension.Extension):
 
     def _restore_rng(self, snap: Snapshot, pg: Any) -> None:
         section = 0 if pg is LOCAL else self._rng_rank  # a LOCAL snapshot's entries are all rank 0's
-        key = f"{section}/{RNG_KEY}/{self._rng_rank}"
-        if key not in snap.get_manifest():
+        prefix = f"{section}/{RNG_KEY}/"
+        saved = sorted(int(k[len(prefix):]) for k in snap.get_manifest()
+                       if k.startswith(prefix) and k[len(prefix):].isdigit())
+        if self._rng_rank in saved:
+            source = self._rng_rank
+        elif saved:
+            # A DISTRIBUTED snapshot on error holds the saver's state only (no collective there); ranks
+            # seeded alike, as data-parallel ranks usually are, continue exactly from it.
+            source = saved[0]
+            logger.info("ppe_snapshot: %s holds no RNG state for rank %d; restoring rank %d's", snap.path,
+                        self._rng_rank, source)
+        else:
             logger.info("ppe_snapshot: %s holds no RNG state for rank %d; the random number generators "
                         "continue from their current state", snap.path, self._rng_rank)
             return
-        RNGState().load_state_dict(snap.read_object(key))
+        RNGState().load_state_dict(snap.read_object(f"{prefix}{source}"))
 
     def _resumed(self, manager: ExtensionsManagerProtocol, found: Candidate | None,
                  candidates: list[Candidate]) -> None:

@@ -242,3 +242,32 @@ def _main(out_dir: str, iterations: str, kill_at: str, writer: str) -> None:
 
 if __name__ == "__main__":
     _main(*sys.argv[1:])
+
+
+def dist_resume_from_error_snapshot(out_dir: str, iterations: int, crash_at: int) -> dict[str, Any]:
+    """DISTRIBUTED, ranks seeded alike, no RNGState in the target: the only snapshot is the one taken on
+    error, which holds the saver's RNG state alone; every rank must continue exactly from it."""
+    rank = dist.get_rank()
+    straight = Run(os.path.join(out_dir, f"straight{rank}"), iterations, None, rng_in_state=False)
+    torch.manual_seed(7)
+    straight.train(rank=rank)
+
+    def run(seed: int) -> Run:
+        kwargs = _snapshot_kwargs("DISTRIBUTED", writer=make_writer("SimpleWriter", out_dir=out_dir),
+                                  autoload=True, snapshot_on_error=True)
+        return Run(os.path.join(out_dir, f"logs{rank}"), iterations, kwargs, trigger=(1000, "iteration"),
+                   seed=seed, rng_in_state=False)
+
+    first = run(0)
+    torch.manual_seed(7)
+    try:
+        first.train(crash_at=crash_at, rank=rank)
+    except Crash:
+        pass
+    dist.barrier()
+    names = snapshot_names(out_dir)
+    resumed = run(100 + rank)
+    torch.manual_seed(1234 + rank)  # whatever the generators hold now, the snapshot must override it
+    resumed.train(rank=rank)
+    return {"straight": straight.state(), "resumed": resumed.state(), "names": names,
+            "resumed_from": resumed.snapshot.resumed_from}

@@ -9,7 +9,8 @@ import torch
 from ppe_snapshot import Snapshot
 
 from _extension_workers import (
-    assert_same, dist_crash_and_resume, dist_error_on_one_rank, dist_saver_rank_out_of_range,
+    assert_same, dist_crash_and_resume, dist_error_on_one_rank, dist_resume_from_error_snapshot,
+    dist_saver_rank_out_of_range,
 )
 
 ITERS = 10
@@ -98,3 +99,13 @@ def test_snapshot_on_error_does_not_hang_the_other_ranks(dist_run, tmp_path, mod
         assert sorted({k.split("/")[0] for k in error_snapshot.get_manifest()}) == ["0"]
         assert_same(error_snapshot.read_object("0/state/models/main"), model)
         assert [r["resumed_at"] for r in results] == [4, 4]
+
+
+def test_resume_from_a_distributed_error_snapshot_restores_every_rank_rng(dist_run, tmp_path):
+    results = dist_run(dist_resume_from_error_snapshot, 2, str(tmp_path), ITERS, 7)
+    for rank, r in enumerate(results):
+        assert r["names"] == ["snapshot_iter_7"]  # taken on error by the saver rank, which holds its RNG alone
+        assert r["resumed_from"] == os.path.join(str(tmp_path), "snapshot_iter_7")
+        if rank == 0:  # the log restored is the saver rank's
+            r["straight"].pop("log"), r["resumed"].pop("log")
+        assert_same(r["resumed"], r["straight"], f"rank {rank}")
