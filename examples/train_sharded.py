@@ -11,36 +11,22 @@ if the job had been preempted, the second resumes from the newest snapshot
 usable interface.) The parameters are DTensors sharded over the ranks by
 ``fully_shard``; each rank saves only its own shards, and the snapshot can be
 restored on another number of ranks. The optimizer's state goes through
-``torch.distributed.checkpoint.state_dict``, which gives it the parameters'
-sharding even before the first step, so it restores in place too.
+``ppe_snapshot.OptimizerState`` (torch.distributed.checkpoint's state_dict API),
+which gives it the parameters' sharding even before the first step, so it
+restores in place too.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import pytorch_pfn_extras as ppe
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ppe_snapshot
-
-
-class OptimizerState:
-    """The optimizer's state keyed by parameter name, sharded like the parameters."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 def main() -> None:
@@ -62,7 +48,7 @@ def main() -> None:
     manager = ppe.training.ExtensionsManager(
         model, {}, 1, iters_per_epoch=args.iterations, out_dir=args.out,
         stop_trigger=(args.stop_at or args.iterations, "iteration"),
-        state_objects={"optimizer": OptimizerState(model, optimizer)})
+        state_objects={"optimizer": ppe_snapshot.OptimizerState(model, optimizer)})
     snapshot = ppe_snapshot.snapshot(snapshot_mode=ppe_snapshot.SnapshotMode.SHARDED,
                                      writer=ppe_snapshot.writing.ThreadWriter(out_dir=args.out),
                                      n_retains=2, autoload=True)

@@ -1,5 +1,5 @@
 """ppe-snapshot: fast, atomic, resumable snapshots for PyTorch training loops."""
-from ppe_snapshot.engine import PendingSnapshot, RNGState, Snapshot, StateDict, Stateful
+from ppe_snapshot.engine import OptimizerState, PendingSnapshot, RNGState, Snapshot, StateDict, Stateful
 from ppe_snapshot.errors import (
     CorruptSnapshotError, SnapshotError, SnapshotExistsError, SnapshotNotFoundError, StateMismatchError,
     UnsupportedFormatError, UnsupportedValueError,
@@ -8,7 +8,7 @@ from ppe_snapshot.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorruptSnapshotError", "PendingSnapshot", "RNGState", "Snapshot", "SnapshotError", "SnapshotExistsError",
+    "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "RNGState", "Snapshot", "SnapshotError", "SnapshotExistsError",
     "SnapshotMode", "SnapshotNotFoundError", "StateDict", "Stateful", "StateMismatchError",
     "UnsupportedFormatError", "UnsupportedValueError", "snapshot", "snapshot_object",
 ]

@@ -7,28 +7,13 @@ import pytorch_pfn_extras as ppe
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ppe_snapshot
 
 FULL = StateDictOptions(full_state_dict=True)
-
-
-class OptimizerState:
-    """The optimizer's state keyed by parameter name and sharded like the parameters (world-size independent)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 def _gathered(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -50,7 +35,7 @@ def fsdp_train(out_dir: str, stop_at: int) -> dict[str, Any]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     manager = ppe.training.ExtensionsManager(
         model, {}, 1, iters_per_epoch=100, out_dir=out_dir, stop_trigger=(stop_at, "iteration"),
-        state_objects={"optimizer": OptimizerState(model, optimizer)})
+        state_objects={"optimizer": ppe_snapshot.OptimizerState(model, optimizer)})
     extension = ppe_snapshot.snapshot(snapshot_mode=ppe_snapshot.SnapshotMode.SHARDED, autoload=True)
     manager.extend(extension, trigger=(5, "iteration"))
     manager.start_extensions()

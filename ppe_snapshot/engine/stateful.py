@@ -63,3 +63,26 @@ def state_of(key: str, obj: Any) -> dict[str, Any]:
             f"app_state[{key!r}] is a {type(obj).__name__}, which has no state_dict()/load_state_dict(); "
             "wrap tensors and plain values in ppe_snapshot.StateDict")
     return obj.state_dict()
+
+
+class OptimizerState:
+    """An optimizer's state keyed by parameter name and sharded like the parameters.
+
+    Goes through ``torch.distributed.checkpoint.state_dict``, which creates the
+    optimizer's state before the first step, so a snapshot restores in place into
+    a freshly built FSDP2 / DTensor optimizer, on any world size. Use it instead of
+    the optimizer itself in an app state or a manager's ``state_objects``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
