@@ -23,11 +23,15 @@ from ppe_snapshot.storage import Storage
 ALIGN_STEP = 1 << 16
 
 
+def _truncated(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
+    return CorruptSnapshotError(f"data file {file} of {storage.url} is missing or truncated: {error}")
+
+
 def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
     try:
         storage.read_into(chunk.file, chunk.offset + offset, out)
     except (EOFError, FileNotFoundError) as e:
-        raise CorruptSnapshotError(f"data file {chunk.file} of {storage.url} is missing or truncated: {e}") from e
+        raise _truncated(storage, chunk.file, e) from e
 
 
 def _mismatch(storage: Storage, chunk: Chunk, what: str) -> CorruptSnapshotError:
@@ -125,7 +129,7 @@ def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
     try:
         storage.read_vectored(first.file, first.offset, views)
     except (EOFError, FileNotFoundError) as e:
-        raise CorruptSnapshotError(f"data file {first.file} of {storage.url} is missing or truncated: {e}") from e
+        raise _truncated(storage, first.file, e) from e
     for _, chunk, view, what in run:
         if checksum(view) != chunk.checksum:
             raise _mismatch(storage, chunk, what)
@@ -137,26 +141,6 @@ def fill(reads: ReadBatch | None, storage: Storage, chunks: list[Chunk], out: me
         read_into(storage, chunks, out, what)
     else:
         reads.read_into(storage, chunks, out, what)
-
-
-def read_into_device(storage: Storage, chunks: list[Chunk], flat: torch.Tensor, what: str,
-                     budget: int | None) -> None:
-    """Fill the contiguous byte tensor ``flat`` (any device) through a host buffer of at most ``budget`` bytes."""
-    step = max(ALIGN_STEP, min(budget or CHUNK_BYTES, CHUNK_BYTES))
-    bounce = torch.empty(min(step, flat.numel()), dtype=torch.uint8,
-                         pin_memory=flat.device.type == "cuda")
-    position = 0
-    for chunk in chunks:
-        digest = xxhash.xxh3_64()
-        for start in range(0, chunk.nbytes, step):
-            n = min(step, chunk.nbytes - start)
-            view = tensor_bytes(bounce[:n])
-            _read(storage, chunk, start, view)
-            digest.update(view)
-            flat[position + start:position + start + n].copy_(bounce[:n])
-        if digest.hexdigest() != chunk.checksum:
-            raise _mismatch(storage, chunk, what)
-        position += chunk.nbytes
 
 
 class _ChunkReader:
@@ -182,9 +166,10 @@ class _ChunkReader:
                 self._index, self._done, self._digest = self._index + 1, 0, xxhash.xxh3_64()
 
 
-def read_into_strided(storage: Storage, chunks: list[Chunk], target: torch.Tensor, what: str,
+def read_through_host(storage: Storage, chunks: list[Chunk], target: torch.Tensor, what: str,
                       budget: int | None) -> None:
-    """Fill a non-contiguous tensor (any device) through a host buffer of at most ``budget`` bytes."""
+    """Fill a tensor that cannot be read into directly (on a device, or not contiguous), in row-major
+    pieces through a host buffer of at most ``budget`` bytes (pinned for CUDA)."""
     size = target.element_size()
     step = max(ALIGN_STEP, min(budget or CHUNK_BYTES, CHUNK_BYTES))
     bounce = torch.empty(min(step, target.numel() * size), dtype=torch.uint8,
@@ -211,11 +196,8 @@ def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     if is_direct(target):
         fill(reads, storage, entry.chunks, tensor_bytes(target), path)
-    elif target.is_contiguous():
-        flat = target.detach().reshape(-1).view(torch.uint8)
-        read_into_device(storage, entry.chunks, flat, path, budget)
     else:
-        read_into_strided(storage, entry.chunks, target, path, budget)
+        read_through_host(storage, entry.chunks, target, path, budget)
     return target
 
 

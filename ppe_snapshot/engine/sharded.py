@@ -297,7 +297,7 @@ def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], des
                 budget: int | None, batch: Any) -> None:
     """Copy the parts ``items`` of one saved shard into their destinations (whole-shard reads via ``batch``,
     a ``loading.ReadBatch``)."""
-    from ppe_snapshot.engine.loading import fill, read_into_device
+    from ppe_snapshot.engine.loading import fill, read_through_host
     from ppe_snapshot.engine.packing import is_direct, tensor_bytes
 
     item = items[0]
@@ -307,7 +307,7 @@ def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], des
             fill(batch, storage, shard.chunks, tensor_bytes(dest), path)
             return
         if dest.is_contiguous():
-            read_into_device(storage, shard.chunks, dest.reshape(-1).view(torch.uint8), path, budget)
+            read_through_host(storage, shard.chunks, dest, path, budget)
             return
     _stream_shard(storage, path, shard, items, dests, budget)
 

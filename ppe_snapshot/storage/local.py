@@ -52,9 +52,7 @@ class _BufferedBlobWriter(BlobWriter):
 
     def write(self, buffers: Sequence[memoryview]) -> None:
         for view in buffers:
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(self._fd, view[done:done + _MAX_WRITE], self._size + done)
+            _pwrite_all(self._fd, view, self._size)
             self._size += view.nbytes
 
     def close(self) -> int:
@@ -258,9 +256,7 @@ class LocalStorage(Storage):
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            _pwrite_all(fd, memoryview(data), 0)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -280,14 +276,7 @@ class LocalStorage(Storage):
             return fd
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
-        fd = self._reader_fd(rel)
-        done = 0
-        while done < out.nbytes:
-            n = os.preadv(fd, [out[done:done + _MAX_WRITE]], offset + done)
-            if n == 0:
-                raise EOFError(f"{self._abs(rel)} ends at byte {offset + done}, "
-                               f"expected at least {offset + out.nbytes}")
-            done += n
+        self.read_vectored(rel, offset, [out])
 
     def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
         fd = self._reader_fd(rel)
