@@ -66,6 +66,10 @@ class FileLayout:
     placements: list[Placement]
     size: int
 
+    def on_cuda(self) -> bool:
+        """Whether any payload is a CUDA tensor (staging then wants pinned memory and a synchronize)."""
+        return any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda" for p in self.placements)
+
 
 def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
     placements, offset = [], 0
@@ -191,7 +195,7 @@ def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
             np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
         else:
             region.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-    if any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda" for p in layout.placements):
+    if layout.on_cuda():
         torch.cuda.synchronize()
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, TypeVar
+from typing import Any, TypeVar
 
 from ppe_snapshot.engine.flatten import escape, inflate
 from ppe_snapshot.engine.loading import ReadBatch, load_bytes, load_pickle, load_tensor, verify_chunks

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
-from ppe_snapshot.engine.manifest import MANIFEST_NAME, Chunk, Entry, Manifest, PickleEntry, TensorEntry
+from ppe_snapshot.engine.manifest import MANIFEST_NAME, Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine.packing import (
     FileLayout, lay_out, new_staging_buffer, stage, write_from_sources, write_staged,
 )
@@ -67,9 +67,10 @@ class TakeJob:
 
     def stage(self, provider: StagingProvider | None = None) -> None:
         """Copy this rank's payloads into a buffer the job owns (the caller may mutate them after)."""
-        needs_pin = any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda"
-                        for p in self.layout.placements)
-        buffer = provider(self.layout.size) if provider else new_staging_buffer(self.layout.size, needs_pin)
+        if provider is not None:
+            buffer = provider(self.layout.size)
+        else:
+            buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
         stage(self.layout, buffer)
         self.staged = buffer
         for p in self.layout.placements:  # the job must not keep the live state alive

@@ -33,10 +33,6 @@ def grown_size(current: int, needed: int) -> int:
     return max(_MiB, -(-size // _MiB) * _MiB)
 
 
-def _on_cuda(job: TakeJob) -> bool:
-    return any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda" for p in job.layout.placements)
-
-
 @dataclass
 class Ticket:
     """One save handed to the background."""
@@ -91,7 +87,7 @@ class AsyncWriter(WriterBase):
         slot = self._acquire()
         try:
             job = self._prepare(path, app_state, metadata, pg)
-            pin = _on_cuda(job)
+            pin = job.layout.on_cuda()
             job.stage(lambda nbytes: self._buffer(slot, nbytes, pin))
             self._submit_take(Ticket(slot, self._new_stats(path, start, job.layout.size)), job)
         except BaseException:
