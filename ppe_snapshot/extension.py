@@ -359,11 +359,7 @@ class _Snapshot(extension.Extension):
                 _skip(candidate, f"{type(e).__name__}: {e}")
                 touched = (candidate, e)
         if touched is not None:
-            raise SnapshotError(
-                f"autoload: restoring {touched[0].url} failed part way ({touched[1]}), so the target's state "
-                "may be partly overwritten, and no older snapshot could be restored; training cannot start "
-                "fresh safely. Repair or remove the damaged snapshots, or start with autoload=False."
-            ) from touched[1]
+            raise _cannot_start_fresh(f"{touched[0].url} ({touched[1]})") from touched[1]
         return None
 
     def _restore(self, candidate: Candidate, target: Any, pg: Any) -> None:
@@ -413,6 +409,13 @@ class _Snapshot(extension.Extension):
         self.resumed_from = found.url
         logger.info("ppe_snapshot: resumed from %s at iteration %d (epoch %d)", found.url, manager.iteration,
                     manager.epoch)
+
+
+def _cannot_start_fresh(what: str) -> SnapshotError:
+    return SnapshotError(
+        f"autoload: restoring {what} failed part way, so the target's state may be partly overwritten, and no "
+        "older snapshot could be restored; training cannot start fresh safely. Repair or remove the damaged "
+        "snapshots, or start with autoload=False.")
 
 
 def _skip(candidate: Candidate, reason: str) -> None:
@@ -500,9 +503,7 @@ class _DistributedExtension(_Snapshot):
             if any(partly for _, partly in problems):
                 touched.append(candidate.url)
         if found is None and touched:
-            raise SnapshotError(f"autoload: restoring {touched} failed part way, so the state may be partly "
-                                "overwritten, and no older snapshot could be restored; training cannot start fresh "
-                                "safely. Repair or remove the damaged snapshots, or start with autoload=False.")
+            raise _cannot_start_fresh(", ".join(touched))
         self._resumed(manager, found, listed)
 
 
