@@ -9,16 +9,19 @@ exec, so a pytest process that once held more hides the child's own peak.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from torch import nn
 
-from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, StateDict
+from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, StateDict, StateMismatchError
+from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.packing import BOUNCE_BYTES
 
 MiB = 1 << 20
@@ -71,6 +74,41 @@ def test_async_take_failure_is_raised_by_wait(tmp_path):
 
 
 # -- reads through a bounded buffer ------------------------------------------------
+
+def test_the_garbage_collector_is_paused_only_inside_engine_calls(tmp_path):
+    """Pausing it nests across threads; it is enabled again only if it was enabled before."""
+    assert gc.isenabled()
+    path = str(tmp_path / "s")
+    Snapshot.take(path, {"m": _model()})
+    assert gc.isenabled()
+    with pytest.raises(StateMismatchError):
+        Snapshot(path).restore({"m": nn.Sequential(nn.Linear(8, 17), nn.BatchNorm1d(17), nn.Linear(17, 4))})
+    assert gc.isenabled()
+
+    inner_entered, outer_may_end = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with gc_paused():
+            inner_entered.set()
+            outer_may_end.wait(10)
+            assert not gc.isenabled()
+
+    thread = threading.Thread(target=other_thread)
+    with gc_paused():
+        thread.start()
+        inner_entered.wait(10)
+    assert not gc.isenabled()  # the other thread's pause is still on
+    outer_may_end.set()
+    thread.join()
+    assert gc.isenabled()
+
+    gc.disable()
+    try:
+        Snapshot(path).restore({"m": _model()})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
 
 def test_strided_read_across_chunks_is_verified(tmp_path):
     """An 80 MiB tensor is two chunks (64 + 16 MiB); a 24 MiB budget makes one read straddle them."""

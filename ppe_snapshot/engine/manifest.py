@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 
 FORMAT_NAME = "ppe-snapshot"
@@ -176,6 +177,7 @@ class Manifest:
             merged.update(self.ranks[rank])
         return merged
 
+    @gc_paused()
     def to_bytes(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
@@ -192,6 +194,7 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
+    @gc_paused()
     def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
         try:
             doc = json.loads(data)

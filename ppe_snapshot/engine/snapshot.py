@@ -5,6 +5,7 @@ import threading
 from typing import Any, TypeVar
 
 from ppe_snapshot.engine.flatten import escape, inflate
+from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.loading import ReadBatch, load_bytes, load_pickle, load_tensor, verify_chunks
 from ppe_snapshot.engine.manifest import (
     MANIFEST_NAME, BytesEntry, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
@@ -112,6 +113,7 @@ class Snapshot:
         finally:
             storage.close()
 
+    @gc_paused()  # the caller waits; thousands of entries are walked
     def restore(self, app_state: dict[str, Any]) -> None:
         """Load the saved state into ``app_state`` (the same keys as the take, or a subset).
 
@@ -134,6 +136,7 @@ class Snapshot:
         finally:
             storage.close()
 
+    @gc_paused()
     def read_object(self, path: str, obj_out: T | None = None, memory_budget_bytes: int | None = None) -> T:
         """One entry (and everything under it), by its manifest key ``"<rank>/<path>"``.
 

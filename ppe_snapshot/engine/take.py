@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
+from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.manifest import MANIFEST_NAME, Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine.packing import (
     FileLayout, lay_out, new_staging_buffer, stage, write_from_sources, write_staged,
@@ -84,15 +85,7 @@ class TakeJob:
             raise
         finally:
             self.staged = None
-        part = commit_protocol.RankPart(self.rank, files={self.layout.file: self.layout.size} if chunks else {})
-        part.sharded = sharded_entries(self.sharded, chunks)
-        for placement in self.layout.placements:
-            if is_shard_key(placement.path):
-                continue
-            entry = _entry(placement.payload, chunks[placement.path])
-            (part.replicated if placement.payload.replicated else part.entries)[placement.path] = entry
-        for path, entry in self.entries.items():
-            (part.replicated if entry.replicated else part.entries)[path] = entry
+        part = self._part(chunks)
         if self.world_size == 1:
             commit_protocol.commit(self.storage, commit_protocol.merge([part], self.take_id, self.metadata))
             return
@@ -107,7 +100,22 @@ class TakeJob:
             return {}
         if self.staged is not None:
             return write_staged(self.storage, self.layout, self.staged)
-        return write_from_sources(self.storage, self.layout)
+        with gc_paused():  # from the live tensors: the caller waits for this take anyway
+            return write_from_sources(self.storage, self.layout)
+
+    @gc_paused()
+    def _part(self, chunks: dict[str, list[Chunk]]) -> commit_protocol.RankPart:
+        """This rank's entries, now that its data is written."""
+        part = commit_protocol.RankPart(self.rank, files={self.layout.file: self.layout.size} if chunks else {})
+        part.sharded = sharded_entries(self.sharded, chunks)
+        for placement in self.layout.placements:
+            if is_shard_key(placement.path):
+                continue
+            entry = _entry(placement.payload, chunks[placement.path])
+            (part.replicated if placement.payload.replicated else part.entries)[placement.path] = entry
+        for path, entry in self.entries.items():
+            (part.replicated if entry.replicated else part.entries)[path] = entry
+        return part
 
     def _commit_all(self) -> None:
         parts = commit_protocol.gather_parts(self.storage, self.take_id, self.world_size)
@@ -197,6 +205,7 @@ def _check_metadata(metadata: Any) -> None:
                         ) from None
 
 
+@gc_paused()
 def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
             storage_options: dict[str, Any] | None, allow_pickle: bool,
             metadata: dict[str, Any] | None) -> TakeJob:
