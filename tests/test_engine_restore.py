@@ -22,6 +22,7 @@ from torch import nn
 
 from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, StateDict, StateMismatchError
 from ppe_snapshot.engine.gcpause import gc_paused
+from ppe_snapshot.engine.loading import ReadBatch
 from ppe_snapshot.engine.packing import BOUNCE_BYTES
 
 MiB = 1 << 20
@@ -74,6 +75,34 @@ def test_async_take_failure_is_raised_by_wait(tmp_path):
 
 
 # -- reads through a bounded buffer ------------------------------------------------
+
+def test_reads_started_before_the_walk_ends_are_all_verified(tmp_path, monkeypatch):
+    """Reads start in batches while restore still walks the manifest; each batch is checked, and a
+    damaged tensor in the first, a middle or the last batch fails the restore and names that tensor."""
+    monkeypatch.setattr(ReadBatch, "MAX_RUN", 16 << 10)  # a batch every 4 tensors of 4 KiB
+    torch.manual_seed(0)
+    saved = {f"t{i}": torch.randn(1024) for i in range(40)}
+    path = str(tmp_path / "s")
+    Snapshot.take(path, {"s": StateDict(saved)})
+    out = StateDict({k: torch.zeros(1024) for k in saved})
+    Snapshot(path).restore({"s": out})
+    assert all(torch.equal(out[k], v) for k, v in saved.items())
+
+    manifest = Snapshot(path).get_manifest()
+    data = tmp_path / "s" / "data" / "rank0.bin"
+    for name in ("t0", "t21", "t39"):
+        offset = manifest[f"0/s/{name}"].chunks[0].offset + 17
+        with open(data, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(CorruptSnapshotError, match=f"checksum mismatch .*s/{name}\\)"):
+            Snapshot(path).restore({"s": StateDict({k: torch.zeros(1024) for k in saved})})
+        with open(data, "r+b") as f:
+            f.seek(offset)
+            f.write(byte)
+
 
 def test_the_garbage_collector_is_paused_only_inside_engine_calls(tmp_path):
     """Pausing it nests across threads; it is enabled again only if it was enabled before."""
