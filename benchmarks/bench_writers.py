@@ -5,7 +5,9 @@ For each method, per snapshot: (1) the time the loop is blocked, (2) the step
 time while the write runs (a real forward/backward/Adam step of the same
 model) relative to idle steps, (3) the time until the snapshot is durable,
 (4) peak extra RSS. Baseline: one copy of the state into already-allocated
-buffers with torch's intra-op threads (both cores). Then RSS over many
+buffers with torch's intra-op threads (both cores). Floor: the same bytes
+written by another process with O_DIRECT (no staging, no checksums), which
+shows what the disk write alone costs the training steps. Then RSS over many
 consecutive snapshots of a smaller state, for the async writers.
 
     python benchmarks/bench_writers.py [--rounds 3] [--many 100] [--scale 1.0]
@@ -13,6 +15,7 @@ consecutive snapshots of a smaller state, for the async writers.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import platform
 import shutil
@@ -35,6 +38,9 @@ from bench_engine import large_state, state_bytes  # noqa: E402
 from common import PeakRSS, Results, emit, gib, mib, rss, secs  # noqa: E402
 
 from ppe_snapshot import writing  # noqa: E402
+
+
+FLOOR = "floor: bare O_DIRECT write of the bytes by another process"
 
 
 def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor) -> None:
@@ -117,7 +123,49 @@ class DcpAsync(Method):
             self.stager.close()
 
 
-def methods() -> dict[str, Method]:
+def _bare_writer(conn, nbytes: int) -> None:
+    """Writes ``nbytes`` from one pre-touched, page-aligned buffer with O_DIRECT + fsync per request."""
+    os.nice(10)  # as the ProcessWriter's worker
+    buffer = mmap.mmap(-1, nbytes)
+    buffer.write(b"\1" * nbytes)
+    while (path := conn.recv()) is not None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        view, done = memoryview(buffer), 0
+        while done < nbytes:
+            done += os.pwrite(fd, view[done:done + (64 << 20)], done)
+        os.fsync(fd)
+        os.close(fd)
+        conn.send(path)
+
+
+class BareDirectWrite(Method):
+    """The floor for any writer: the state's bytes, already in a buffer, written by another process
+    with O_DIRECT and fsync'd. No staging, no checksums, no manifest: the step slowdown it causes is
+    what the disk write alone costs the training loop on this machine."""
+
+    def __init__(self, nbytes: int) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_bare_writer, args=(child, -(-nbytes // 4096) * 4096), daemon=True)
+        self.process.start()
+        self.pending = False
+
+    def start(self, path, state):
+        self.conn.send(path)
+        self.pending = True
+
+    def busy(self):
+        if self.pending and self.conn.poll():
+            self.conn.recv()
+            self.pending = False
+        return self.pending
+
+    def close(self):
+        self.conn.send(None)
+        self.process.join()
+
+
+def methods(nbytes: int) -> dict[str, Method]:
     cached_shm = StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
                                 use_non_blocking_copy=False)
     return {
@@ -129,6 +177,7 @@ def methods() -> dict[str, Method]:
         "ppe 0.9 ProcessWriter": PpeWriter(ppe_writing.ProcessWriter),
         "dcp.async_save thread": DcpAsync(AsyncCheckpointerType.THREAD, None),
         "dcp.async_save process + cached shm staging": DcpAsync(AsyncCheckpointerType.PROCESS, cached_shm),
+        FLOOR: BareDirectWrite(nbytes),
     }
 
 
@@ -172,6 +221,9 @@ def snapshot_once(method: Method, path: str, app, batch) -> dict[str, float]:
             t = time.perf_counter()
             train_step(model, optim, batch)
             busy_steps.append(time.perf_counter() - t)
+        # ppe 0.9's writers do not fsync: their data is durable only after this. It also keeps one
+        # method's page-cache writeback from taking CPU from the next method's staging copy.
+        os.sync()
         durable = time.perf_counter() - start
     out = {"blocking": blocking, "durable": durable, "rss_extra": mem.extra,
            "idle_step": statistics.median(idle)}
@@ -215,7 +267,7 @@ def main() -> None:
     app, nbytes = (model, optim), state_bytes({"model": model, "optim": optim})
     batch = torch.randn(8, 2048)
     results, case = Results(), "writers"
-    table = methods()
+    table = methods(nbytes)
     try:
         for name, method in table.items():  # untimed: worker start-up and first buffer allocations
             path = os.path.join(root, f"warmup-{name.replace(' ', '_').replace('+', '')}")
@@ -258,6 +310,9 @@ def main() -> None:
                      f"last {mib(many[name][-1])}, max {mib(max(many[name]))}")
     best_dcp = min(results.median(case, m, "blocking") for m in results.methods(case) if m.startswith("dcp"))
     lines.append(f"- best dcp.async_save blocking: {best_dcp:.3f} s")
+    lines.append(f"- step slowdown while the disk alone writes the bytes (the floor row): "
+                 f"{results.median(case, FLOOR, 'slowdown'):+.0%}; ProcessWriter: "
+                 f"{results.median(case, 'ppe-snapshot ProcessWriter', 'slowdown'):+.0%}")
     text = "\n".join(lines)
     emit(text, args.report)
 
