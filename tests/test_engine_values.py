@@ -460,3 +460,18 @@ def test_metadata(tmp_path):
     assert Snapshot(str(tmp_path / "s")).metadata == metadata
     Snapshot.take(str(tmp_path / "t"), {"s": StateDict(x=1)})
     assert Snapshot(str(tmp_path / "t")).metadata == {}
+
+
+def test_metadata_that_only_the_standard_json_writes(tmp_path):
+    """Non-finite floats, integers beyond 64 bits and non-string keys read back as Python's json gives them,
+    whichever JSON library wrote the manifest; a long run of digits in a key is no integer."""
+    metadata = {"loss": float("nan"), "best": float("inf"), "seed": 2**70 + 1, "by_step": {10: "a"},
+                "key_12345678901234567890": "v", "text": "é ✓"}
+    Snapshot.take(str(tmp_path / "s"), {"s": StateDict(x=1, big=-(2**80))}, metadata=metadata)
+    snap = Snapshot(str(tmp_path / "s"))
+    got = snap.metadata
+    assert math.isnan(got.pop("loss")) and got.pop("best") == float("inf")
+    assert got == {"seed": 2**70 + 1, "by_step": {"10": "a"}, "key_12345678901234567890": "v", "text": "é ✓"}
+    out = StateDict(x=0, big=0)
+    snap.restore({"s": out})
+    assert out["big"] == -(2**80) and type(out["big"]) is int

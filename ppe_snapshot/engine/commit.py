@@ -9,12 +9,12 @@ background saves can run it.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, entries_from_json, entries_to_json
 from ppe_snapshot.engine.sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotError
@@ -36,15 +36,15 @@ class RankPart:
     sharded: dict[str, Entry] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
-        return json.dumps({
+        return jsonio.dumps({
             "rank": self.rank, "error": self.error, "files": self.files,
             "entries": entries_to_json(self.entries), "replicated": entries_to_json(self.replicated),
             "sharded": entries_to_json(self.sharded),
-        }).encode()
+        })
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RankPart":
-        doc = json.loads(data)
+        doc = jsonio.loads(data)
         return cls(doc["rank"], entries_from_json(doc["entries"]), entries_from_json(doc["replicated"]),
                    doc["files"], doc["error"], entries_from_json(doc.get("sharded", {})))
 

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 
@@ -191,13 +192,13 @@ class Manifest:
             "sharded": entries_to_json(self.sharded),
             "ranks": [entries_to_json(r) for r in self.ranks],
         }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        return jsonio.dumps(doc, free_form=self.metadata)
 
     @classmethod
     @gc_paused()
     def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
         try:
-            doc = json.loads(data)
+            doc = jsonio.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
