@@ -28,6 +28,8 @@ CHUNK_BYTES = 64 << 20
 # Largest piece of a non-CPU or non-contiguous tensor copied to host at once in a sync take.
 BOUNCE_BYTES = 64 << 20
 PAGE = 4096
+#: A sync take hands the bytes of small payloads to the storage writer in batches of about this size.
+WRITE_BATCH_BYTES = 4 << 20
 _PAD = memoryview(bytes(ALIGNMENT))
 
 
@@ -80,17 +82,18 @@ def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
     return FileLayout(file, placements, offset)
 
 
-def _payload_views(payload: Payload, bounce: torch.Tensor | None) -> Iterator[memoryview]:
-    """The payload's bytes in pieces of at most CHUNK_BYTES; a piece is valid until the next one."""
+def _payload_views(payload: Payload, bounce: torch.Tensor | None, bounced: bool) -> Iterator[memoryview]:
+    """The payload's bytes in pieces of at most CHUNK_BYTES; a piece is valid until the next one.
+    ``bounced``: a tensor that is copied to host through ``bounce`` first (see :func:`is_direct`)."""
+    if bounced:
+        yield from _bounced_views(payload.data, bounce)
+        return
     if payload.kind == "pickle":
         data = memoryview(payload.data)
     elif payload.kind == "ndarray":
         data = memoryview(np.ascontiguousarray(payload.data).reshape(-1).view(np.uint8))
-    elif is_direct(payload.data):
-        data = tensor_bytes(payload.data)
     else:
-        yield from _bounced_views(payload.data, bounce)
-        return
+        data = tensor_bytes(payload.data)
     for start in range(0, data.nbytes, CHUNK_BYTES):
         yield data[start:start + CHUNK_BYTES]
 
@@ -140,20 +143,22 @@ def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[C
     writer = storage.open_writer(layout.file, layout.size)
     try:
         batch: list[memoryview] = []
-        position = 0
+        position = batched = 0
         for p in layout.placements:
             if position < p.offset:
                 batch.append(_PAD[: p.offset - position])
                 position = p.offset
             chunks[p.path] = []
             bounced = p.payload.kind == "tensor" and not is_direct(p.payload.data)
-            for view in _payload_views(p.payload, bounce):
+            for view in _payload_views(p.payload, bounce, bounced):
                 chunks[p.path].append(Chunk(layout.file, position, view.nbytes, checksum(view)))
                 batch.append(view)
                 position += view.nbytes
-                if bounced:  # the bounce buffer is reused by the next piece
+                # Hand over every few MiB, so the disk writes while the next payloads are hashed;
+                # at once for a bounced piece, whose buffer the next piece reuses.
+                if bounced or position - batched >= WRITE_BATCH_BYTES:
                     writer.write(batch)
-                    batch = []
+                    batch, batched = [], position
             if not chunks[p.path]:
                 chunks[p.path].append(Chunk(layout.file, p.offset, 0, checksum(memoryview(b""))))
         if position < layout.size:

@@ -41,6 +41,9 @@ from ppe_snapshot.storage import Storage
 _SHARD_MARK = "%#"
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _loaded_class(module: str, name: str) -> type | None:
     """A class of an optional torch.distributed module, only if something already imported it
     (a value of that class cannot exist otherwise, and the imports are slow)."""
@@ -58,6 +61,8 @@ def _sharded_tensor_class() -> type | None:
 
 def is_sharded(value: Any) -> bool:
     """Whether ``value`` is a DTensor or a ShardedTensor."""
+    if type(value) in _PLAIN_TENSORS:  # the common case, asked once per tensor of the state
+        return False
     classes = tuple(c for c in (_dtensor_class(), _sharded_tensor_class()) if c is not None)
     return bool(classes) and isinstance(value, classes)
 

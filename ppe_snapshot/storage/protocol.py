@@ -61,7 +61,7 @@ from ppe_snapshot.engine.manifest import (
     TensorEntry,
 )
 from ppe_snapshot.engine.packing import (
-    ALIGNMENT, BOUNCE_BYTES, _payload_views, align, checksum, is_direct, tensor_bytes,
+    ALIGNMENT, BOUNCE_BYTES, WRITE_BATCH_BYTES, _payload_views, align, checksum, is_direct, tensor_bytes,
 )
 from ppe_snapshot.engine.serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
 from ppe_snapshot.engine.sharded import load_sharded
@@ -75,8 +75,6 @@ from ppe_snapshot.storage import Storage, is_local, open_storage
 DCP_KEY = "dcp"
 #: Version of the layout described above; readers refuse newer ones.
 ADAPTER_VERSION = 1
-# Direct (CPU, contiguous) payloads are handed to the storage in batches of about this size.
-_BATCH_BYTES = 64 << 20
 _PAD = memoryview(bytes(ALIGNMENT))
 _DICT_KINDS = ("dict", "OrderedDict")
 
@@ -183,12 +181,12 @@ def _write_file(storage: Storage, file: str, items: Sequence[WriteItem], planner
             if bounced:
                 bounce = _bounce_for(payload.data, bounce)
             chunks = []
-            for view in _payload_views(payload, bounce):
+            for view in _payload_views(payload, bounce, bounced):
                 chunks.append(Chunk(file, position, view.nbytes, checksum(view)))
                 batch.append(view)
                 position += view.nbytes
                 pending += view.nbytes
-                if bounced or pending >= _BATCH_BYTES:  # the bounce buffer is reused by the next piece
+                if bounced or pending >= WRITE_BATCH_BYTES:  # the bounce buffer is reused by the next piece
                     writer.write(batch)
                     batch, pending = [], 0
             if not chunks:
