@@ -54,12 +54,14 @@ def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str)
 class ReadBatch:
     """Reads into their final destinations, started while more are added; complete at ``join()``.
 
-    Reads are gathered until ``MAX_RUN`` bytes are pending (or ``join()``),
-    then sorted and coalesced: neighbouring chunks of a file become one
-    vectored read (the alignment gaps land in a scratch buffer), so thousands
-    of small tensors cost a few syscalls. Runs go, in file order, to a small
-    thread pool and are read while the caller goes on walking the manifest
-    (for 5,000 small tensors that walk costs about as long as the reads): a
+    Pending reads are sorted and coalesced: neighbouring chunks of a file
+    become one vectored read (the alignment gaps land in a scratch buffer),
+    so thousands of small tensors cost a few syscalls. Each time another
+    ``MAX_RUN`` bytes are pending, the runs of at least half that size go to
+    a small thread pool, in file order, and are read while the caller goes on
+    walking the manifest (for 5,000 small tensors that walk costs about as
+    long as the reads); shorter runs wait for neighbours (a resharding restore
+    reads a little of many files in turn), and ``join()`` starts the rest: a
     cold disk delivers about twice the bandwidth with two reads in flight
     instead of one (measured here), and page-cache copies use both cores;
     preadv and xxhash release the GIL. A destination must not be touched
@@ -80,6 +82,7 @@ class ReadBatch:
     def __init__(self) -> None:
         self._reads: list[tuple[Storage, Chunk, memoryview, str]] = []
         self._pending_bytes = 0
+        self._next_start = self.MAX_RUN
         self._futures: list[Future[None]] = []
 
     @classmethod
@@ -95,17 +98,23 @@ class ReadBatch:
             self._reads.append((storage, chunk, out[position:position + chunk.nbytes], what))
             position += chunk.nbytes
         self._pending_bytes += position
-        if self._pending_bytes >= self.MAX_RUN:
-            self._start()
+        if self._pending_bytes >= self._next_start:
+            self._start(only_long=True)
 
-    def _start(self) -> None:
-        """Hand the pending reads to the pool, as runs in file order."""
-        runs, self._reads, self._pending_bytes = self._runs(), [], 0
+    def _start(self, only_long: bool = False) -> None:
+        """Hand pending reads to the pool, as runs in file order: all of them, or the long runs only."""
+        runs, self._reads = self._runs(), []
+        if only_long:
+            short = [r for r in runs if _span(r) < self.MAX_RUN // 2]
+            runs = [r for r in runs if _span(r) >= self.MAX_RUN // 2]
+            self._reads = [read for run in short for read in run]
+        self._pending_bytes = sum(read[1].nbytes for read in self._reads)
+        self._next_start = self._pending_bytes + self.MAX_RUN
         self._futures.extend(self._executor().submit(_read_run, run) for run in runs)
 
     def join(self) -> None:
         if not self._futures and len(runs := self._runs()) == 1:  # one read: no thread hand-off
-            self._reads, self._pending_bytes = [], 0
+            self._reads, self._pending_bytes, self._next_start = [], 0, self.MAX_RUN
             _read_run(runs[0])
             return
         self._start()
@@ -129,6 +138,10 @@ class ReadBatch:
                     continue
             runs.append([read])
         return runs
+
+
+def _span(run: list[tuple[Storage, Chunk, memoryview, str]]) -> int:
+    return run[-1][1].offset + run[-1][1].nbytes - run[0][1].offset
 
 
 def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
