@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import orjson
 
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# Every digit becomes a 9, so that a run of 19 digits is found by a plain substring search (a regular
+# expression took 18 ms on a 0.9 MB manifest, more than orjson takes to parse it; this takes 1-2 ms).
+_DIGITS_TO_NINES = bytes.maketrans(b"012345678", b"999999999")
+_LONG_DIGITS = b"9" * 19
 
 
 def _has_non_finite(value: Any) -> bool:
@@ -48,7 +50,7 @@ def dumps(doc: Any, free_form: Any = None) -> bytes:
 
 def loads(data: bytes) -> Any:
     """The document in ``data``; raises ``json.JSONDecodeError`` (or ``UnicodeDecodeError``) when it is not JSON."""
-    if not _LONG_DIGITS.search(data):
+    if _LONG_DIGITS not in data.translate(_DIGITS_TO_NINES):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:  # NaN or Infinity, or not JSON at all: json says which
