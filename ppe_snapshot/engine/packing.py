@@ -41,8 +41,14 @@ def align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+_NUMPY_BYTES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                torch.uint8, torch.bool}
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
+    if tensor.dtype in _NUMPY_BYTES and not tensor.requires_grad and tensor.numel():
+        return memoryview(tensor.numpy()).cast("B")
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
