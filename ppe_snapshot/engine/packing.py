@@ -21,7 +21,7 @@ import xxhash
 
 from ppe_snapshot.engine.flatten import Payload
 from ppe_snapshot.engine.manifest import Chunk
-from ppe_snapshot.storage import Storage
+from ppe_snapshot.storage import BlobWriter, Storage
 
 ALIGNMENT = 64
 CHUNK_BYTES = 64 << 20
@@ -88,6 +88,11 @@ def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
     return FileLayout(file, placements, offset)
 
 
+def needs_bounce(payload: Payload) -> bool:
+    """Whether a payload is a tensor that must be copied to host memory to be written (see :func:`is_direct`)."""
+    return payload.kind == "tensor" and not is_direct(payload.data)
+
+
 def _payload_views(payload: Payload, bounce: torch.Tensor | None, bounced: bool) -> Iterator[memoryview]:
     """The payload's bytes in pieces of at most CHUNK_BYTES; a piece is valid until the next one.
     ``bounced``: a tensor that is copied to host through ``bounce`` first (see :func:`is_direct`)."""
@@ -134,12 +139,52 @@ def _bounced_views(tensor: torch.Tensor, bounce: torch.Tensor | None) -> Iterato
 
 def new_bounce(layout: FileLayout) -> torch.Tensor | None:
     """A host buffer for device and non-contiguous tensors, pinned when CUDA is there; None when nothing needs it."""
-    device = [p.payload.data for p in layout.placements
-              if p.payload.kind == "tensor" and not is_direct(p.payload.data)]
+    device = [p.payload.data for p in layout.placements if needs_bounce(p.payload)]
     if not device:
         return None
     size = min(BOUNCE_BYTES, max(t.numel() * t.element_size() for t in device))
     return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+class PayloadAppender:
+    """Appends payloads, straight from their memory, to a data file being written.
+
+    Pads to each payload's offset, checksums every piece, and hands the bytes
+    to the storage writer every ``WRITE_BATCH_BYTES``, so the disk writes
+    while the next payloads are hashed (at once for a bounced piece, whose
+    buffer the next piece reuses).
+    """
+
+    def __init__(self, writer: BlobWriter, file: str) -> None:
+        self._writer, self._file = writer, file
+        self._batch: list[memoryview] = []
+        self.position = self._handed_over = 0
+
+    def pad_to(self, offset: int) -> None:
+        """Zeros up to ``offset`` (at most ``ALIGNMENT`` bytes ahead)."""
+        if self.position < offset:
+            self._batch.append(_PAD[: offset - self.position])
+            self.position = offset
+
+    def append(self, payload: Payload, bounce: torch.Tensor | None) -> list[Chunk]:
+        """Write ``payload`` at the current position; its chunks (one empty chunk when it has no bytes)."""
+        start, bounced, chunks = self.position, needs_bounce(payload), []
+        for view in _payload_views(payload, bounce, bounced):
+            chunks.append(Chunk(self._file, self.position, view.nbytes, checksum(view)))
+            self._batch.append(view)
+            self.position += view.nbytes
+            if bounced or self.position - self._handed_over >= WRITE_BATCH_BYTES:
+                self._hand_over()
+        return chunks or [Chunk(self._file, start, 0, checksum(memoryview(b"")))]
+
+    def finish(self, size: int) -> None:
+        """Pad to ``size`` and hand over the rest."""
+        self.pad_to(size)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        self._writer.write(self._batch)
+        self._batch, self._handed_over = [], self.position
 
 
 def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[Chunk]]:
@@ -148,28 +193,11 @@ def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[C
     bounce = new_bounce(layout)
     writer = storage.open_writer(layout.file, layout.size)
     try:
-        batch: list[memoryview] = []
-        position = batched = 0
+        appender = PayloadAppender(writer, layout.file)
         for p in layout.placements:
-            if position < p.offset:
-                batch.append(_PAD[: p.offset - position])
-                position = p.offset
-            chunks[p.path] = []
-            bounced = p.payload.kind == "tensor" and not is_direct(p.payload.data)
-            for view in _payload_views(p.payload, bounce, bounced):
-                chunks[p.path].append(Chunk(layout.file, position, view.nbytes, checksum(view)))
-                batch.append(view)
-                position += view.nbytes
-                # Hand over every few MiB, so the disk writes while the next payloads are hashed;
-                # at once for a bounced piece, whose buffer the next piece reuses.
-                if bounced or position - batched >= WRITE_BATCH_BYTES:
-                    writer.write(batch)
-                    batch, batched = [], position
-            if not chunks[p.path]:
-                chunks[p.path].append(Chunk(layout.file, p.offset, 0, checksum(memoryview(b""))))
-        if position < layout.size:
-            batch.append(_PAD[: layout.size - position])
-        writer.write(batch)
+            appender.pad_to(p.offset)
+            chunks[p.path] = appender.append(p.payload, bounce)
+        appender.finish(layout.size)
         writer.close()
     except BaseException:
         writer.abort()

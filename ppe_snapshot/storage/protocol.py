@@ -61,7 +61,7 @@ from ppe_snapshot.engine.manifest import (
     TensorEntry,
 )
 from ppe_snapshot.engine.packing import (
-    ALIGNMENT, BOUNCE_BYTES, WRITE_BATCH_BYTES, _payload_views, align, checksum, is_direct, tensor_bytes,
+    BOUNCE_BYTES, PayloadAppender, align, is_direct, needs_bounce, tensor_bytes,
 )
 from ppe_snapshot.engine.serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
 from ppe_snapshot.engine.sharded import load_sharded
@@ -75,7 +75,6 @@ from ppe_snapshot.storage import Storage, is_local, open_storage
 DCP_KEY = "dcp"
 #: Version of the layout described above; readers refuse newer ones.
 ADAPTER_VERSION = 1
-_PAD = memoryview(bytes(ALIGNMENT))
 _DICT_KINDS = ("dict", "OrderedDict")
 
 
@@ -167,34 +166,19 @@ def _bounce_for(tensor: torch.Tensor, bounce: torch.Tensor | None) -> torch.Tens
 def _write_file(storage: Storage, file: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
     """Write one rank's items into ``file``, resolving each only when its turn comes."""
     written: list[tuple[WriteItem, int, str | None, list[Chunk]]] = []
-    batch: list[memoryview] = []
-    pending = position = 0
     bounce: torch.Tensor | None = None
     writer = storage.open_writer(file)
     try:
+        appender = PayloadAppender(writer, file)
         for item in items:
             payload = _resolve(item, planner)
-            start = align(position)
-            batch.append(_PAD[: start - position])
-            position = start
-            bounced = payload.kind == "tensor" and not is_direct(payload.data)
-            if bounced:
+            appender.pad_to(align(appender.position))
+            if needs_bounce(payload):
                 bounce = _bounce_for(payload.data, bounce)
-            chunks = []
-            for view in _payload_views(payload, bounce, bounced):
-                chunks.append(Chunk(file, position, view.nbytes, checksum(view)))
-                batch.append(view)
-                position += view.nbytes
-                pending += view.nbytes
-                if bounced or pending >= WRITE_BATCH_BYTES:  # the bounce buffer is reused by the next piece
-                    writer.write(batch)
-                    batch, pending = [], 0
-            if not chunks:
-                chunks.append(Chunk(file, start, 0, checksum(memoryview(b""))))
+            chunks = appender.append(payload, bounce)
             dtype = dtype_name(payload.data.dtype) if payload.kind == "tensor" else None
             written.append((item, payload.nbytes, dtype, chunks))
-        batch.append(_PAD[: align(position) - position])
-        writer.write(batch)
+        appender.finish(align(appender.position))
         size = writer.close()
     except BaseException:
         writer.abort()
