@@ -110,10 +110,13 @@ def test_damaged_manifest(snap, damage):
         doc = json.loads(text)
         del doc["ranks"][0]["model/weight"]["chunks"]
         manifest.write_text(json.dumps(doc))
-    with pytest.raises(CorruptSnapshotError, match=str(manifest)):
+    with pytest.raises(CorruptSnapshotError, match=str(manifest)) as info:
         _restore_fresh(path)
-    with pytest.raises(CorruptSnapshotError):
-        Snapshot(str(path)).verify()
+    if damage == "entry-missing-field":
+        assert "'model/weight' is malformed" in str(info.value)
+    for deep in (False, True):
+        with pytest.raises(CorruptSnapshotError, match=str(manifest)):
+            Snapshot(str(path)).verify(deep=deep)
 
 
 def test_newer_format_version(snap):

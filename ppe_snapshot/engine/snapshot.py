@@ -99,6 +99,7 @@ class Snapshot:
         storage = self._storage()
         try:
             manifest = self._read_manifest(storage)
+            manifest.check_entries()
             for name, size in manifest.files.items():
                 try:
                     stored = storage.size(name)
@@ -181,6 +182,8 @@ class Snapshot:
 
 def _leaf_loader(storage: Storage, budget: int | None = None, reads: ReadBatch | None = None):
     def load(path: str, entry: Entry, template: Any) -> Any:
+        if type(entry) is TensorEntry and not is_sharded(template):  # most leaves; checked first
+            return load_tensor(storage, path, entry, template, budget, reads)
         if isinstance(entry, PickleEntry):
             return load_pickle(storage, path, entry)
         if isinstance(entry, ShardedTensorEntry) or (isinstance(entry, TensorEntry) and is_sharded(template)):
