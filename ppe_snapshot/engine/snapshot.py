@@ -8,7 +8,7 @@ from ppe_snapshot.engine.flatten import escape, inflate
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.loading import ReadBatch, load_bytes, load_pickle, load_tensor, verify_chunks
 from ppe_snapshot.engine.manifest import (
-    MANIFEST_NAME, BytesEntry, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
+    MANIFEST_NAME, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
 )
 from ppe_snapshot.engine.sharded import is_sharded, load_sharded
 from ppe_snapshot.engine.stateful import state_of
@@ -182,15 +182,13 @@ class Snapshot:
 
 def _leaf_loader(storage: Storage, budget: int | None = None, reads: ReadBatch | None = None):
     def load(path: str, entry: Entry, template: Any) -> Any:
-        if type(entry) is TensorEntry and not is_sharded(template):  # most leaves; checked first
+        if isinstance(entry, TensorEntry) and not is_sharded(template):  # most leaves; checked first
             return load_tensor(storage, path, entry, template, budget, reads)
+        if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded entry, or a sharded target
+            return load_sharded(storage, path, entry, template, budget, reads)
         if isinstance(entry, PickleEntry):
             return load_pickle(storage, path, entry)
-        if isinstance(entry, ShardedTensorEntry) or (isinstance(entry, TensorEntry) and is_sharded(template)):
-            return load_sharded(storage, path, entry, template, budget, reads)
-        if isinstance(entry, BytesEntry):
-            return load_bytes(storage, path, entry)
-        return load_tensor(storage, path, entry, template, budget, reads)
+        return load_bytes(storage, path, entry)  # the last kind of leaf (inflate handles the others)
     return load
 
 
