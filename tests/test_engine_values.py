@@ -419,9 +419,23 @@ def test_value_needing_pickle_is_refused(tmp_path):
 
     Snapshot.take(path, {"s": state}, allow_pickle=True)
     fresh = StateDict()
-    Snapshot(path).restore({"s": fresh})
+    Snapshot(path, allow_pickle=True).restore({"s": fresh})
     assert fresh["extra"]["obj"] == Custom(1, "x")
     assert torch.equal(fresh["w"], torch.ones(2))
+
+
+def test_pickled_entry_is_read_only_with_opt_in_on_the_read_side(tmp_path):
+    path = str(tmp_path / "s")
+    Snapshot.take(path, {"s": StateDict(w=torch.ones(2), obj=Custom(1, "x"))}, allow_pickle=True)
+    for read in (lambda: Snapshot(path).restore({"s": StateDict()}),
+                 lambda: Snapshot(path).read_object("0/s/obj"),
+                 lambda: Snapshot(path, allow_pickle=True).read_object("0/s/obj", allow_pickle=False)):
+        with pytest.raises(ppe_snapshot.UnsupportedValueError, match=r"'s/obj'.*allow_pickle=True"):
+            read()
+    assert Snapshot(path).read_object("0/s/obj", allow_pickle=True) == Custom(1, "x")
+    fresh = StateDict()
+    Snapshot(path).restore({"s": fresh}, allow_pickle=True)
+    assert fresh["obj"] == Custom(1, "x")
 
 
 # -- URLs and metadata --------------------------------------------------------------

@@ -16,7 +16,7 @@ from ppe_snapshot.engine.manifest import (
 )
 from ppe_snapshot.engine.packing import CHUNK_BYTES, checksum, is_direct, row_major_blocks, tensor_bytes
 from ppe_snapshot.engine.serialization import torch_dtype
-from ppe_snapshot.errors import CorruptSnapshotError
+from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedValueError
 from ppe_snapshot.storage import Storage
 
 # Smallest host buffer used when a read must go through one (device or dtype change).
@@ -239,7 +239,12 @@ def _load_array(storage: Storage, path: str, entry: TensorEntry, target: Any,
     return out
 
 
-def load_pickle(storage: Storage, path: str, entry: PickleEntry) -> Any:
+def load_pickle(storage: Storage, path: str, entry: PickleEntry, allow_pickle: bool) -> Any:
+    """Unpickle an entry, only when the reader opted in: unpickling runs code named by the snapshot."""
+    if not allow_pickle:
+        raise UnsupportedValueError(
+            f"{storage.url}: entry {path!r} was saved with pickle, and unpickling runs code chosen by whoever "
+            "wrote the snapshot; pass allow_pickle=True to read it if you trust this snapshot")
     data = bytearray(sum(c.nbytes for c in entry.chunks))
     read_into(storage, entry.chunks, memoryview(data), path)
     return pickle.loads(data)

@@ -22,10 +22,13 @@ T = TypeVar("T")
 class Snapshot:
     """A reference to a committed snapshot at ``path`` (a local path or an fsspec URL)."""
 
-    def __init__(self, path: str, pg: Any = None, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str, pg: Any = None, storage_options: dict[str, Any] | None = None, *,
+                 allow_pickle: bool = False) -> None:
         self.path = str(path)
         self.pg = pg
         self.storage_options = storage_options
+        #: Whether restore / read_object may unpickle entries saved with pickle (runs code from the snapshot).
+        self.allow_pickle = allow_pickle
         self._manifest: Manifest | None = None
 
     def __repr__(self) -> str:
@@ -115,11 +118,14 @@ class Snapshot:
             storage.close()
 
     @gc_paused()  # the caller waits; thousands of entries are walked
-    def restore(self, app_state: dict[str, Any]) -> None:
+    def restore(self, app_state: dict[str, Any], *, allow_pickle: bool | None = None) -> None:
         """Load the saved state into ``app_state`` (the same keys as the take, or a subset).
 
         Tensors are read in place into the objects' existing tensors.
+        ``allow_pickle`` (default: the snapshot's) lets entries saved with
+        pickle be unpickled; without it they raise ``UnsupportedValueError``.
         """
+        allow_pickle = self.allow_pickle if allow_pickle is None else allow_pickle
         storage = self._storage()
         try:
             manifest = self._read_manifest(storage)
@@ -129,7 +135,7 @@ class Snapshot:
                 path = escape(key)
                 self._check_present(manifest, rank, key, path)
                 try:
-                    state = inflate(path, lambda p: manifest.lookup(rank, p), _leaf_loader(storage, reads=reads),
+                    state = inflate(path, lambda p: manifest.lookup(rank, p), _leaf_loader(storage, allow_pickle, reads=reads),
                                     state_of(key, obj))
                 finally:
                     reads.join()
@@ -138,14 +144,16 @@ class Snapshot:
             storage.close()
 
     @gc_paused()
-    def read_object(self, path: str, obj_out: T | None = None, memory_budget_bytes: int | None = None) -> T:
+    def read_object(self, path: str, obj_out: T | None = None, memory_budget_bytes: int | None = None, *,
+                    allow_pickle: bool | None = None) -> T:
         """One entry (and everything under it), by its manifest key ``"<rank>/<path>"``.
 
         With ``obj_out`` a tensor, the data is read into it in place. Reading
         goes straight into the result's memory; a host buffer is needed only
         for device or non-contiguous targets and then stays under
-        ``memory_budget_bytes``.
+        ``memory_budget_bytes``. ``allow_pickle`` as for :meth:`restore`.
         """
+        allow_pickle = self.allow_pickle if allow_pickle is None else allow_pickle
         storage = self._storage()
         try:
             manifest = self._read_manifest(storage)
@@ -155,7 +163,7 @@ class Snapshot:
             reads = ReadBatch()
             try:
                 return inflate(logical, lambda p: manifest.lookup(rank, p),
-                               _leaf_loader(storage, memory_budget_bytes, reads), obj_out)
+                               _leaf_loader(storage, allow_pickle, memory_budget_bytes, reads), obj_out)
             finally:
                 reads.join()
         finally:
@@ -180,14 +188,14 @@ class Snapshot:
         raise StateMismatchError(f"app_state[{key!r}] is not in snapshot {self.path}; it holds {saved}")
 
 
-def _leaf_loader(storage: Storage, budget: int | None = None, reads: ReadBatch | None = None):
+def _leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None, reads: ReadBatch | None = None):
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, TensorEntry) and not is_sharded(template):  # most leaves; checked first
             return load_tensor(storage, path, entry, template, budget, reads)
         if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded entry, or a sharded target
             return load_sharded(storage, path, entry, template, budget, reads)
         if isinstance(entry, PickleEntry):
-            return load_pickle(storage, path, entry)
+            return load_pickle(storage, path, entry, allow_pickle)
         return load_bytes(storage, path, entry)  # the last kind of leaf (inflate handles the others)
     return load
 

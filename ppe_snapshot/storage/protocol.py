@@ -402,10 +402,10 @@ def _dcp_view(manifest: Manifest, dcp_meta: dict[str, Any], where: str) -> _View
     return view
 
 
-def _leaf_loader(storage: Storage) -> Callable[[str, Entry, Any], Any]:
+def _leaf_loader(storage: Storage, allow_pickle: bool) -> Callable[[str, Entry, Any], Any]:
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, PickleEntry):
-            return load_pickle(storage, path, entry)
+            return load_pickle(storage, path, entry, allow_pickle)
         if isinstance(entry, BytesEntry):
             return load_bytes(storage, path, entry)
         if isinstance(entry, ShardedTensorEntry):
@@ -414,7 +414,7 @@ def _leaf_loader(storage: Storage) -> Callable[[str, Entry, Any], Any]:
     return load
 
 
-def _engine_view(manifest: Manifest, rank: int, where: str) -> _View:
+def _engine_view(manifest: Manifest, rank: int, where: str, allow_pickle: bool) -> _View:
     """DCP's view of an engine snapshot, as ``rank`` sees it."""
     def lookup(path: str) -> Entry | None:
         return manifest.lookup(rank, path)
@@ -422,7 +422,7 @@ def _engine_view(manifest: Manifest, rank: int, where: str) -> _View:
     def value_bytes(path: str) -> Callable[[Storage], bytes]:
         def load(storage: Storage) -> bytes:
             buffer = io.BytesIO()
-            torch.save(inflate(path, lookup, _leaf_loader(storage)), buffer)
+            torch.save(inflate(path, lookup, _leaf_loader(storage, allow_pickle)), buffer)
             return buffer.getvalue()
         return load
 
@@ -515,13 +515,16 @@ class SnapshotStorageReader(StorageReader):
 
     Works on snapshots written through :class:`SnapshotStorageWriter` and on snapshots taken
     by ``Snapshot.take``. Reads go straight into the tensors DCP's planner resolves, checksums
-    verified (:class:`~ppe_snapshot.errors.CorruptSnapshotError` on a mismatch).
+    verified (:class:`~ppe_snapshot.errors.CorruptSnapshotError` on a mismatch). Entries an
+    engine snapshot saved with pickle are read only with ``allow_pickle=True``.
     """
 
-    def __init__(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
+                 allow_pickle: bool = False) -> None:
         super().__init__()
         self.path = _location(path)
         self.storage_options = storage_options
+        self.allow_pickle = allow_pickle
         self.load_id = _new_id()
         self._sources: _Sources | None = None
 
@@ -548,7 +551,8 @@ class SnapshotStorageReader(StorageReader):
         if isinstance(dcp_meta, dict):
             view, version = _dcp_view(manifest, dcp_meta, where), dcp_meta.get("version")
         else:
-            view, version = _engine_view(manifest, 0 if manifest.world_size == 1 else _rank(), where), None
+            view, version = _engine_view(manifest, 0 if manifest.world_size == 1 else _rank(), where,
+                                          self.allow_pickle), None
         self._sources = view.sources
         return Metadata(
             state_dict_metadata=view.state_dict_metadata,
