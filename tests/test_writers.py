@@ -20,7 +20,9 @@ from pytorch_pfn_extras import training as ppe_training
 from pytorch_pfn_extras.training import extensions as ppe_extensions
 
 from ppe_snapshot import Snapshot, SnapshotError, SnapshotNotFoundError, StateDict
-from ppe_snapshot.writing import ProcessQueueWriter, ProcessWriter, SimpleWriter, ThreadQueueWriter, ThreadWriter
+from ppe_snapshot.writing import (
+    BackgroundSaveError, ProcessQueueWriter, ProcessWriter, SimpleWriter, ThreadQueueWriter, ThreadWriter,
+)
 from _asserts import assert_same
 
 ASYNC = ["thread", "thread_queue", "process", "process_queue"]
@@ -274,9 +276,15 @@ def test_background_failure_is_raised_at_the_next_call(kind, make_writer, tmp_pa
     writer("snap", str(tmp_path / "blocker"), {"x": torch.ones(3)})  # returns: the write fails later
     while writer.in_flight:  # a queue with a free slot would not wait for it
         time.sleep(0.01)
-    with pytest.raises(NotADirectoryError) as raised:
+    with pytest.raises(RuntimeError) as raised:  # as ppe's writers raise for a failed worker
         writer("next", str(tmp_path), {"x": torch.ones(3)})
-    assert any(str(tmp_path / "blocker" / "snap") in note for note in raised.value.__notes__)
+    error = raised.value
+    assert isinstance(error, BackgroundSaveError) and isinstance(error.__cause__, NotADirectoryError)
+    assert any(str(tmp_path / "blocker" / "snap") in note for note in error.__cause__.__notes__)
+    # The message carries the traceback of the thread or worker process that ran the save.
+    assert "Traceback (most recent call last)" in str(error) and "makedirs" in str(error)
+    if kind.startswith("process"):
+        assert "traceback in the writer process" in str(error)
     assert not (tmp_path / "next").exists()  # the raising call saved nothing
 
     writer("next", str(tmp_path), {"x": torch.ones(3)})  # the writer is still usable
@@ -292,9 +300,9 @@ def test_disk_full_is_raised_at_wait_and_leaves_no_manifest(kind, make_writer, t
     os.symlink("/dev/full", data / "rank0.bin")  # every write there fails with ENOSPC
     writer = make_writer(kind)
     writer("snap", str(tmp_path), {"x": torch.ones(1000)})
-    with pytest.raises(OSError) as raised:
+    with pytest.raises(BackgroundSaveError) as raised:
         writer.wait()
-    assert raised.value.errno == errno.ENOSPC
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.ENOSPC
     assert not (tmp_path / "snap" / "manifest.json").exists()
     with pytest.raises(SnapshotNotFoundError):
         Snapshot(str(tmp_path / "snap")).verify()
@@ -306,8 +314,9 @@ def test_background_failure_is_raised_at_finalize(kind, make_writer, tmp_path):
     (tmp_path / "blocker").write_text("")
     writer = make_writer(kind)
     writer("snap", str(tmp_path / "blocker"), {"x": torch.ones(3)})
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(RuntimeError, match="NotADirectoryError") as raised:
         writer.finalize()
+    assert isinstance(raised.value.__cause__, NotADirectoryError)
     writer.finalize()  # idempotent, and the failure was reported once
     with pytest.raises(RuntimeError, match="finalized"):
         writer("again", str(tmp_path), {"x": torch.ones(3)})
@@ -325,8 +334,9 @@ def test_process_writer_keeps_one_worker_and_stops_it_at_finalize(make_writer, t
     assert not process_gone(pid)
     (tmp_path / "blocker").write_text("")
     writer("blocker/snap", "", {"x": torch.ones(3)})
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(BackgroundSaveError) as raised:
         writer.finalize()
+    assert isinstance(raised.value.__cause__, NotADirectoryError)
     assert writer.worker_pid is None
     assert process_gone(pid)
     for i in range(3):

@@ -20,6 +20,7 @@ _HOMES = {
     "ThreadQueueWriter": "_thread",
     "ProcessWriter": "_process",
     "ProcessQueueWriter": "_process",
+    "BackgroundSaveError": "_async",
 }
 
 __all__ = sorted(_HOMES)

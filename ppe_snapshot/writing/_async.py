@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -21,8 +23,10 @@ import torch
 
 from ppe_snapshot.engine.packing import new_staging_buffer
 from ppe_snapshot.engine.take import TakeJob
+from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._base import WriterBase, add_note, logger
 from ppe_snapshot.writing._files import FileSave, stage_object
+from ppe_snapshot.writing._replace import Replacement
 
 _MiB = 1 << 20
 
@@ -31,6 +35,26 @@ def grown_size(current: int, needed: int) -> int:
     """Bytes for a new staging buffer: what is needed, with headroom once a buffer had to grow."""
     size = max(needed, current + current // 4) if current else needed
     return max(_MiB, -(-size // _MiB) * _MiB)
+
+
+class BackgroundSaveError(SnapshotError, RuntimeError):
+    """A save that ran in the background failed; raised at the writer's next call, ``wait()`` or ``finalize()``.
+
+    A ``RuntimeError``, as ppe's writers raise for a failed worker. The
+    original exception is the ``__cause__``; the message holds its traceback
+    from the thread or worker process that ran the save.
+    """
+
+
+def surfaced(error: BaseException) -> BackgroundSaveError:
+    """The error to raise in the caller for a background ``error``; raise it ``from error``."""
+    if isinstance(error, BackgroundSaveError):
+        return error
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+    if sys.version_info < (3, 11):  # the notes (the worker's traceback among them) are not printed there
+        text = "\n".join([text, *getattr(error, "__notes__", [])])
+    return BackgroundSaveError(f"a snapshot save failed in the background: {type(error).__name__}: {error}\n"
+                               f"{text}")
 
 
 @dataclass
@@ -63,6 +87,7 @@ class AsyncWriter(WriterBase):
         self._buffers: list[torch.Tensor | None] = [None] * queue_depth
         self._pinned = [False] * queue_depth
         self._busy = [False] * queue_depth
+        self._paths: list[str | None] = [None] * queue_depth  # where each busy slot saves
         self._failures: deque[BaseException] = deque()
         self._cond = threading.Condition()
         self._owner = os.getpid()
@@ -83,13 +108,14 @@ class AsyncWriter(WriterBase):
 
     # -- the caller's side ---------------------------------------------------
     def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-              start: float) -> None:
+              allow_pickle: bool, start: float) -> None:
         slot = self._acquire()
         try:
-            job = self._prepare(path, app_state, metadata, pg)
+            self._claim_path(slot, path)  # a save to the same name in flight must end before it is replaced
+            job, replacement = self._prepare(path, app_state, metadata, pg, allow_pickle)
             pin = job.layout.on_cuda()
             job.stage(lambda nbytes: self._buffer(slot, nbytes, pin))
-            self._submit_take(Ticket(slot, self._new_stats(path, start, job.layout.size)), job)
+            self._submit_take(Ticket(slot, self._new_stats(path, start, job.layout.size)), job, replacement)
         except BaseException:
             self._release(slot)
             raise
@@ -107,17 +133,30 @@ class AsyncWriter(WriterBase):
         """A free slot, after waiting for the oldest save if none is; raises a background failure first."""
         with self._cond:
             while True:
-                if self._failures:
-                    raise self._failures.popleft()
+                self._raise_failure()
                 for slot, busy in enumerate(self._busy):
                     if not busy:
                         self._busy[slot] = True
                         return slot
                 self._cond.wait()
 
+    def _claim_path(self, slot: int, path: str) -> None:
+        with self._cond:
+            while any(busy and p == path for busy, p in zip(self._busy, self._paths)):
+                self._cond.wait()
+            self._raise_failure()
+            self._paths[slot] = path
+
+    def _raise_failure(self) -> None:
+        """Raise the oldest background failure not raised yet (call holding ``_cond``)."""
+        if self._failures:
+            error = self._failures.popleft()
+            raise surfaced(error) from error
+
     def _release(self, slot: int) -> None:
         with self._cond:
             self._busy[slot] = False
+            self._paths[slot] = None
             self._cond.notify_all()
 
     def _buffer(self, slot: int, nbytes: int, pin: bool) -> torch.Tensor:
@@ -142,7 +181,7 @@ class AsyncWriter(WriterBase):
     def _buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
         """A slot has a new buffer."""
 
-    def _submit_take(self, ticket: Ticket, job: TakeJob) -> None:
+    def _submit_take(self, ticket: Ticket, job: TakeJob, replacement: Replacement | None) -> None:
         raise NotImplementedError
 
     def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
@@ -174,16 +213,19 @@ class AsyncWriter(WriterBase):
             if error is not None:
                 self._failures.append(error)
             self._busy[ticket.slot] = False
+            self._paths[ticket.slot] = None
             self._cond.notify_all()
 
     # -- waiting and shutting down -------------------------------------------------
     def wait(self) -> None:
-        """Block until every save in flight is committed and its hooks ran; raise a background failure."""
+        """Block until every save in flight is committed and its hooks ran.
+
+        Raises :class:`BackgroundSaveError` (a ``RuntimeError``) for a save that failed.
+        """
         with self._cond:
             while any(self._busy):
                 self._cond.wait()
-            if self._failures:
-                raise self._failures.popleft()
+            self._raise_failure()
 
     def finalize(self) -> None:
         """Wait for the saves in flight, then shut the background down (idempotent)."""

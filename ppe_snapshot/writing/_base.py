@@ -12,9 +12,11 @@ from pytorch_pfn_extras.writing import Writer
 from pytorch_pfn_extras.writing._writer_base import _PosixFileSystem
 
 from ppe_snapshot.engine import LOCAL, StateDict
-from ppe_snapshot.engine.take import TakeJob, prepare
+from ppe_snapshot.engine.take import TakeJob, group_rank, prepare
 from ppe_snapshot.storage import is_local, join
+from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._files import FileSave
+from ppe_snapshot.writing._replace import Replacement
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -39,13 +41,24 @@ class WriterBase(Writer):
             ``s3://bucket/run``); it takes precedence over the ``out_dir``
             of each call, as in ppe.
         storage_options: Options for fsspec (credentials, endpoint, ...).
+        allow_pickle: Let engine snapshots hold values that only pickle can
+            store (keyword-only; off by default, as reading them runs code).
         kwds: Passed to ``savefun``.
+
+    Saving again under a name that holds a snapshot replaces it, as ppe's
+    writers do, without ever leaving the name without a complete snapshot
+    (see :mod:`ppe_snapshot.writing._replace`).
     """
 
-    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "",
-                 **kwds: Any) -> None:
+    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
+                 allow_pickle: bool = False, **kwds: Any) -> None:
         self._storage_options: dict[str, Any] | None = kwds.pop("storage_options", None)
-        super().__init__(fs=fs, out_dir=out_dir)
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        # ppe's Writer only: the __init__ of ppe's StandardWriter / QueueWriter (bases of some of our
+        # writers, for their public surface) would start workers of their own.
+        Writer.__init__(self, fs=fs, out_dir=out_dir)
+        self.allow_pickle = allow_pickle
         self._savefun = savefun
         self._kwds = kwds
         self._finalized = False
@@ -63,14 +76,15 @@ class WriterBase(Writer):
 
     def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
                  append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL,
-                 extra_state: Mapping[str, Any] | None = None) -> None:
+                 extra_state: Mapping[str, Any] | None = None, allow_pickle: bool | None = None) -> None:
         """Save ``target`` (a state dict) as ``<self.out_dir or out_dir>/<filename>``.
 
         ``metadata`` is stored in the snapshot's manifest; ``pg`` is the
         engine's process group (``LOCAL``: this process alone; ``None``: the
         default group, each rank writing its part); ``extra_state`` holds more
         app-state entries saved beside the target's ``"state"`` (e.g. the RNG
-        state). All three are ignored when a ``savefun`` writes a single file.
+        state); ``allow_pickle`` overrides the writer's for this save. All
+        four are ignored when a ``savefun`` writes a single file.
         """
         if self._finalized:
             raise RuntimeError(f"this {type(self).__name__} was finalized; create a new writer to save again")
@@ -79,37 +93,71 @@ class WriterBase(Writer):
         self._check_path(path)
         savefun = savefun if savefun is not None else self._savefun
         if savefun is None:
-            if append:
-                raise ValueError("append=True needs a savefun: an engine snapshot is a directory, "
-                                 "it cannot be appended to")
-            if not isinstance(target, Mapping):
-                raise TypeError(f"an engine snapshot saves a state dict; got a {type(target).__name__}. "
-                                "Pass a dict, or a savefun such as torch.save to write it as one file")
-            if extra_state and "state" in extra_state:
-                raise ValueError('extra_state cannot use the key "state": it holds the target')
-            self._take(path, {"state": StateDict(target), **(extra_state or {})}, metadata, pg, start)
+            app_state = self._app_state(target, append, extra_state)
+            self._take(path, app_state, metadata, pg, self.allow_pickle if allow_pickle is None else allow_pickle,
+                       start)
         else:
-            self._save_file(self._file_save(path, savefun, append), target, start)
+            self._save_file(self._file_save(path, savefun, append, self._kwds), target, start)
 
-    def _file_save(self, path: str, savefun: Callable[..., Any], append: bool) -> FileSave:
+    @staticmethod
+    def _app_state(target: Any, append: bool, extra_state: Mapping[str, Any] | None) -> dict[str, Any]:
+        if append:
+            raise ValueError("append=True needs a savefun: an engine snapshot is a directory, "
+                             "it cannot be appended to")
+        if not isinstance(target, Mapping):
+            raise TypeError(f"an engine snapshot saves a state dict; got a {type(target).__name__}. "
+                            "Pass a dict, or a savefun such as torch.save to write it as one file")
+        if extra_state and "state" in extra_state:
+            raise ValueError('extra_state cannot use the key "state": it holds the target')
+        return {"state": StateDict(target), **(extra_state or {})}
+
+    def save(self, filename: str, out_dir: str, target: Any, savefun: Callable[..., Any] | None = None,
+             append: bool = False, **savefun_kwargs: Any) -> None:
+        """Save in the caller, whatever the writer (ppe's ``Writer.save``); then run the post-save hooks.
+
+        ``savefun=None`` takes an engine snapshot (with the writer's
+        ``allow_pickle``); a function writes one file, passed ``savefun_kwargs``.
+        """
+        path = join(self.out_dir or out_dir, filename)
+        self._check_path(path)
+        if savefun is None:
+            job, replacement = self._prepare(path, self._app_state(target, append, None), None, LOCAL,
+                                             self.allow_pickle)
+            job.write_and_commit()
+            if replacement is not None:
+                replacement.promote()
+        else:
+            self._file_save(path, savefun, append, {**self._kwds, **savefun_kwargs}).run(target)
+        self._post_save()
+
+    def _file_save(self, path: str, savefun: Callable[..., Any], append: bool, kwds: dict[str, Any]) -> FileSave:
         fs = self.fs
         if is_local(path) and type(fs) is _PosixFileSystem:  # plain os calls, resolved as ppe's fs would
             path = path if path.startswith("file://") else os.path.join(fs.root, path)
             fs = None
-        return FileSave(path, savefun, append, dict(self._kwds), fs, self._storage_options)
+        return FileSave(path, savefun, append, dict(kwds), fs, self._storage_options)
 
     def _check_path(self, path: str) -> None:
         """Raise when this writer cannot save at ``path``."""
 
     def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-              start: float) -> None:
+              allow_pickle: bool, start: float) -> None:
         raise NotImplementedError
 
     def _save_file(self, save: FileSave, target: Any, start: float) -> None:
         raise NotImplementedError
 
-    def _prepare(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any) -> TakeJob:
-        return prepare(path, app_state, pg, None, self._storage_options, False, metadata)
+    def _prepare(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
+                 allow_pickle: bool) -> tuple[TakeJob, Replacement | None]:
+        """The take job, and the step that gives the snapshot its name when it replaces one.
+
+        Rank 0 of ``pg`` decides where the take goes (every rank follows it in
+        ``prepare``) and is the one that moves the committed snapshot.
+        """
+        replacement = None
+        if group_rank(pg)[0] == 0:
+            path, replacement = _replace.plan(path, self._storage_options)
+        return prepare(path, app_state, pg, None, self._storage_options, allow_pickle, metadata), replacement
 
     def _new_stats(self, path: str, start: float, nbytes: int | None) -> dict[str, Any]:
         stats = {"path": path, "bytes": nbytes, "blocking_s": time.perf_counter() - start, "write_s": None}
@@ -136,10 +184,12 @@ class SimpleWriter(WriterBase):
     """
 
     def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-              start: float) -> None:
-        job = self._prepare(path, app_state, metadata, pg)
+              allow_pickle: bool, start: float) -> None:
+        job, replacement = self._prepare(path, app_state, metadata, pg, allow_pickle)
         began = time.perf_counter()
         job.write_and_commit()
+        if replacement is not None:
+            replacement.promote()
         self._finish(path, start, began, job.layout.size)
 
     def _save_file(self, save: FileSave, target: Any, start: float) -> None:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import multiprocessing.connection
+import queue
 import os
 import pickle
 import signal
@@ -15,12 +17,14 @@ from typing import Any, Callable
 import fsspec.utils
 import torch
 import torch.multiprocessing
+from pytorch_pfn_extras.writing import QueueWriter, StandardWriter
 
 from ppe_snapshot.engine.take import TakeJob
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._async import AsyncWriter, Ticket
-from ppe_snapshot.writing._base import add_note, logger
+from ppe_snapshot.writing._base import SimpleWriter, add_note, logger
 from ppe_snapshot.writing._files import FileSave
+from ppe_snapshot.writing._replace import Replacement
 from ppe_snapshot.writing._worker import serve
 
 OnDone = Callable[[BaseException | None, int | None], None]
@@ -192,9 +196,9 @@ class _ProcessBase(AsyncWriter):
     def _buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
         self._live_worker().send_buffer(slot, buffer)
 
-    def _submit_take(self, ticket: Ticket, job: TakeJob) -> None:
+    def _submit_take(self, ticket: Ticket, job: TakeJob, replacement: Replacement | None) -> None:
         job.staged = None  # the worker holds the slot's buffer already
-        self._send(ticket, ("take", ticket.slot, job))
+        self._send(ticket, ("take", ticket.slot, job, replacement))
 
     def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
         self._send(ticket, ("file", ticket.slot, save, skeleton))
@@ -210,6 +214,12 @@ class _ProcessBase(AsyncWriter):
                             "fs), or a ThreadWriter") from e
         ticket.handoff = time.perf_counter()
         self._live_worker().submit(number, payload, partial(self._finish, ticket), ticket.stats["path"])
+        self._started = True
+
+    def _settings(self) -> dict[str, Any]:
+        """What a :class:`SimpleWriter` with this writer's settings is built from (picklable)."""
+        return {"savefun": self._savefun, "fs": self.fs, "out_dir": self.out_dir, "allow_pickle": self.allow_pickle,
+                "storage_options": self._storage_options, **self._kwds}
 
     def _shutdown(self) -> None:
         if self._worker is not None:
@@ -217,7 +227,12 @@ class _ProcessBase(AsyncWriter):
             self._worker = None
 
 
-class ProcessWriter(_ProcessBase):
+def _save_alone(settings: dict[str, Any], filename: str, out_dir: str, target: Any,
+                savefun: Callable[..., Any] | None, append: bool, savefun_kwargs: dict[str, Any]) -> None:
+    SimpleWriter(**settings).save(filename, out_dir, target, savefun, append, **savefun_kwargs)
+
+
+class ProcessWriter(_ProcessBase, StandardWriter[multiprocessing.Process]):
     """Stages in the caller, writes and commits in one long-lived worker process.
 
     The worker is started once, with the ``spawn`` method (never a fork per
@@ -243,9 +258,19 @@ class ProcessWriter(_ProcessBase):
     def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "",
                  **kwds: Any) -> None:
         super().__init__(savefun, fs, out_dir, 1, kwds)
+        self._started = False
+
+    def create_worker(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
+                      append: bool = False, **savefun_kwargs: Any) -> multiprocessing.Process:
+        """A process (not started) that saves ``target`` with this writer's settings (ppe's ``StandardWriter`` API).
+
+        Calls to the writer do not use it: they hand their saves to the long-lived worker process.
+        """
+        return multiprocessing.Process(target=_save_alone, args=(self._settings(), filename, out_dir, target, savefun,
+                                                                 append, savefun_kwargs))
 
 
-class ProcessQueueWriter(_ProcessBase):
+class ProcessQueueWriter(_ProcessBase, QueueWriter[multiprocessing.Process]):
     """Like :class:`ProcessWriter`, with ``queue_depth`` saves allowed in flight at once.
 
     The worker writes them one after the other; each holds its own
@@ -257,3 +282,16 @@ class ProcessQueueWriter(_ProcessBase):
     def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
                  queue_depth: int = 1, **kwds: Any) -> None:
         super().__init__(savefun, fs, out_dir, queue_depth, kwds)
+        self._started = True
+
+    # ppe's QueueWriter API; the writer's own saves go to its long-lived worker process.
+    def create_task(self, savefun: Callable[..., Any] | None = None) -> SimpleWriter:
+        """A writer that saves in the caller, with this writer's settings, as ppe's queue consumers call it."""
+        return SimpleWriter(**{**self._settings(), "savefun": savefun})
+
+    def create_queue(self) -> "queue.Queue[Any]":
+        return multiprocessing.JoinableQueue()  # type: ignore[return-value]
+
+    def create_consumer(self, q: "queue.Queue[Any]") -> multiprocessing.Process:
+        """A process (not started) that runs ppe's ``consume(q)`` loop over ``q``."""
+        return multiprocessing.Process(target=self.consume, args=(q,))

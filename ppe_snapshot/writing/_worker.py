@@ -4,7 +4,8 @@ It never touches CUDA: every save arrives staged in a host shared-memory
 buffer that the parent sent once (and again only when it grew). Messages:
 
 * ``("buffer", slot, tensor)``: the staging buffer of a slot;
-* ``("take", ticket, slot, job)``: write and commit an engine snapshot;
+* ``("take", ticket, slot, job, replacement)``: write and commit an engine snapshot,
+  then give it its name when it replaces one (``replacement`` not None);
 * ``("file", ticket, slot, save, skeleton)``: write a single file;
 * ``("stop",)``: finish what is queued, then exit.
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from ppe_snapshot.writing._files import materialize
+from ppe_snapshot.writing._replace import commit_in_place
 
 #: Seconds between two checks that the parent is still there while idle.
 PARENT_CHECK_S = 1.0
@@ -78,9 +80,9 @@ def _receive(jobs: Connection, inbox: "queue.SimpleQueue[tuple[Any, ...] | None]
 def _run(kind: str, work: list[Any], buffer: torch.Tensor) -> tuple[Any, int | None]:
     try:
         if kind == "take":
-            job = work[0]
+            job, replacement = work
             job.staged = buffer
-            job.write_and_commit()
+            commit_in_place(job, replacement)
             return None, None
         save, skeleton = work
         return None, save.run(materialize(skeleton, buffer))

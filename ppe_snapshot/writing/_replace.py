@@ -1,0 +1,159 @@
+"""Saving again under a name that already holds a snapshot, crash-safely.
+
+ppe's writers overwrite: a filename without format fields
+(``"snapshot_latest"``) is saved again at every trigger. An engine snapshot
+is a directory, so it cannot be overwritten in one step. Instead the new one
+is taken beside it, at ``<name>`` + :data:`SIDE_SUFFIX`, and then takes the
+name:
+
+* local paths: the two directories are exchanged atomically
+  (``renameat2(RENAME_EXCHANGE)``), then the old one is removed; where the
+  platform cannot exchange, the old one is removed (manifest first) and the
+  new one renamed;
+  (a directory without manifest, left by a crashed take, is taken into directly);
+* other file systems (object stores): the old one is removed (manifest
+  first), then the new one is moved to the name.
+
+At every moment one complete snapshot exists under the name or beside it,
+and :func:`ppe_snapshot.retention.list_snapshots` lists both names for a
+format without fields, so autoload finds the newest complete one. The next
+save first settles what a crash left beside the name.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from ppe_snapshot.engine.manifest import MANIFEST_NAME
+from ppe_snapshot.storage import is_local
+from ppe_snapshot.storage.swap import exchange, sync_directory
+
+#: Where a snapshot replacing ``<name>`` is written until it takes the name.
+SIDE_SUFFIX = ".ppe-snapshot-next"
+
+
+def _local_path(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+@dataclass
+class Replacement:
+    """Moves a committed snapshot from beside ``final`` to ``final``; picklable for the writer process."""
+    final: str
+    storage_options: dict[str, Any] | None = None
+
+    @property
+    def side(self) -> str:
+        return self.final + SIDE_SUFFIX
+
+    @property
+    def _local(self) -> bool:
+        return is_local(self.final) and not self.storage_options
+
+    def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        fs, path = fsspec.core.url_to_fs(self.final, **(self.storage_options or {}))
+        return fs, path.rstrip("/")
+
+    def exists(self, path: str) -> bool:
+        if self._local:
+            return os.path.lexists(_local_path(path))
+        fs, _ = self._fs()
+        return fs.exists(fsspec.core.url_to_fs(path, **(self.storage_options or {}))[1])
+
+    def occupied(self, path: str) -> bool:
+        """Whether ``path`` holds something a take there would not simply complete: a committed (or
+        damaged) snapshot, or a file. A directory without manifest is a crashed take's leftover."""
+        if self._local:
+            local = _local_path(path)
+            if os.path.isdir(local) and not os.path.islink(local):
+                return os.path.lexists(os.path.join(local, MANIFEST_NAME))
+            return os.path.lexists(local)
+        fs, _ = self._fs()
+        target = fsspec.core.url_to_fs(path, **(self.storage_options or {}))[1].rstrip("/")
+        return fs.exists(f"{target}/{MANIFEST_NAME}") or fs.isfile(target)
+
+    def remove(self, path: str) -> None:
+        """Remove a snapshot directory (its manifest first, so it is never seen half-removed) or a file."""
+        if self._local:
+            local = _local_path(path)
+            if os.path.isdir(local) and not os.path.islink(local):
+                try:
+                    os.unlink(os.path.join(local, MANIFEST_NAME))
+                except FileNotFoundError:
+                    pass
+                shutil.rmtree(local, ignore_errors=False)
+            elif os.path.lexists(local):
+                os.unlink(local)
+            return
+        fs, _ = self._fs()
+        target = fsspec.core.url_to_fs(path, **(self.storage_options or {}))[1].rstrip("/")
+        if not fs.exists(target):
+            return
+        if fs.isdir(target):
+            try:
+                fs.rm_file(f"{target}/{MANIFEST_NAME}")
+            except FileNotFoundError:
+                pass
+            try:
+                fs.rm(target, recursive=True)
+            except FileNotFoundError:  # an object store drops the "directory" with its last object
+                pass
+        else:
+            fs.rm_file(target)
+
+    def promote(self) -> None:
+        """Give the committed snapshot beside the name the name; the one it replaces is removed."""
+        if not self._local:
+            self.remove(self.final)
+            fs, final = self._fs()
+            side = final + SIDE_SUFFIX
+            fs.mv(side, final, recursive=True)
+            return
+        final, side = _local_path(self.final), _local_path(self.side)
+        if os.path.lexists(final) and exchange(side, final):
+            sync_directory(os.path.dirname(os.path.abspath(final)))
+            self.remove(side)  # now the old one
+            return
+        if os.path.lexists(final):
+            self.remove(final)  # no exchange here: for a moment only the new one, beside, is complete
+        os.rename(side, final)
+        sync_directory(os.path.dirname(os.path.abspath(final)))
+
+
+def _complete(path: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether ``path`` holds a committed snapshot that passes the quick check."""
+    from ppe_snapshot.engine import LOCAL, Snapshot
+    try:
+        Snapshot(path, pg=LOCAL, storage_options=storage_options).verify(deep=False)
+    except Exception:  # noqa: BLE001 - absent, incomplete or damaged
+        return False
+    return True
+
+
+def plan(path: str, storage_options: dict[str, Any] | None) -> tuple[str, Replacement | None]:
+    """Where to take a snapshot that must end up at ``path``, and the step that moves it there after.
+
+    Settles first what an interrupted replacement left: a complete snapshot
+    beside a name that holds none takes the name; any other leftover beside
+    it is removed.
+    """
+    replacement = Replacement(path, storage_options)
+    if replacement.exists(replacement.side):
+        if _complete(path, storage_options) or not _complete(replacement.side, storage_options):
+            replacement.remove(replacement.side)
+        else:
+            replacement.promote()
+    if not replacement.occupied(path):
+        return path, None  # nothing there, or a crashed take's leftover: the take completes it in place
+    return replacement.side, replacement
+
+
+def commit_in_place(job: Any, replacement: Replacement | None) -> None:
+    """Write and commit a take job, then give it its name if it replaces a snapshot."""
+    job.write_and_commit()
+    if replacement is not None:
+        replacement.promote()
