@@ -18,24 +18,18 @@ from __future__ import annotations
 import logging
 import time
 import types
-import warnings
 from typing import Any, Callable
 
-import fsspec
-import numpy as np
-import torch
-import torch.distributed as dist
 from pytorch_pfn_extras import reporting
 from pytorch_pfn_extras.training import extension
 from pytorch_pfn_extras.training._manager_protocol import ExtensionsManagerProtocol
 from pytorch_pfn_extras.training.extensions import SnapshotMode
 from pytorch_pfn_extras.writing import Writer
 
-from ppe_snapshot import retention
+from ppe_snapshot import ppe_glue, retention
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot, StateDict
-from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.resume import Unusable, cannot_start_fresh, is_committed, load_file, opened, skip
 from ppe_snapshot.retention import Candidate, FilenameFormat
-from ppe_snapshot.writing import SimpleWriter
 from ppe_snapshot.writing._base import WriterBase
 
 logger = logging.getLogger("ppe_snapshot")
@@ -53,7 +47,8 @@ def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: A
 def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}", *,
              target: Any = None, condition: Callable[[], bool] | None = None, writer: Writer | None = None,
              snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
-             saver_rank: int | None = None, snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT) -> "_Snapshot":
+             saver_rank: int | None = None, snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT,
+             allow_pickle: bool = False) -> "_Snapshot":
     """An extension that snapshots the training state (the manager, or ``target``).
 
     Args:
@@ -62,14 +57,20 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
             one file the way pytorch-pfn-extras does. Not with ``writer``.
         filename: A format string the manager is passed to
             (``"snapshot_iter_{.iteration}"``), or a callable taking the manager.
+            It names a place inside the output directory. A name without
+            format fields (``"snapshot_latest"``) is saved again at every
+            trigger, replacing the previous snapshot crash-safely.
         target: What to save: the manager (None), an object with
             ``state_dict()``/``load_state_dict()``, or a dict of them.
         condition: Called without arguments at each trigger; no snapshot when it returns False.
         writer: Where the save runs: a :mod:`ppe_snapshot.writing` writer
-            (Simple, Thread, Process, ...) or any ppe writer. Default: a
-            ``ppe_snapshot.writing.SimpleWriter`` on the manager's output directory.
+            (Simple, Thread, Process, ...) or any ppe writer. None (the
+            default): the manager's writer, looked up when the snapshot first
+            runs. ppe's own built-in writers are stood in for by the
+            ``ppe_snapshot`` writer of the same kind on their ``out_dir``, so
+            snapshots are engine snapshots unless ``savefun`` is given.
         snapshot_on_error: Save once when the training loop raises (the error propagates).
-        n_retains: Keep this many newest complete snapshots (positive to enable);
+        n_retains: Keep this many newest complete snapshots (an int; positive to enable);
             needs a string ``filename``.
         autoload: At start, restore the newest complete, valid snapshot; damaged ones
             are skipped with a warning. Needs a string ``filename``.
@@ -77,6 +78,13 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
             it selects DISTRIBUTED mode). In SHARDED mode the rank that prunes (default 0).
         snapshot_mode: DEFAULT (one process), DISTRIBUTED (``saver_rank`` writes the
             state every rank holds) or SHARDED (every rank writes its part of one snapshot).
+        allow_pickle: Keyword-only, beyond ppe's signature: let snapshots hold
+            values only pickle can store, and let autoload unpickle them (which
+            runs code from the snapshot: only for snapshots you trust).
+
+    ``initialize()`` (called by the manager at start) returns the name of the
+    snapshot autoload restored, relative to the output directory (as ppe
+    does), or None; ``resumed_from`` holds its full path or URL.
 
     Each snapshot reports ``snapshot/blocking_s``, ``snapshot/write_s`` (the
     previous save's when the writer is asynchronous) and ``snapshot/bytes``
@@ -98,18 +106,20 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
     if savefun is not None and writer is not None:
         raise TypeError("savefun and writer arguments cannot be specified together.")
     options = dict(target=target, condition=condition, writer=writer, filename=filename,
-                   snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload, savefun=savefun)
+                   snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload, savefun=savefun,
+                   allow_pickle=allow_pickle)
+    from ppe_snapshot.extension_distributed import DistributedSnapshot, ShardedSnapshot
     if snapshot_mode == SnapshotMode.DEFAULT:
         if saver_rank is None:
             return _Snapshot(**options)
-        return _DistributedSnapshot(saver_rank=saver_rank, **options)
+        return DistributedSnapshot(saver_rank=saver_rank, **options)
     if snapshot_mode == SnapshotMode.DISTRIBUTED:
         if saver_rank is None:
             raise ValueError("snapshot_mode=SnapshotMode.DISTRIBUTED needs saver_rank: the rank that writes "
                              "the snapshots (e.g. saver_rank=0)")
-        return _DistributedSnapshot(saver_rank=saver_rank, **options)
+        return DistributedSnapshot(saver_rank=saver_rank, **options)
     if snapshot_mode == SnapshotMode.SHARDED:
-        return _ShardedSnapshot(saver_rank=0 if saver_rank is None else saver_rank, **options)
+        return ShardedSnapshot(saver_rank=0 if saver_rank is None else saver_rank, **options)
     raise RuntimeError(f"snapshot_mode must be one of {[m.name for m in SnapshotMode]} of SnapshotMode, "
                        f"got {snapshot_mode!r}")
 
@@ -149,10 +159,6 @@ class _TargetState:
         _load_into(self._target, state)
 
 
-class _Unusable(Exception):
-    """A candidate that cannot be restored, found before any state was touched."""
-
-
 class _Snapshot(extension.Extension):
     """Snapshots in one process (SnapshotMode.DEFAULT)."""
 
@@ -163,17 +169,28 @@ class _Snapshot(extension.Extension):
     def __init__(self, target: Any = None, condition: Callable[[], bool] | None = None,
                  writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
                  snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
-                 savefun: Any = None) -> None:
+                 savefun: Any = None, allow_pickle: bool = False) -> None:
+        ppe_glue.check_writer(writer)
+        ppe_glue.check_n_retains(n_retains)
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
         self._target = target
         self.filename = filename
         self.condition = _always_true if condition is None else condition
+        #: The writer that saves: the one given, or (once the snapshot first runs) the manager's
+        #: writer, or the ppe_snapshot writer standing in for ppe's built-in one.
         self.writer = writer
+        self._writer_given = writer is not None
+        self._bound = False
+        self._stood_in_for: Any = None  # the ppe writer that self.writer stands in for
         self._snapshot_on_error = snapshot_on_error
         self.n_retains = n_retains
         self.autoload = autoload
         self._savefun = savefun
+        self._allow_pickle = allow_pickle
         self._format: FilenameFormat | None = None
         if isinstance(filename, str):
+            ppe_glue.check_inside(filename)
             self._format = FilenameFormat(filename)
         elif not callable(filename):
             raise TypeError(f"filename must be a format string or a callable, got {type(filename).__name__}")
@@ -187,8 +204,12 @@ class _Snapshot(extension.Extension):
         self._storage_options: dict[str, Any] | None = None
         #: Where ``autoload`` restored from (a path or URL), or None.
         self.resumed_from: str | None = None
+        #: The same relative to the output directory, as ``initialize()`` returns it (ppe's ``loaded_fn``).
+        self.resumed_name: str | None = None
         # Names newer than the resumed position that autoload skipped; replaced when saved again.
         self._superseded: dict[str, Candidate] = {}
+        # Names autoload skipped: retention never counts them as kept snapshots until saved again.
+        self._rejected: set[str] = set()
 
     # -- what and where -------------------------------------------------------
     @property
@@ -201,7 +222,9 @@ class _Snapshot(extension.Extension):
         return manager if self._target is None else self._target
 
     def _format_name(self, manager: ExtensionsManagerProtocol) -> str:
-        return self.filename(manager) if callable(self.filename) else self.filename.format(manager)
+        name = self.filename(manager) if callable(self.filename) else self.filename.format(manager)
+        ppe_glue.check_inside(name)  # a callable's names, and fields' values, are known only now
+        return name
 
     def _metadata(self, manager: ExtensionsManagerProtocol) -> dict[str, Any]:
         return {"iteration": manager.iteration, "epoch": manager.epoch, "epoch_detail": manager.epoch_detail,
@@ -216,25 +239,49 @@ class _Snapshot(extension.Extension):
     def _engine_writer(self) -> bool:
         return isinstance(self.writer, WriterBase)
 
+    @property
+    def _reads_pickle(self) -> bool:
+        """Whether autoload may unpickle: opted in here or on the writer."""
+        return self._allow_pickle or getattr(self.writer, "allow_pickle", False) is True
+
+    def _bind(self, manager: ExtensionsManagerProtocol) -> None:
+        """Settle the writer and output directory when the snapshot first runs (ppe looks up
+        ``manager.writer`` then too), so calling it or ``on_error`` before ``initialize()`` works."""
+        if self._bound:
+            return
+        chosen = self.writer if self._writer_given else manager.writer
+        if chosen is None:
+            raise RuntimeError("snapshot: no writer; the manager has none and none was given (writer=...)")
+        ppe_glue.check_writer(chosen)
+        writer = chosen
+        if self._savefun is None and not isinstance(chosen, WriterBase):
+            writer = ppe_glue.counterpart(chosen) or chosen
+            if writer is not chosen:
+                self._stood_in_for = chosen
+        self.writer = writer
+        self._out_dir = getattr(writer, "out_dir", "") or manager.out
+        self._storage_options = getattr(writer, "storage_options", None)
+        if self.n_retains > 0 and self._format is not None and self._prunes():
+            writer._add_cleanup_hook(self._prune)
+        self._bound = True
+
     # -- extension protocol ----------------------------------------------------
     def initialize(self, manager: ExtensionsManagerProtocol) -> str | None:  # type: ignore[override]
-        if self.writer is None:
-            self.writer = SimpleWriter(savefun=self._savefun, out_dir=manager.out)
-        self._out_dir = self.writer.out_dir or manager.out
-        self._storage_options = getattr(self.writer, "storage_options", None)
-        if self.n_retains > 0 and self._format is not None and self._prunes():
-            self.writer._add_cleanup_hook(self._prune)
+        """Restore with ``autoload``; returns the restored snapshot's name relative to the output
+        directory (as ppe does), or None."""
+        self._bind(manager)
         if self.autoload:
             self._autoload(manager)
-        return self.resumed_from
+        return self.resumed_name
 
     def __call__(self, manager: ExtensionsManagerProtocol) -> None:
+        self._bind(manager)
         if self.condition():
             self._make_snapshot(manager)
 
     def on_error(self, manager: ExtensionsManagerProtocol, exc: Exception, tb: types.TracebackType) -> None:
         super().on_error(manager, exc, tb)
-        if not self._snapshot_on_error or self.writer is None:
+        if not self._snapshot_on_error:
             return
         # An extension that raised in an iteration where no snapshot was due leaves the models marked
         # unavailable (ppe's guard for extensions without needs_model_state); the snapshot needs them.
@@ -242,18 +289,24 @@ class _Snapshot(extension.Extension):
         if available is False:
             manager._model_available = True  # type: ignore[attr-defined]
         try:
+            self._bind(manager)
             self._wait_in_flight()
             self._error_snapshot(manager)
         except Exception as e:  # noqa: BLE001 - the training error is the one that must propagate
-            logger.error("ppe_snapshot: the snapshot on error failed: %s: %s", type(e).__name__, e)
-            warnings.warn(f"ppe_snapshot: the snapshot on error failed: {type(e).__name__}: {e}")
+            # Logged, not warned: a test setup turning warnings into errors must still see the training error.
+            logger.error("ppe_snapshot: the snapshot on error failed: %s: %s", type(e).__name__, e,
+                         exc_info=(type(e), e, e.__traceback__))
         finally:
             if available is False:
                 manager._model_available = False  # type: ignore[attr-defined]
 
     def finalize(self, manager: ExtensionsManagerProtocol) -> None:
-        if self.writer is not None:
-            self.writer.finalize()
+        try:
+            if self.writer is not None:
+                self.writer.finalize()
+        finally:
+            if self._stood_in_for is not None:
+                ppe_glue.stand_down(self._stood_in_for, self._writer_given)
 
     # -- saving ------------------------------------------------------------------
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
@@ -269,7 +322,6 @@ class _Snapshot(extension.Extension):
     def _save(self, manager: ExtensionsManagerProtocol, name: str, state: Any, pg: Any,
               rng: dict[int, Any] | None = None) -> None:
         writer = self.writer
-        assert writer is not None, "initialize() sets the writer"
         if not self._engine_writer:
             start = time.perf_counter()
             writer(name, manager.out, state, savefun=self._savefun)
@@ -280,10 +332,11 @@ class _Snapshot(extension.Extension):
             retention.remove(stale, self._storage_options)
             logger.warning("ppe_snapshot: removed %s, which autoload skipped as %s, to save this position again",
                            stale.url, stale.kind if stale.kind != "snapshot" else "damaged")
+        self._rejected.discard(name)
         previous = getattr(writer, "last_stats", None)
         rng = self._rng_states() if rng is None else rng
         writer(name, manager.out, state, savefun=self._savefun, metadata=self._metadata(manager), pg=pg,
-               extra_state={RNG_KEY: StateDict(rng)})
+               extra_state={RNG_KEY: StateDict(rng)}, allow_pickle=True if self._allow_pickle else None)
         self._report(manager, name, writer.last_stats, previous)
 
     def _report(self, manager: ExtensionsManagerProtocol, name: str, stats: dict[str, Any],
@@ -295,7 +348,7 @@ class _Snapshot(extension.Extension):
                   "snapshot/bytes": stats.get("bytes")}
         values = {k: v for k, v in values.items() if v is not None}
         reporting.report(values)
-        logger.info("ppe_snapshot: snapshot %s at iteration %d: %s", name, manager.iteration,
+        logger.info("ppe_snapshot: snapshot %s at iteration %s: %s", name, manager.iteration,
                     ", ".join(f"{k.split('/')[1]}={v:.3f}" if k.endswith("_s") else f"{k.split('/')[1]}={v}"
                               for k, v in values.items()))
 
@@ -315,7 +368,7 @@ class _Snapshot(extension.Extension):
     def _save_on_error(self, manager: ExtensionsManagerProtocol, name: str, pg: Any) -> None:
         location = retention.join(self._out_dir, name)
         if (self._engine_writer and self._savefun is None and name not in self._superseded
-                and _is_committed(location, self._storage_options)):
+                and is_committed(location, self._storage_options)):
             logger.warning("ppe_snapshot: training failed at iteration %d; snapshot %s already holds this "
                            "position, so no snapshot on error is taken", manager.iteration, location)
             return
@@ -331,7 +384,8 @@ class _Snapshot(extension.Extension):
     def _prune(self) -> None:
         assert self._format is not None
         try:
-            retention.prune(self._out_dir, self._format, self.n_retains, self._storage_options)
+            retention.prune(self._out_dir, self._format, self.n_retains, self._storage_options,
+                            rejected=self._rejected)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
             logger.warning("ppe_snapshot: removing old snapshots under %s failed: %s: %s", self._out_dir,
                            type(e).__name__, e)
@@ -353,29 +407,33 @@ class _Snapshot(extension.Extension):
             try:
                 self._restore(candidate, target, pg)
                 return candidate
-            except _Unusable as e:
-                _skip(candidate, str(e))
+            except Unusable as e:
+                self._skip(candidate, str(e))
             except Exception as e:  # noqa: BLE001 - a damaged snapshot is skipped, the next older one tried
-                _skip(candidate, f"{type(e).__name__}: {e}")
+                self._skip(candidate, f"{type(e).__name__}: {e}")
                 touched = (candidate, e)
         if touched is not None:
-            raise _cannot_start_fresh(f"{touched[0].url} ({touched[1]})") from touched[1]
+            raise cannot_start_fresh(f"{touched[0].url} ({touched[1]})") from touched[1]
         return None
+
+    def _skip(self, candidate: Candidate, reason: str) -> None:
+        skip(candidate, reason)
+        self._rejected.add(candidate.name)
 
     def _restore(self, candidate: Candidate, target: Any, pg: Any) -> None:
         if not candidate.complete:
-            raise _Unusable(candidate.problem or f"it is {candidate.kind}")
+            raise Unusable(candidate.problem or f"it is {candidate.kind}")
         if candidate.kind == "file":
             try:
-                state = _load_file(candidate.url, self._storage_options)
+                state = load_file(candidate.url, self._storage_options)
             except Exception as e:  # noqa: BLE001 - nothing was loaded yet
-                raise _Unusable(f"cannot be read by torch.load: {type(e).__name__}: {e}") from e
+                raise Unusable(f"cannot be read by torch.load: {type(e).__name__}: {e}") from e
             _load_into(target, state)
             return
-        snap = Snapshot(candidate.url, pg=pg, storage_options=self._storage_options)
-        saved_kind = snap.metadata.get("ppe_snapshot_target", self._target_kind)
+        snap, metadata = opened(candidate, pg, self._storage_options, self._reads_pickle)
+        saved_kind = metadata.get("ppe_snapshot_target", self._target_kind)
         if saved_kind != self._target_kind:
-            raise _Unusable(f"it holds a {saved_kind} target and this extension's target is a {self._target_kind}")
+            raise Unusable(f"it holds a {saved_kind} target and this extension's target is a {self._target_kind}")
         snap.restore({"state": _TargetState(target)})
         self._restore_rng(snap, pg)
 
@@ -407,198 +465,6 @@ class _Snapshot(extension.Extension):
                         self.filename, self._out_dir)
             return
         self.resumed_from = found.url
-        logger.info("ppe_snapshot: resumed from %s at iteration %d (epoch %d)", found.url, manager.iteration,
+        self.resumed_name = found.name
+        logger.info("ppe_snapshot: resumed from %s at iteration %s (epoch %s)", found.url, manager.iteration,
                     manager.epoch)
-
-
-def _cannot_start_fresh(what: str) -> SnapshotError:
-    return SnapshotError(
-        f"autoload: restoring {what} failed part way, so the target's state may be partly overwritten, and no "
-        "older snapshot could be restored; training cannot start fresh safely. Repair or remove the damaged "
-        "snapshots, or start with autoload=False.")
-
-
-def _skip(candidate: Candidate, reason: str) -> None:
-    message = f"ppe_snapshot autoload: skipping snapshot {candidate.url}: {reason}"
-    logger.warning(message)
-    warnings.warn(message, stacklevel=3)
-
-
-def _load_file(url: str, storage_options: dict[str, Any] | None) -> Any:
-    """A single-file (``torch.save``) snapshot, loaded with ``weights_only``.
-
-    numpy arrays are allowed too: the numpy RNG state (``RNGState``) holds one.
-    """
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    numpy_globals = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    with fsspec.open(url, "rb", **(storage_options or {})) as f, torch.serialization.safe_globals(numpy_globals):
-        return torch.load(f, map_location=torch.device("cpu"), weights_only=True)
-
-
-def _is_committed(location: str, storage_options: dict[str, Any] | None) -> bool:
-    try:
-        Snapshot(location, pg=LOCAL, storage_options=storage_options).metadata
-    except Exception:  # noqa: BLE001 - absent or unreadable: not a committed snapshot
-        return False
-    return True
-
-
-class _DistributedExtension(_Snapshot):
-    """What DISTRIBUTED and SHARDED share: a process group, a designated rank, restoring together."""
-
-    _mode = "DISTRIBUTED"
-    #: The engine process group of a restore: each rank reads alone (LOCAL) or its own part (None).
-    _restore_pg: Any = LOCAL
-
-    def __init__(self, *, saver_rank: int, **options: Any) -> None:
-        super().__init__(**options)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"snapshot_mode={self._mode} requires torch.distributed to be initialized "
-                               "(call torch.distributed.init_process_group first)")
-        self._rank = dist.get_rank()
-        self._size = dist.get_world_size()
-        if not 0 <= saver_rank < self._size:
-            raise ValueError(f"Distributed snapshot requires a saver rank in the range [0-{self._size}); "
-                             f"got saver_rank={saver_rank}")
-        self._saver_rank = saver_rank
-        self._rng_rank = self._rank
-
-    @property
-    def _is_saver(self) -> bool:
-        return self._rank == self._saver_rank
-
-    @property
-    def _owns_out_dir(self) -> bool:
-        return self._is_saver
-
-    def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
-        """(what this rank listed, the complete snapshots every rank will try, oldest first)."""
-        raise NotImplementedError
-
-    def _autoload(self, manager: ExtensionsManagerProtocol) -> None:
-        # Every rank restores the same snapshot at the same time, so a state_dict() or
-        # load_state_dict() that is collective works; when any rank fails, all fall back together.
-        target = self._resolve_target(manager)
-        listed, agreed = self._agree()
-        touched: list[str] = []
-        found = None
-        for candidate in reversed(agreed):
-            outcome: tuple[str, bool] | None = None
-            try:
-                self._restore(candidate, target, self._restore_pg)
-            except _Unusable as e:
-                outcome = (f"rank {self._rank}: {e}", False)
-            except Exception as e:  # noqa: BLE001 - every rank then falls back together
-                outcome = (f"rank {self._rank}: {type(e).__name__}: {e}", True)
-            outcomes: list[tuple[str, bool] | None] = [None] * self._size
-            dist.all_gather_object(outcomes, outcome)
-            problems = [o for o in outcomes if o is not None]
-            if not problems:
-                found = candidate
-                break
-            _skip(candidate, "; ".join(reason for reason, _ in problems))
-            if any(partly for _, partly in problems):
-                touched.append(candidate.url)
-        if found is None and touched:
-            raise _cannot_start_fresh(", ".join(touched))
-        self._resumed(manager, found, listed)
-
-
-class _DistributedSnapshot(_DistributedExtension):
-    """Every rank gives its state; ``saver_rank`` writes it; every rank can restore it."""
-
-    def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        name = self._format_name(manager)
-        state = _state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
-        rng = self._gather_rng_states() if self._engine_writer else None
-        failure: list[str | None] = [None]
-        if self._is_saver:
-            try:
-                self._save(manager, name, state, LOCAL, rng)
-            except Exception as e:
-                failure[0] = f"{type(e).__name__}: {e}"
-                self._broadcast(failure)
-                raise
-        self._broadcast(failure)  # also the barrier: every rank returns once the save is handed off
-        if failure[0] is not None:
-            raise SnapshotError(f"snapshot {name} failed on saver rank {self._saver_rank}: {failure[0]}")
-
-    def _gather_rng_states(self) -> dict[int, Any] | None:
-        """Every rank's RNG state, on the saver rank (it writes them all; each rank restores its own)."""
-        if self._size == 1:
-            return self._rng_states()
-        states: list[Any] | None = [None] * self._size if self._is_saver else None
-        dist.gather_object(RNGState().state_dict(), states, dst=self._saver_rank)
-        return dict(enumerate(states)) if states is not None else None
-
-    def _broadcast(self, objects: list[Any]) -> None:
-        if self._size > 1:
-            dist.broadcast_object_list(objects, src=self._saver_rank)
-
-    def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        # No collective here: the other ranks have not failed and are not listening.
-        if self._is_saver:
-            self._save_on_error(manager, self._format_name(manager), LOCAL)
-        else:
-            logger.warning("ppe_snapshot: training failed on rank %d; only saver rank %d writes snapshots, so "
-                           "no snapshot on error is taken here", self._rank, self._saver_rank)
-
-    def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
-        listed: list[Candidate] = []
-        agreed: list[Any] = [[], None]  # the saver rank's view of the output directory decides
-        if self._is_saver:
-            try:
-                listed = self._candidates()
-            except Exception as e:  # noqa: BLE001 - every rank raises it below
-                agreed[1] = f"{type(e).__name__}: {e}"
-            for c in listed:
-                if not c.complete:
-                    _skip(c, c.problem or f"it is {c.kind}")
-            agreed[0] = [c for c in listed if c.complete]
-        self._broadcast(agreed)
-        if agreed[1] is not None:
-            raise SnapshotError(f"autoload: saver rank {self._saver_rank} could not list {self._out_dir}: {agreed[1]}")
-        return listed, agreed[0]
-
-
-class _ShardedSnapshot(_DistributedExtension):
-    """Every rank writes its own state into one snapshot with one manifest."""
-
-    _mode = "SHARDED"
-    _restore_pg = None
-
-    def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        self._save(manager, self._format_name(manager), _state_of(self._resolve_target(manager)), None)
-
-    def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        # The other ranks are not taking part, so a snapshot of the whole group cannot commit:
-        # this rank saves its own state alone, under a name autoload does not pick up.
-        name = f"{self._format_name(manager)}.error-rank{self._rank}"
-        logger.warning("ppe_snapshot: training failed on rank %d; saving this rank's state alone to %s "
-                       "(a rank-local snapshot, not used by autoload)", self._rank, name)
-        self._save_on_error(manager, name, LOCAL)
-
-    def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
-        listed: list[Candidate] = []
-        problem = None
-        try:
-            listed = self._candidates()
-        except Exception as e:  # noqa: BLE001 - every rank raises it below
-            problem = f"rank {self._rank}: {type(e).__name__}: {e}"
-        for c in listed:
-            if c.kind != "snapshot":
-                _skip(c, c.problem or "a single-file snapshot cannot hold the state of every rank")
-        mine = [c for c in listed if c.kind == "snapshot"]
-        seen: list[Any] = [None] * self._size
-        dist.all_gather_object(seen, problem or [c.name for c in mine])
-        problems = [p for p in seen if isinstance(p, str)]
-        if problems:
-            raise SnapshotError(f"autoload: could not list {self._out_dir}: {'; '.join(problems)}")
-        everywhere = set.intersection(*(set(names) for names in seen))
-        for c in mine:
-            if c.name not in everywhere:
-                _skip(c, "it is not complete as seen from every rank")
-        return listed, [c for c in mine if c.name in everywhere]

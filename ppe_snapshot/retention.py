@@ -8,10 +8,13 @@ matches, and each match is classified:
 ``snapshot``    an engine snapshot (a directory) whose manifest parses and whose data files have their sizes
 ``file``        a single-file snapshot written with a ``savefun`` (ppe's ``torch.save`` format)
 ``incomplete``  a directory without manifest: a save in progress, or the leftover of a crashed one
-``damaged``     a directory whose manifest or data files are broken
+``damaged``     a directory whose manifest or data files are broken, or a file that is not a torch.save file
 
 Snapshots are ordered by the training position recorded in them (the
-iteration, then the epoch detail) and never by modification time.
+iteration, then the epoch detail) and never by modification time. For a
+format without fields, the snapshot being written beside the name to
+replace it (``<name>`` + ``SIDE_SUFFIX``) is listed too: a crash may have
+left the newest complete snapshot there.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import posixpath
 import re
 import string
 import zipfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,7 @@ from ppe_snapshot.engine import LOCAL, Snapshot
 from ppe_snapshot.engine.commit import PARTS_DIR
 from ppe_snapshot.engine.manifest import MANIFEST_NAME
 from ppe_snapshot.storage import join
+from ppe_snapshot.writing._replace import SIDE_SUFFIX
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -77,6 +82,11 @@ class FilenameFormat:
         if any(not pattern for pattern, _ in components):
             raise ValueError(f"filename {fmt!r} has an empty path component")
         self._components = [(re.compile(pattern), attrs) for pattern, attrs in components]
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the format has no replacement fields: it names one snapshot, saved again and again."""
+        return not any(attrs for _, attrs in self._components)
 
     @property
     def depth(self) -> int:
@@ -188,6 +198,8 @@ def list_snapshots(out_dir: str, fmt: str | FilenameFormat,
                 base = posixpath.basename(info["name"].rstrip("/"))
                 is_dir = info.get("type") == "directory"
                 matched = matcher.match_component(depth, base)
+                if matched is None and last and matcher.fixed and base.endswith(SIDE_SUFFIX):
+                    matched = matcher.match_component(depth, base[:-len(SIDE_SUFFIX)])
                 if matched is None or (not last and not is_dir):
                     continue
                 entry = (f"{rel}/{base}" if rel else base, f"{path}/{base}", {**matched, **values})
@@ -206,6 +218,9 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
     url = join(str(out_dir), rel)
     iteration, epoch_detail = _filename_position(values)
     if not is_dir:
+        problem = _file_problem(fs, path)
+        if problem is not None:
+            return Candidate(rel, url, "damaged", iteration, epoch_detail, problem=problem)
         stored = _peek_iteration(fs, path)
         return Candidate(rel, url, "file", stored if stored is not None else iteration, epoch_detail)
     if not fs.exists(f"{path}/{MANIFEST_NAME}"):
@@ -218,11 +233,32 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
         metadata = snapshot.metadata
     except Exception as e:  # noqa: BLE001 - any failure to read it makes it unusable
         return Candidate(rel, url, "damaged", iteration, epoch_detail, problem=f"{type(e).__name__}: {e}")
+    if not isinstance(metadata, dict):
+        return Candidate(rel, url, "damaged", iteration, epoch_detail,
+                         problem=f"its manifest's metadata is a {type(metadata).__name__}, not an object")
     if isinstance(metadata.get("iteration"), int):
         iteration = metadata["iteration"]
     if isinstance(metadata.get("epoch_detail"), (int, float)):
         epoch_detail = float(metadata["epoch_detail"])
     return Candidate(rel, url, "snapshot", iteration, epoch_detail)
+
+
+#: How a ``torch.save`` file begins: a zip archive (the default), or a pickle (the legacy format).
+_FILE_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _file_problem(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """Why the file at ``path`` is not a ``torch.save`` file (the quick check: its first bytes), or None."""
+    try:
+        with fs.open(path, "rb") as f:
+            head = f.read(4)
+    except Exception as e:  # noqa: BLE001 - unreadable: not a usable snapshot
+        return f"cannot be read: {type(e).__name__}: {e}"
+    if not head:
+        return "it is an empty file"
+    if not head.startswith(_FILE_MAGIC):
+        return "it is neither a directory with a manifest nor a torch.save file"
+    return None
 
 
 def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:
@@ -277,21 +313,24 @@ def _peek_iteration(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
     return value if type(value) is int else None
 
 
-def select_prunable(candidates: list[Candidate], n_retains: int) -> list[Candidate]:
+def select_prunable(candidates: list[Candidate], n_retains: int,
+                    rejected: Collection[str] = ()) -> list[Candidate]:
     """What retention removes from ``candidates`` (oldest first, as :func:`list_snapshots` gives them).
 
     Keeps the ``n_retains`` newest complete snapshots; removes older complete
     ones, and incomplete or damaged ones known to be older than the newest
     complete one whose directory holds no take in progress. Never the newest
-    complete one, nor anything newer (a save may be writing it).
+    complete one, nor anything newer (a save may be writing it). Names in
+    ``rejected`` (those autoload could not restore, though they pass the
+    quick check) count as damaged: they are never kept in place of a good one.
     """
-    complete = [c for c in candidates if c.complete]
+    complete = [c for c in candidates if c.complete and c.name not in rejected]
     if n_retains <= 0 or not complete:
         return []
     newest = complete[-1]
     stale = set(id(c) for c in complete[:-n_retains])
     for c in candidates:
-        if not c.complete and not c.busy and c.is_older_than(newest):
+        if c not in complete and not c.busy and c.is_older_than(newest):
             stale.add(id(c))
     return [c for c in candidates if id(c) in stale]
 
@@ -313,10 +352,10 @@ def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None) 
 
 
 def prune(out_dir: str, fmt: str | FilenameFormat, n_retains: int,
-          storage_options: dict[str, Any] | None = None) -> list[str]:
+          storage_options: dict[str, Any] | None = None, *, rejected: Collection[str] = ()) -> list[str]:
     """Apply retention to ``out_dir``: see :func:`select_prunable`. Returns the removed locations."""
     removed = []
-    for c in select_prunable(list_snapshots(out_dir, fmt, storage_options), n_retains):
+    for c in select_prunable(list_snapshots(out_dir, fmt, storage_options), n_retains, rejected):
         remove(c, storage_options)
         logger.info("ppe_snapshot: removed %s: %s (keeping the %d newest)", c.describe(), c.kind, n_retains)
         removed.append(c.url)

@@ -42,8 +42,10 @@ def _iterations(out_dir) -> list[int]:
 
 def test_same_signature_defaults_trigger_and_priority_as_ppe():
     ours, theirs = inspect.signature(snapshot), inspect.signature(ppe_extensions.snapshot)
-    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
-        [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
+    ours_params = [(p.name, p.kind, p.default) for p in ours.parameters.values()]
+    # ppe's parameters, in ppe's order, then one keyword-only opt-in of ours.
+    assert ours_params == [(p.name, p.kind, p.default) for p in theirs.parameters.values()] + \
+        [("allow_pickle", inspect.Parameter.KEYWORD_ONLY, False)]
     assert list(inspect.signature(snapshot_object).parameters) == \
         list(inspect.signature(ppe_extensions.snapshot_object).parameters)
     assert SnapshotMode is ppe_extensions.SnapshotMode

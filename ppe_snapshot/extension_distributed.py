@@ -1,0 +1,178 @@
+"""The snapshot extension across ranks: SnapshotMode.DISTRIBUTED and SnapshotMode.SHARDED.
+
+Every rank restores the same snapshot at the same time and falls back
+together; the ranks agree on the candidates before trying any.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+from pytorch_pfn_extras.training._manager_protocol import ExtensionsManagerProtocol
+
+from ppe_snapshot.engine import LOCAL, RNGState
+from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.extension import _Snapshot, _state_of
+from ppe_snapshot.resume import Unusable, cannot_start_fresh
+from ppe_snapshot.retention import Candidate
+
+logger = logging.getLogger("ppe_snapshot")
+
+
+class _DistributedExtension(_Snapshot):
+    """What DISTRIBUTED and SHARDED share: a process group, a designated rank, restoring together."""
+
+    _mode = "DISTRIBUTED"
+    #: The engine process group of a restore: each rank reads alone (LOCAL) or its own part (None).
+    _restore_pg: Any = LOCAL
+
+    def __init__(self, *, saver_rank: int, **options: Any) -> None:
+        super().__init__(**options)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"snapshot_mode={self._mode} requires torch.distributed to be initialized "
+                               "(call torch.distributed.init_process_group first)")
+        self._rank = dist.get_rank()
+        self._size = dist.get_world_size()
+        if not 0 <= saver_rank < self._size:
+            raise ValueError(f"Distributed snapshot requires a saver rank in the range [0-{self._size}); "
+                             f"got saver_rank={saver_rank}")
+        self._saver_rank = saver_rank
+        self._rng_rank = self._rank
+
+    @property
+    def _is_saver(self) -> bool:
+        return self._rank == self._saver_rank
+
+    @property
+    def _owns_out_dir(self) -> bool:
+        return self._is_saver
+
+    def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
+        """(what this rank listed, the complete snapshots every rank will try, oldest first)."""
+        raise NotImplementedError
+
+    def _autoload(self, manager: ExtensionsManagerProtocol) -> None:
+        # Every rank restores the same snapshot at the same time, so a state_dict() or
+        # load_state_dict() that is collective works; when any rank fails, all fall back together.
+        target = self._resolve_target(manager)
+        listed, agreed = self._agree()
+        touched: list[str] = []
+        found = None
+        for candidate in reversed(agreed):
+            outcome: tuple[str, bool] | None = None
+            try:
+                self._restore(candidate, target, self._restore_pg)
+            except Unusable as e:
+                outcome = (f"rank {self._rank}: {e}", False)
+            except Exception as e:  # noqa: BLE001 - every rank then falls back together
+                outcome = (f"rank {self._rank}: {type(e).__name__}: {e}", True)
+            outcomes: list[tuple[str, bool] | None] = [None] * self._size
+            dist.all_gather_object(outcomes, outcome)
+            problems = [o for o in outcomes if o is not None]
+            if not problems:
+                found = candidate
+                break
+            self._skip(candidate, "; ".join(reason for reason, _ in problems))
+            if any(partly for _, partly in problems):
+                touched.append(candidate.url)
+        if found is None and touched:
+            raise cannot_start_fresh(", ".join(touched))
+        self._resumed(manager, found, listed)
+
+
+class DistributedSnapshot(_DistributedExtension):
+    """Every rank gives its state; ``saver_rank`` writes it; every rank can restore it."""
+
+    def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        name = self._format_name(manager)
+        state = _state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
+        rng = self._gather_rng_states() if self._engine_writer else None
+        failure: list[str | None] = [None]
+        if self._is_saver:
+            try:
+                self._save(manager, name, state, LOCAL, rng)
+            except Exception as e:
+                failure[0] = f"{type(e).__name__}: {e}"
+                self._broadcast(failure)
+                raise
+        self._broadcast(failure)  # also the barrier: every rank returns once the save is handed off
+        if failure[0] is not None:
+            raise SnapshotError(f"snapshot {name} failed on saver rank {self._saver_rank}: {failure[0]}")
+
+    def _gather_rng_states(self) -> dict[int, Any] | None:
+        """Every rank's RNG state, on the saver rank (it writes them all; each rank restores its own)."""
+        if self._size == 1:
+            return self._rng_states()
+        states: list[Any] | None = [None] * self._size if self._is_saver else None
+        dist.gather_object(RNGState().state_dict(), states, dst=self._saver_rank)
+        return dict(enumerate(states)) if states is not None else None
+
+    def _broadcast(self, objects: list[Any]) -> None:
+        if self._size > 1:
+            dist.broadcast_object_list(objects, src=self._saver_rank)
+
+    def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        # No collective here: the other ranks have not failed and are not listening.
+        if self._is_saver:
+            self._save_on_error(manager, self._format_name(manager), LOCAL)
+        else:
+            logger.warning("ppe_snapshot: training failed on rank %d; only saver rank %d writes snapshots, so "
+                           "no snapshot on error is taken here", self._rank, self._saver_rank)
+
+    def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
+        listed: list[Candidate] = []
+        agreed: list[Any] = [[], None]  # the saver rank's view of the output directory decides
+        if self._is_saver:
+            try:
+                listed = self._candidates()
+            except Exception as e:  # noqa: BLE001 - every rank raises it below
+                agreed[1] = f"{type(e).__name__}: {e}"
+            for c in listed:
+                if not c.complete:
+                    self._skip(c, c.problem or f"it is {c.kind}")
+            agreed[0] = [c for c in listed if c.complete]
+        self._broadcast(agreed)
+        if agreed[1] is not None:
+            raise SnapshotError(f"autoload: saver rank {self._saver_rank} could not list {self._out_dir}: {agreed[1]}")
+        return listed, agreed[0]
+
+
+class ShardedSnapshot(_DistributedExtension):
+    """Every rank writes its own state into one snapshot with one manifest."""
+
+    _mode = "SHARDED"
+    _restore_pg = None
+
+    def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        self._save(manager, self._format_name(manager), _state_of(self._resolve_target(manager)), None)
+
+    def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        # The other ranks are not taking part, so a snapshot of the whole group cannot commit:
+        # this rank saves its own state alone, under a name autoload does not pick up.
+        name = f"{self._format_name(manager)}.error-rank{self._rank}"
+        logger.warning("ppe_snapshot: training failed on rank %d; saving this rank's state alone to %s "
+                       "(a rank-local snapshot, not used by autoload)", self._rank, name)
+        self._save_on_error(manager, name, LOCAL)
+
+    def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
+        listed: list[Candidate] = []
+        problem = None
+        try:
+            listed = self._candidates()
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            problem = f"rank {self._rank}: {type(e).__name__}: {e}"
+        for c in listed:
+            if c.kind != "snapshot":
+                self._skip(c, c.problem or "a single-file snapshot cannot hold the state of every rank")
+        mine = [c for c in listed if c.kind == "snapshot"]
+        seen: list[Any] = [None] * self._size
+        dist.all_gather_object(seen, problem or [c.name for c in mine])
+        problems = [p for p in seen if isinstance(p, str)]
+        if problems:
+            raise SnapshotError(f"autoload: could not list {self._out_dir}: {'; '.join(problems)}")
+        everywhere = set.intersection(*(set(names) for names in seen))
+        for c in mine:
+            if c.name not in everywhere:
+                self._skip(c, "it is not complete as seen from every rank")
+        return listed, [c for c in mine if c.name in everywhere]
