@@ -5,12 +5,18 @@ from ppe_snapshot.errors import (
     UnsupportedFormatError, UnsupportedValueError,
 )
 
+# The subpackages are usable after ``import ppe_snapshot`` alone. None of them imports
+# pytorch_pfn_extras here (``writing`` loads its writers on first use), so the
+# ProcessWriter's worker process, which imports this package, stays light.
+from ppe_snapshot import retention, storage, writing  # noqa: E402,F401
+
 __version__ = "0.1.0"
 
 __all__ = [
     "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "RNGState", "Snapshot", "SnapshotError", "SnapshotExistsError",
     "SnapshotMode", "SnapshotNotFoundError", "StateDict", "Stateful", "StateMismatchError",
-    "UnsupportedFormatError", "UnsupportedValueError", "snapshot", "snapshot_object",
+    "UnsupportedFormatError", "UnsupportedValueError", "retention", "snapshot", "snapshot_object", "storage",
+    "writing",
 ]
 
 _EXTENSION = ("SnapshotMode", "snapshot", "snapshot_object")

@@ -10,11 +10,19 @@ Run as a script (not from the test pool, so it can be killed on its own):
     environment) of a gloo group taking one snapshot; rank 1 holds ``<mib>`` MiB,
     rank 0 a small state. Prints ``committed`` or exits with ``ERROR_EXIT`` and
     the error on stderr.
+``python _crash_child.py replace <root> <mib> <variant> <pause> <first>``
+    saves ``<root>/latest`` again and again with a SimpleWriter, snapshot ``first``,
+    ``first + 1``, ... (metadata ``iteration`` = the index), printing each index once
+    saved. ``variant``: ``exchange`` (renameat2), ``rename`` (no exchange available) or
+    ``fsspec`` (through fsspec's local file system). ``pause``: ``random`` (no pause), or
+    the step of a replacement where the child prints ``PAUSE`` and sleeps, to be killed
+    there: ``before_promote``, ``after_exchange``, ``after_remove``.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -72,7 +80,39 @@ def dist_take(path: str, mib: int) -> None:
     os._exit(0)
 
 
+def _pause() -> None:
+    print("PAUSE", flush=True)
+    time.sleep(60)
+
+
+def replace_loop(root: str, mib: int, variant: str, pause: str, first: str) -> None:
+    from ppe_snapshot.writing import SimpleWriter, _replace
+
+    if variant == "rename":
+        _replace.exchange = lambda a, b: False
+    promote, remove, exchange = _replace.Replacement.promote, _replace.Replacement.remove, _replace.exchange
+    if pause == "before_promote":
+        _replace.Replacement.promote = lambda self: (_pause(), promote(self))[1]
+    elif pause == "after_exchange":
+        _replace.exchange = lambda a, b: exchange(a, b) and (_pause() or True)
+    elif pause == "after_remove":
+        def remove_then_pause(self, path: str) -> None:
+            remove(self, path)
+            if path == self.final:
+                _pause()
+        _replace.Replacement.remove = remove_then_pause
+    writer = SimpleWriter(out_dir=root, storage_options={"auto_mkdir": True} if variant == "fsspec" else None)
+    state = big_state(mib)
+    for index in range(int(first), int(first) + MAX_SNAPSHOTS):
+        mark(state, index)
+        writer("latest", "", state, metadata={"iteration": index})
+        print(index, flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, target, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"loop": loop, "dist": dist_take}[mode](target, size)
+    if mode == "replace":
+        replace_loop(target, size, *sys.argv[4:])
+    else:
+        {"loop": loop, "dist": dist_take}[mode](target, size)

@@ -1,7 +1,9 @@
 """Real crashes: ``kill -9`` of processes in the middle of a take.
 
 A snapshot whose save was killed before the commit has no manifest and is
-never mistaken for a snapshot; every committed one stays whole.
+never mistaken for a snapshot; every committed one stays whole. A snapshot
+saved again under its name (``filename="latest"``) is killed at any moment of
+its replacement: the previous or the new one is left, complete, for autoload.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 import _crash_child as child
 from _dist import WORKER_ENV, free_port
-from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
+from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict, retention
 
 CHILD = child.__file__
 MIB = 200
@@ -138,3 +140,59 @@ def test_kill_of_one_rank_during_take_prevents_the_commit(tmp_path):
     assert not (path / "manifest.json").exists()
     with pytest.raises(SnapshotNotFoundError):
         Snapshot(str(path)).restore({"state": StateDict(step=-1)})
+
+
+REPLACE_MIB = 48
+
+
+@pytest.fixture(scope="module")
+def expected_small() -> dict:
+    return child.big_state(REPLACE_MIB)
+
+
+def _newest_complete_index(root, expected: dict) -> int:
+    """The index of the snapshot autoload would pick under ``root`` (checked whole, bit-exact)."""
+    complete = [c for c in retention.list_snapshots(str(root), "latest") if c.complete]
+    assert complete, f"no complete snapshot left under {root}: {os.listdir(root)}"
+    newest = complete[-1]
+    _assert_restores(newest.url, newest.iteration, expected)
+    return newest.iteration
+
+
+def _kill_one_replacement(root, variant: str, pause: str, first: int, rng: random.Random) -> list[int]:
+    """Run the replacing child from snapshot ``first``; kill it mid-replacement; the indices it printed."""
+    proc = _spawn(["replace", str(root), str(REPLACE_MIB), variant, pause, str(first)])
+    printed: list[str] = []
+    try:
+        if pause == "random":  # somewhere in the second save: data being written, committed, swapped, removed
+            side = root / "latest.ppe-snapshot-next"
+            _wait_until(lambda: (root / "latest").exists() and side.exists(), "a replacement to start", [proc])
+            time.sleep(rng.uniform(0, 0.3))
+        else:
+            while (line := proc.stdout.readline().strip()) != "PAUSE":
+                assert line, f"the child ended before pausing: {proc.stderr.read()}"
+                printed.append(line)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        printed += proc.stdout.read().split()
+    finally:
+        _kill_all([proc])
+    assert proc.returncode == -signal.SIGKILL
+    return [int(i) for i in printed if i != "PAUSE"]
+
+
+@pytest.mark.parametrize("variant, pause", [
+    ("exchange", "random"), ("rename", "random"), ("fsspec", "random"),
+    ("exchange", "before_promote"), ("exchange", "after_exchange"),
+    ("rename", "after_remove"), ("fsspec", "after_remove"),
+])
+def test_kill_during_replacement_leaves_the_previous_or_the_new_snapshot(tmp_path, expected_small, variant, pause):
+    rng = random.Random()
+    root = tmp_path / "run"
+    first = 0
+    for _ in range(2):  # the second child starts from what the first one's kill left
+        printed = _kill_one_replacement(root, variant, pause, first, rng)
+        last_saved = printed[-1] if printed else first - 1
+        found = _newest_complete_index(root, expected_small)
+        assert found in (last_saved, last_saved + 1), (found, printed)  # the previous or the one in flight
+        first = found + 1

@@ -12,7 +12,8 @@ name:
   new one renamed;
   (a directory without manifest, left by a crashed take, is taken into directly);
 * other file systems (object stores): the old one is removed (manifest
-  first), then the new one is moved to the name.
+  first), then the new one is copied to the name, its manifest last, and
+  removed from beside it.
 
 At every moment one complete snapshot exists under the name or beside it,
 and :func:`ppe_snapshot.retention.list_snapshots` lists both names for a
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from ppe_snapshot.engine.manifest import MANIFEST_NAME
 from ppe_snapshot.storage import is_local
@@ -110,8 +112,7 @@ class Replacement:
         if not self._local:
             self.remove(self.final)
             fs, final = self._fs()
-            side = final + SIDE_SUFFIX
-            fs.mv(side, final, recursive=True)
+            _move(fs, final + SIDE_SUFFIX, final)
             return
         final, side = _local_path(self.final), _local_path(self.side)
         if os.path.lexists(final) and exchange(side, final):
@@ -124,29 +125,56 @@ class Replacement:
         sync_directory(os.path.dirname(os.path.abspath(final)))
 
 
-def _complete(path: str, storage_options: dict[str, Any] | None) -> bool:
-    """Whether ``path`` holds a committed snapshot that passes the quick check."""
+def _move(fs: fsspec.AbstractFileSystem, source: str, dest: str) -> None:
+    """Move a committed snapshot directory to ``dest``, where nothing is.
+
+    A local file system renames it. Elsewhere (object stores have no rename)
+    each file is copied, the manifest last, so ``dest`` is a snapshot only
+    once all its data is there; the source is then removed, manifest first.
+    """
+    if isinstance(fs, LocalFileSystem):
+        fs.mv(source, dest, recursive=True)
+        return
+    files = sorted(fs.find(source), key=lambda p: p.endswith(f"/{MANIFEST_NAME}"))
+    for path in files:
+        fs.copy(path, dest + path[len(source):])
+    fs.rm_file(f"{source}/{MANIFEST_NAME}")
+    fs.rm(source, recursive=True)
+
+
+def _checked(path: str, storage_options: dict[str, Any] | None) -> tuple[bool, tuple[float, float]]:
+    """Whether ``path`` holds a committed snapshot that passes the quick check, and the training
+    position in its metadata ((-1, -1) when it records none)."""
     from ppe_snapshot.engine import LOCAL, Snapshot
+    snapshot = Snapshot(path, pg=LOCAL, storage_options=storage_options)
     try:
-        Snapshot(path, pg=LOCAL, storage_options=storage_options).verify(deep=False)
+        snapshot.verify(deep=False)
+        metadata = snapshot.metadata
     except Exception:  # noqa: BLE001 - absent, incomplete or damaged
-        return False
-    return True
+        return False, (-1, -1)
+    if not isinstance(metadata, dict):
+        return False, (-1, -1)
+    position = tuple(value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1
+                     for value in (metadata.get("iteration"), metadata.get("epoch_detail")))
+    return True, position  # type: ignore[return-value]
 
 
 def plan(path: str, storage_options: dict[str, Any] | None) -> tuple[str, Replacement | None]:
     """Where to take a snapshot that must end up at ``path``, and the step that moves it there after.
 
     Settles first what an interrupted replacement left: a complete snapshot
-    beside a name that holds none takes the name; any other leftover beside
-    it is removed.
+    beside the name takes the name when the name holds none, or an older one
+    by the training position in the metadata; any other leftover beside it
+    is removed.
     """
     replacement = Replacement(path, storage_options)
     if replacement.exists(replacement.side):
-        if _complete(path, storage_options) or not _complete(replacement.side, storage_options):
-            replacement.remove(replacement.side)
+        side_complete, side_position = _checked(replacement.side, storage_options)
+        final_complete, final_position = _checked(path, storage_options)
+        if side_complete and (not final_complete or side_position > final_position):
+            replacement.promote()  # the newer one, interrupted before it had the name
         else:
-            replacement.promote()
+            replacement.remove(replacement.side)
     if not replacement.occupied(path):
         return path, None  # nothing there, or a crashed take's leftover: the take completes it in place
     return replacement.side, replacement

@@ -1,0 +1,424 @@
+"""The snapshot extension as ppe 0.9's extension behaves, with one deliberate difference (a snapshot is a
+directory): the writer looked up from the manager when the snapshot runs, initialize()'s return value, a name
+saved again at every trigger, errors as ppe users catch them, argument checks, allow_pickle, imports."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+import warnings
+
+import pytest
+import pytorch_pfn_extras as ppe
+import torch
+
+import ppe_snapshot
+from ppe_snapshot import Snapshot, SnapshotError, UnsupportedValueError, snapshot, snapshot_object
+from ppe_snapshot import writing
+from ppe_snapshot.storage import join
+from ppe_snapshot.writing import BackgroundSaveError
+from ppe_snapshot.writing._replace import SIDE_SUFFIX
+
+from _extension_workers import Crash, Run, assert_same
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_manager(out_dir: str, iterations: int = 4, writer=None, seed: int = 0):
+    """A manager over a small model; ``writer`` is the manager's (None: ppe's default SimpleWriter)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ppe.training.ExtensionsManager(model, optimizer, 100, iters_per_epoch=2, out_dir=out_dir,
+                                             writer=writer, stop_trigger=(iterations, "iteration"))
+    return manager, model
+
+
+def train(manager, model) -> None:
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            model(torch.ones(4, 3)).sum().backward()
+            manager.optimizers["main"].step()
+            manager.optimizers["main"].zero_grad()
+
+
+def listing(path) -> list[str]:
+    return sorted(os.listdir(path))
+
+
+# -- the writer: the manager's, looked up when the snapshot runs ----------------------------------------------
+
+
+def test_call_before_initialize_uses_the_managers_background_writer(tmp_path):
+    writer = writing.ThreadWriter(out_dir=str(tmp_path))
+    manager, _ = make_manager(str(tmp_path), writer=writer)
+    ext = snapshot(filename="snap_{.iteration}")
+    assert ext.writer is None  # nothing settled at construction
+    ext(manager)  # never initialized
+    assert ext.writer is writer
+    assert writer.last_stats["path"] == join(str(tmp_path), "snap_0")  # saved through the manager's writer
+    writer.finalize()
+    assert Snapshot(str(tmp_path / "snap_0")).metadata["iteration"] == 0
+
+
+def test_on_error_before_initialize_saves(tmp_path, caplog):
+    manager, _ = make_manager(str(tmp_path))
+    ext = snapshot_object(manager, "on_error_{.iteration}", snapshot_on_error=True)
+    with caplog.at_level(logging.INFO, logger="ppe_snapshot"):
+        ext.on_error(manager, Crash("boom"), None)
+    assert "training failed at iteration 0; saved snapshot" in caplog.text
+    Snapshot(str(tmp_path / "on_error_0")).verify()
+
+
+@pytest.mark.parametrize("kind", ["SimpleWriter", "ThreadWriter", "ProcessWriter", "ThreadQueueWriter"])
+def test_ppe_builtin_manager_writer_gets_engine_snapshots_from_our_writer_of_its_kind(tmp_path, kind):
+    out = tmp_path / "out"
+    ppe_writer = None if kind == "SimpleWriter" else getattr(ppe.writing, kind)(out_dir=str(out))
+    manager, model = make_manager(str(out), writer=ppe_writer)  # None: ppe's default SimpleWriter(out_dir)
+    ext = snapshot(n_retains=1)
+    manager.extend(ext, trigger=(2, "iteration"))
+    train(manager, model)  # the manager finalizes the extensions, then its own writer: neither raises
+    assert type(ext.writer) is getattr(writing, kind)
+    assert ext.writer.out_dir == str(out)
+    assert listing(out) == ["snapshot_iter_4"]  # retention ran on our writer's saves
+    saved = Snapshot(str(out / "snapshot_iter_4"))
+    saved.verify()
+    assert_same(saved.read_object("0/state/models/main"), model.state_dict())
+
+
+def test_explicit_ppe_writer_is_stood_in_for_and_finalized(tmp_path):
+    ppe_writer = ppe.writing.ThreadQueueWriter(out_dir=str(tmp_path))
+    manager, model = make_manager(str(tmp_path / "logs"))
+    ext = snapshot(writer=ppe_writer)
+    manager.extend(ext, trigger=(4, "iteration"))
+    train(manager, model)
+    assert type(ext.writer) is writing.ThreadQueueWriter
+    Snapshot(str(tmp_path / "snapshot_iter_4")).verify()
+    assert ppe_writer._finalized and not ppe_writer._consumer.is_alive()  # its consumer thread was stopped
+
+
+def test_savefun_selects_ppe_single_files_through_the_managers_writer(tmp_path):
+    manager, model = make_manager(str(tmp_path))
+    ext = snapshot(savefun=torch.save)
+    manager.extend(ext, trigger=(4, "iteration"))
+    train(manager, model)
+    assert ext.writer is manager.writer  # ppe's own SimpleWriter, called as ppe calls it
+    state = torch.load(tmp_path / "snapshot_iter_4", weights_only=False)
+    assert state["_start_iteration"] == 4
+    assert_same(state["models"]["main"], model.state_dict())
+
+
+class _MyWriter(ppe.writing.SimpleWriter):
+    """A user's own ppe writer: no stand-in for it."""
+
+
+@pytest.mark.parametrize("make", [lambda out: _MyWriter(out_dir=out),
+                                  lambda out: ppe.writing.SimpleWriter(out_dir=out, savefun=torch.save, foo=None)],
+                         ids=["subclass", "savefun_keywords"])
+def test_other_ppe_writers_are_called_with_ppes_protocol(tmp_path, make):
+    saved = []
+
+    def savefun(obj, f, foo=None):
+        saved.append(obj["_start_iteration"])
+        torch.save(obj, f)
+    writer = make(str(tmp_path))
+    if isinstance(writer, _MyWriter):
+        writer._savefun = savefun
+    else:
+        writer._savefun = savefun
+    manager, model = make_manager(str(tmp_path / "logs"))
+    ext = snapshot(writer=writer, n_retains=1)
+    manager.extend(ext, trigger=(2, "iteration"))
+    train(manager, model)
+    assert ext.writer is writer and saved == [2, 4]
+    assert [n for n in listing(tmp_path) if n.startswith("snapshot")] == ["snapshot_iter_4"]
+    assert torch.load(tmp_path / "snapshot_iter_4", weights_only=False)["_start_iteration"] == 4
+
+
+# -- initialize() returns the loaded name -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("filename, expected", [("snapshot_iter_{.iteration}", "snapshot_iter_4"),
+                                                ("myfile.dat", "myfile.dat"),
+                                                ("snaps/iter_{.iteration}", "snaps/iter_4")])
+def test_initialize_returns_the_loaded_name_relative_to_out_dir(tmp_path, filename, expected):
+    manager, model = make_manager(str(tmp_path))
+    manager.extend(snapshot(filename=filename), trigger=(2, "iteration"))
+    train(manager, model)
+
+    fresh, _ = make_manager(str(tmp_path), seed=1)
+    ext = snapshot(filename=filename, autoload=True)
+    assert ext.initialize(fresh) == expected
+    assert ext.resumed_from == join(str(tmp_path), expected)  # the full path
+    assert fresh.iteration == 4
+
+    assert snapshot(filename="other_{.iteration}", autoload=True).initialize(make_manager(str(tmp_path))[0]) is None
+    assert snapshot(filename=filename).initialize(make_manager(str(tmp_path))[0]) is None  # autoload off
+
+
+# -- a name without format fields is saved again at every trigger --------------------------------------------------
+
+
+@pytest.mark.parametrize("writer", ["SimpleWriter", "ThreadWriter", "ProcessWriter"])
+def test_fixed_name_is_replaced_at_every_trigger(tmp_path, writer):
+    run = Run(str(tmp_path), 6, {"filename": "snapshot_latest", "writer": getattr(writing, writer)()},
+              trigger=(1, "iteration"))
+    run.train()
+    run.snapshot.writer.finalize()
+    assert listing(tmp_path) == ["log", "snapshot_latest"]  # nothing left beside it
+    latest = Snapshot(str(tmp_path / "snapshot_latest"))
+    latest.verify()
+    assert latest.metadata["iteration"] == 6
+    assert_same(latest.read_object("0/state/models/main"), run.model.state_dict())
+
+    resumed = Run(str(tmp_path), 8, {"filename": "snapshot_latest", "autoload": True}, seed=1)
+    assert resumed.snapshot.initialize(resumed.manager) == "snapshot_latest"
+    assert resumed.manager.iteration == 6
+
+
+def test_fixed_name_is_replaced_without_an_atomic_exchange(tmp_path, monkeypatch):
+    from ppe_snapshot.writing import _replace
+    monkeypatch.setattr(_replace, "exchange", lambda a, b: False)  # a platform without renameat2
+    run = Run(str(tmp_path), 3, {"filename": "latest"}, trigger=(1, "iteration"))
+    run.train()
+    assert listing(tmp_path) == ["latest", "log"]
+    assert Snapshot(str(tmp_path / "latest")).metadata["iteration"] == 3
+
+
+def test_callable_name_saved_twice_replaces_like_ppe(tmp_path):
+    run = Run(str(tmp_path), 4, {"filename": lambda m: f"epoch_{m.epoch}"}, trigger=(1, "iteration"),
+              iters_per_epoch=4)
+    run.train()  # iterations 1..3 are all epoch 0
+    assert listing(tmp_path) == ["epoch_0", "epoch_1", "log"]
+    assert Snapshot(str(tmp_path / "epoch_0")).metadata["iteration"] == 3
+
+
+def test_fixed_name_on_memory_url(tmp_path):
+    url = f"memory://fixed-{uuid.uuid4().hex}/run"
+    run = Run(str(tmp_path), 3, {"filename": "latest", "writer": writing.ThreadWriter(out_dir=url)},
+              trigger=(1, "iteration"))
+    run.train()
+    run.snapshot.writer.finalize()
+    names = [c.name for c in ppe_snapshot.retention.list_snapshots(url, "latest")]
+    assert names == ["latest"] and Snapshot(f"{url}/latest").metadata["iteration"] == 3
+
+
+def test_fixed_name_on_s3(tmp_path, s3_bucket):
+    bucket, options = s3_bucket
+    url = f"{bucket}/run"
+    make = lambda: writing.SimpleWriter(out_dir=url, storage_options=options)  # noqa: E731
+    Run(str(tmp_path), 3, {"filename": "latest", "writer": make()}, trigger=(1, "iteration")).train()
+    found = ppe_snapshot.retention.list_snapshots(url, "latest", options)
+    assert [c.name for c in found] == ["latest"]
+    assert Snapshot(f"{url}/latest", storage_options=options).metadata["iteration"] == 3
+    resumed = Run(str(tmp_path), 5, {"filename": "latest", "writer": make(), "autoload": True}, seed=1)
+    assert resumed.snapshot.initialize(resumed.manager) == "latest" and resumed.manager.iteration == 3
+
+
+def _take_latest(path: str, iteration: int) -> None:
+    """An engine snapshot as the extension writes it, at ``iteration``, of the state of a Run trained that far."""
+    run = Run(os.path.dirname(path) + "/scratch", iteration, {"filename": "unused"}, trigger=(1000, "iteration"))
+    run.train()
+    run.manager.start_extensions()
+    writing.SimpleWriter()(os.path.basename(path), os.path.dirname(path), run.manager.state_dict(),
+                           metadata={"iteration": iteration, "epoch": run.manager.epoch,
+                                     "epoch_detail": run.manager.epoch_detail, "ppe_snapshot_target": "manager"})
+
+
+@pytest.mark.parametrize("left", ["name_half_removed", "both_complete"])
+def test_what_an_interrupted_replacement_leaves_is_recognised(tmp_path, left):
+    """The two states a kill can leave mid-replacement (see tests/test_crash.py for real kills)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _take_latest(str(out / "latest"), 2)
+    _take_latest(str(out / f"latest{SIDE_SUFFIX}"), 3)  # the new one, complete, beside the name
+    if left == "name_half_removed":
+        (out / "latest" / "manifest.json").unlink()  # the old one was being removed (no exchange)
+    resumed = Run(str(out), 5, {"filename": "latest", "autoload": True, "n_retains": 1}, seed=1,
+                  trigger=(1, "iteration"))
+    resumed.manager.start_extensions()
+    assert resumed.snapshot.resumed_name == f"latest{SIDE_SUFFIX}"  # the newest complete one
+    assert resumed.manager.iteration == 3
+    resumed.train()  # the next save settles the leftovers
+    assert sorted(n for n in listing(out) if n.startswith("latest")) == ["latest"]
+    assert Snapshot(str(out / "latest")).metadata["iteration"] == 5
+
+
+# -- errors as ppe users catch them ---------------------------------------------------------------------------------
+
+
+def test_failed_snapshot_on_error_is_logged_not_warned(tmp_path, caplog):
+    (tmp_path / "blocker").write_text("a file where the output directory should be")
+    run = Run(str(tmp_path / "logs"), 10, {"writer": writing.SimpleWriter(out_dir=str(tmp_path / "blocker")),
+                                          "snapshot_on_error": True}, trigger=(100, "iteration"))
+    with warnings.catch_warnings(), caplog.at_level(logging.ERROR, logger="ppe_snapshot"):
+        warnings.simplefilter("error")  # as test setups with -W error do
+        with pytest.raises(Crash, match="after 3 iterations"):
+            run.train(crash_at=3)
+    assert "the snapshot on error failed: NotADirectoryError" in caplog.text
+
+
+def test_background_failure_surfaces_as_runtime_error_at_the_next_snapshot(tmp_path):
+    (tmp_path / "blocker").write_text("")
+    run = Run(str(tmp_path / "logs"), 10, {"writer": writing.ThreadWriter(out_dir=str(tmp_path / "blocker"))},
+              trigger=(1, "iteration"))
+    with pytest.raises(RuntimeError) as raised:  # what code written for ppe's writers catches
+        run.train()
+    assert isinstance(raised.value, BackgroundSaveError) and isinstance(raised.value.__cause__, NotADirectoryError)
+    assert "Traceback" in str(raised.value) and run.manager.iteration in (2, 3)
+    run.snapshot.writer.finalize()
+
+
+def test_background_failure_surfaces_as_runtime_error_at_finalize(tmp_path):
+    (tmp_path / "blocker").write_text("")
+    run = Run(str(tmp_path / "logs"), 2, {"writer": writing.ThreadWriter(out_dir=str(tmp_path / "blocker"))},
+              trigger=(2, "iteration"))
+    with pytest.raises(RuntimeError) as raised:
+        run.train()  # the last save fails in the background; the manager's finalize reports it
+    assert isinstance(raised.value.__cause__, NotADirectoryError)
+
+
+# -- bad arguments are named -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["3", None, 2.5, True])
+def test_n_retains_must_be_an_int(bad):
+    with pytest.raises(TypeError, match="n_retains must be an int"):
+        snapshot(n_retains=bad)
+
+
+@pytest.mark.parametrize("bad", [object(), "ThreadWriter", writing.ThreadWriter, ppe.writing.SimpleWriter, 3])
+def test_writer_must_be_a_writer_instance(bad):
+    with pytest.raises(TypeError, match="writer must be a writer instance"):
+        snapshot(writer=bad)
+
+
+@pytest.mark.parametrize("bad", ["../x_{.iteration}", "/tmp/x_{.iteration}", "a/../../x", "s3://b/x", "C:/x"])
+def test_filename_outside_out_dir_is_refused_at_construction(bad):
+    with pytest.raises(ValueError, match="filename"):
+        snapshot(filename=bad)
+    with pytest.raises(ValueError, match="filename"):
+        snapshot_object(torch.nn.Linear(1, 1), bad)
+
+
+def test_callable_filename_outside_out_dir_is_refused_at_save(tmp_path):
+    manager, _ = make_manager(str(tmp_path / "out"))
+    ext = snapshot(filename=lambda m: "../escaped")
+    with pytest.raises(ValueError, match="filename '../escaped' leads out of the output directory"):
+        ext(manager)
+    assert listing(tmp_path) == ["out"]
+
+
+def test_ppe_style_mock_writer_is_accepted():
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, filename, out_dir, target, *, savefun=None, append=False):
+            self.calls.append(filename)
+
+        def finalize(self):
+            pass
+    recorder = Recorder()
+    manager, _ = make_manager("unused")
+    ext = snapshot(writer=recorder, filename="snap_{.iteration}")
+    ext(manager)
+    assert recorder.calls == ["snap_0"]
+
+
+# -- allow_pickle ---------------------------------------------------------------------------------------------
+
+
+class Opaque:
+    """A value only pickle can store."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.value == self.value
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.obj = Opaque(0)
+
+    def state_dict(self) -> dict:
+        return {"obj": self.obj}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.obj = state["obj"]
+
+
+def test_allow_pickle_for_the_take_and_autoload(tmp_path):
+    holder = Holder()
+    manager, _ = make_manager(str(tmp_path))
+    with pytest.raises(UnsupportedValueError, match="state/obj"):  # names the value's path
+        snapshot_object(holder, "refused_{.iteration}")(manager)
+    assert not (tmp_path / "refused_0").exists()
+
+    holder.obj = Opaque(7)
+    snapshot_object(holder, "h_{.iteration}", allow_pickle=True)(manager)
+    restored = Holder()
+    ext = snapshot_object(restored, "h_{.iteration}", autoload=True, allow_pickle=True)
+    assert ext.initialize(make_manager(str(tmp_path))[0]) == "h_0"
+    assert restored.obj == Opaque(7)
+
+    # Without the opt-in, autoload refuses to unpickle (it would run code from the snapshot).
+    untrusting = snapshot_object(Holder(), "h_{.iteration}", autoload=True)
+    with pytest.warns(UserWarning, match="saved with pickle.*allow_pickle=True"), \
+            pytest.raises(SnapshotError, match="allow_pickle=True"):
+        untrusting.initialize(make_manager(str(tmp_path))[0])
+
+
+def test_writer_allow_pickle(tmp_path):
+    writer = writing.ThreadWriter(out_dir=str(tmp_path), allow_pickle=True)
+    writer("w", "", {"obj": Opaque(3)})
+    writer.finalize()
+    assert Snapshot(str(tmp_path / "w"), allow_pickle=True).read_object("0/state/obj") == Opaque(3)
+    with pytest.raises(TypeError, match="allow_pickle"):
+        writing.SimpleWriter(allow_pickle="yes")
+
+
+# -- autoload skips a malformed manifest --------------------------------------------------------------------------
+
+
+def test_autoload_skips_a_snapshot_whose_metadata_is_not_an_object(tmp_path, caplog):
+    Run(str(tmp_path), 4, {}).train()  # snapshot_iter_2, snapshot_iter_4
+    manifest = tmp_path / "snapshot_iter_4" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["metadata"] = ["not", "an", "object"]
+    manifest.write_text(json.dumps(data))
+    resumed = Run(str(tmp_path), 6, {"autoload": True}, seed=1)
+    with pytest.warns(UserWarning, match="snapshot_iter_4"):
+        assert resumed.snapshot.initialize(resumed.manager) == "snapshot_iter_2"
+    assert resumed.manager.iteration == 2
+    resumed.train()  # and training goes on
+    assert resumed.manager.iteration == 6
+
+
+# -- imports ----------------------------------------------------------------------------------------------------
+
+
+def test_import_alone_makes_the_subpackages_usable():
+    code = ("import sys, ppe_snapshot\n"
+            "assert 'pytorch_pfn_extras' not in sys.modules\n"  # the engine's users stay light
+            "assert callable(ppe_snapshot.retention.list_snapshots)\n"
+            "assert callable(ppe_snapshot.storage.open_storage)\n"
+            "w = ppe_snapshot.writing.ThreadWriter(); w.finalize()\n"
+            "print(ppe_snapshot.writing.ProcessWriter.__name__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ProcessWriter"
+
+
+def test_the_writer_process_does_not_import_ppe():
+    code = "import sys, ppe_snapshot.writing._worker; print('pytorch_pfn_extras' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
