@@ -338,7 +338,7 @@ def select_prunable(candidates: list[Candidate], n_retains: int,
 def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None) -> None:
     """Delete one snapshot; an engine snapshot loses its manifest first, so it is never seen half-removed."""
     fs, path = filesystem(candidate.url, storage_options)
-    if candidate.kind == "file":
+    if candidate.kind == "file" or fs.isfile(path):  # a damaged one may be a file too
         fs.rm_file(path)
         return
     try:

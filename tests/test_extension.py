@@ -276,11 +276,19 @@ def test_snapshot_object_targets_resume(tmp_path, target):
     assert_same(resumed.model.state_dict(), weights)
 
 
-def test_foreign_ppe_writer_is_called_with_ppe_protocol(tmp_path):
-    run = Run(str(tmp_path), 4, {"writer": ppe.writing.SimpleWriter(out_dir=str(tmp_path)), "n_retains": 1})
+def test_ppe_simple_writer_is_stood_in_for_and_a_custom_one_called_with_ppe_protocol(tmp_path):
+    run = Run(str(tmp_path / "a"), 4, {"writer": ppe.writing.SimpleWriter(out_dir=str(tmp_path / "a")),
+                                       "n_retains": 1})
     run.train()
-    assert _iterations(tmp_path) == [4]
-    assert torch.load(tmp_path / "snapshot_iter_4", weights_only=False)["_start_iteration"] == 4
+    assert _iterations(tmp_path / "a") == [4]
+    Snapshot(str(tmp_path / "a" / "snapshot_iter_4")).verify()  # ppe's default writer: engine snapshots
+
+    class Custom(ppe.writing.SimpleWriter):
+        pass
+    run = Run(str(tmp_path / "b"), 4, {"writer": Custom(out_dir=str(tmp_path / "b")), "n_retains": 1})
+    run.train()
+    assert _iterations(tmp_path / "b") == [4]
+    assert torch.load(tmp_path / "b" / "snapshot_iter_4", weights_only=False)["_start_iteration"] == 4
 
 
 # -- URLs ----------------------------------------------------------------------------------------------------

@@ -198,3 +198,103 @@ def test_prune_memory_url():
 def test_prune_s3(s3_bucket):
     url, storage_options = s3_bucket
     _prune_scenario(f"{url}/run", storage_options, _exists)
+
+
+# -- retention never deletes the newest valid snapshot -------------------------------------------------------
+
+
+def test_rejected_names_are_never_kept():
+    cands = [_c("s2", "snapshot", 2), _c("s3", "snapshot", 3), _c("s4", "snapshot", 4)]
+    # s4 passes the quick check but autoload could not restore it: s3 is the newest kept, s4 is newer: left alone.
+    assert _names(select_prunable(cands, 1, rejected={"s4"})) == ["s2"]
+    # a rejected one older than the newest kept one is a damaged leftover: removed.
+    assert _names(select_prunable(cands, 1, rejected={"s3"})) == ["s2", "s3"]
+    # nothing kept but rejected ones: nothing is removed.
+    assert select_prunable(cands, 1, rejected={"s2", "s3", "s4"}) == []
+
+
+@pytest.mark.parametrize("content", [b"", b"not a torch.save file"])
+def test_a_file_that_is_not_a_torch_save_file_is_damaged(tmp_path, content):
+    out = str(tmp_path)
+    _take(out, "snapshot_iter_2", 2)
+    (tmp_path / "snapshot_iter_4").write_bytes(content)
+    torch.save({"_start_iteration": 6}, tmp_path / "snapshot_iter_6")
+    found = {c.name: c for c in list_snapshots(out, FMT)}
+    assert found["snapshot_iter_4"].kind == "damaged" and not found["snapshot_iter_4"].complete
+    assert found["snapshot_iter_6"].kind == "file" and found["snapshot_iter_6"].iteration == 6
+    assert prune(out, FMT, 1) == [join(out, "snapshot_iter_2"), join(out, "snapshot_iter_4")]
+
+
+def test_metadata_that_is_not_an_object_is_damaged(tmp_path):
+    out = str(tmp_path)
+    _take(out, "snapshot_iter_2", 2)
+    manifest = tmp_path / "snapshot_iter_2" / "manifest.json"
+    manifest.write_text(_with_metadata(manifest.read_text(), [1, 2]))
+    (c,) = list_snapshots(out, FMT)
+    assert c.kind == "damaged" and "metadata is a list" in c.problem
+
+
+def _with_metadata(text: str, metadata) -> str:
+    import json
+    data = json.loads(text)
+    data["metadata"] = metadata
+    return json.dumps(data)
+
+
+def test_a_fixed_name_is_listed_with_the_snapshot_replacing_it(tmp_path):
+    from ppe_snapshot.writing._replace import SIDE_SUFFIX
+    out = str(tmp_path)
+    _take(out, "latest", 3)
+    _take(out, "latest" + SIDE_SUFFIX, 4)
+    _take(out, "other" + SIDE_SUFFIX, 5)
+    assert FilenameFormat("latest").fixed and not FilenameFormat(FMT).fixed
+    assert _names(list_snapshots(out, "latest")) == ["latest", "latest" + SIDE_SUFFIX]  # by position
+    _take(out, "snapshot_iter_7" + SIDE_SUFFIX, 7)
+    assert _names(list_snapshots(out, FMT)) == []  # only a format without fields looks beside the name
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "empty files", "empty file for the directory"])
+def test_resume_then_prune_keeps_the_newest_valid_snapshot(tmp_path, damage):
+    """snapshot_iter_3 and _4 damaged, _2 valid, n_retains=1: autoload resumes from 2; the saves after it
+    must never leave the directory without a valid snapshot, nor keep a damaged one as the newest."""
+    from _extension_workers import Run, flip_byte
+    out = str(tmp_path)
+    Run(out, 4, {}, trigger=(1, "iteration")).train()
+    for it in (3, 4):
+        snap = tmp_path / f"snapshot_iter_{it}"
+        if damage == "flipped byte":  # the quick check (sizes) passes; the checksums do not
+            flip_byte(str(snap / "data" / "rank0.bin"))
+        elif damage == "empty files":
+            for path in (snap / "data").iterdir():
+                path.write_bytes(b"")
+        else:
+            import shutil
+            shutil.rmtree(snap)
+            snap.write_bytes(b"")
+
+    def valid() -> list[int]:
+        kept = []
+        for c in list_snapshots(out, FMT):
+            try:
+                Snapshot(c.url).verify(deep=True)
+            except Exception:  # noqa: BLE001 - not valid
+                continue
+            kept.append(c.iteration)
+        return kept
+
+    resumed = Run(out, 3, {"autoload": True, "n_retains": 1}, trigger=(1, "iteration"), seed=1)
+    with pytest.warns(UserWarning, match="snapshot_iter_4"):
+        resumed.manager.start_extensions()
+    assert resumed.snapshot.resumed_name == "snapshot_iter_2"
+    resumed.train()  # saves 3, then prunes
+    assert valid() == [3]
+    assert not (tmp_path / "snapshot_iter_2").exists()  # an older complete one: pruned
+    assert (tmp_path / "snapshot_iter_4").exists()  # damaged but newer than the newest valid one: left
+
+    again = Run(out, 5, {"autoload": True, "n_retains": 1}, trigger=(1, "iteration"), seed=2)
+    with pytest.warns(UserWarning, match="snapshot_iter_4"):
+        again.manager.start_extensions()
+    assert again.snapshot.resumed_name == "snapshot_iter_3" and again.manager.iteration == 3
+    again.train()  # saves 4 (replacing the damaged one) and 5
+    assert valid() == [5]
+    assert [c.name for c in list_snapshots(out, FMT)] == ["snapshot_iter_5"]

@@ -529,3 +529,70 @@ def test_cuda_state_is_staged_to_host(kind, make_writer, tmp_path):
     Snapshot(str(tmp_path / "snap")).restore({"state": target})
     assert_same(dict(target), expected)
     assert_same(torch.load(tmp_path / "snap.pt"), expected)  # host copies, as CPU tensors
+
+
+# -- ppe's StandardWriter / QueueWriter public surface -------------------------------------------------------
+def test_writers_are_ppes_standard_and_queue_writers():
+    from pytorch_pfn_extras import writing as ppe_writing
+    assert issubclass(ThreadWriter, ppe_writing.StandardWriter) and issubclass(ProcessWriter, ppe_writing.StandardWriter)
+    assert issubclass(ThreadQueueWriter, ppe_writing.QueueWriter)
+    assert issubclass(ProcessQueueWriter, ppe_writing.QueueWriter)
+    assert all(issubclass(cls, ppe_writing.Writer) for cls in (SimpleWriter, ThreadWriter, ProcessWriter))
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_create_worker_returns_a_worker_that_saves(kind, make_writer, tmp_path):
+    import multiprocessing
+    writer = make_writer(kind, out_dir=str(tmp_path))
+    worker = writer.create_worker("by_worker", "", {"x": torch.arange(5.0)})
+    assert isinstance(worker, threading.Thread if kind == "thread" else multiprocessing.Process)
+    assert not (tmp_path / "by_worker").exists()  # created, not started
+    worker.start()
+    worker.join()
+    assert getattr(worker, "exitcode", 0) == 0
+    assert_same(restore_like(str(tmp_path / "by_worker"), {"x": torch.zeros(5)}), {"x": torch.arange(5.0)})
+    file_worker = writer.create_worker("by_worker.pt", "", {"x": torch.ones(2)}, savefun=torch.save)
+    file_worker.start()
+    file_worker.join()
+    assert_same(torch.load(tmp_path / "by_worker.pt"), {"x": torch.ones(2)})
+
+
+def test_save_runs_in_the_caller_with_post_save_hooks(tmp_path):
+    writer = ThreadWriter(out_dir=str(tmp_path))
+    seen = []
+    writer._add_cleanup_hook(lambda: seen.append(sorted(os.listdir(tmp_path))))
+    writer.save("direct", "", {"x": torch.ones(3)})
+    assert seen == [["direct"]]
+    Snapshot(str(tmp_path / "direct")).verify()
+    writer.save("direct", "", {"x": torch.zeros(3)})  # saved again: replaced, as ppe's save overwrites
+    assert_same(restore_like(str(tmp_path / "direct"), {"x": torch.ones(3)}), {"x": torch.zeros(3)})
+    writer.finalize()
+
+
+@pytest.mark.parametrize("kind", ["thread_queue", "process_queue"])
+def test_queue_writer_api(kind, make_writer, tmp_path):
+    import multiprocessing
+    import queue as queue_module
+    writer = make_writer(kind, out_dir=str(tmp_path))
+    task = writer.create_task(None)
+    assert isinstance(task, SimpleWriter) and task.out_dir == str(tmp_path)
+    q = writer.create_queue()
+    consumer = writer.create_consumer(q)
+    assert isinstance(consumer, threading.Thread if kind == "thread_queue" else multiprocessing.Process)
+    if kind == "thread_queue":  # ppe's consume() loop over our task: an engine snapshot, then the stop marker
+        assert isinstance(q, queue_module.Queue)
+        consumer.start()
+        q.put((task, "queued", "", {"x": torch.ones(4)}, None, False))
+        q.put(None)
+        consumer.join()
+        Snapshot(str(tmp_path / "queued")).verify()
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_saving_again_under_a_name_replaces_it(kind, make_writer, tmp_path):
+    writer = make_writer(kind, out_dir=str(tmp_path))
+    for i in range(3):
+        writer("same", "", {"x": torch.full((4,), float(i))})
+    settle(writer)
+    assert sorted(os.listdir(tmp_path)) == ["same"]
+    assert_same(restore_like(str(tmp_path / "same"), {"x": torch.zeros(4)}), {"x": torch.full((4,), 2.0)})
