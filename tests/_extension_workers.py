@@ -271,3 +271,21 @@ def dist_resume_from_error_snapshot(out_dir: str, iterations: int, crash_at: int
     resumed.train(rank=rank)
     return {"straight": straight.state(), "resumed": resumed.state(), "names": names,
             "resumed_from": resumed.snapshot.resumed_from}
+
+
+def dist_fixed_name_and_initialize(out_dir: str, mode: str, writer: str) -> dict[str, Any]:
+    """Save ``latest`` at every iteration (replaced each time) on every rank, then resume; what each rank saw."""
+    rank, sharded = dist.get_rank(), mode == "SHARDED"
+    logs = os.path.join(out_dir, f"logs{rank}")
+    kwargs = _snapshot_kwargs(mode, writer=make_writer(writer, out_dir=out_dir), filename="latest")
+    first = Run(logs, 5, kwargs, trigger=(1, "iteration"), seed=rank if sharded else 0, sync=not sharded)
+    first.train(rank=rank)  # the manager finalizes the extension at the end
+    model = {k: v.clone() for k, v in first.model.state_dict().items()}
+    dist.barrier()
+    listing = sorted(n for n in os.listdir(out_dir) if not n.startswith("logs"))
+    kwargs = _snapshot_kwargs(mode, writer=make_writer("SimpleWriter", out_dir=out_dir), filename="latest",
+                              autoload=True)
+    resumed = Run(logs, 5, kwargs, seed=100 + rank, sync=not sharded)
+    loaded = resumed.snapshot.initialize(resumed.manager)
+    return {"listing": listing, "loaded": loaded, "resumed_from": resumed.snapshot.resumed_from,
+            "iteration": resumed.manager.iteration, "model": model, "resumed_model": resumed.model.state_dict()}

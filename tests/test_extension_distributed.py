@@ -9,8 +9,8 @@ import torch
 from ppe_snapshot import Snapshot
 
 from _extension_workers import (
-    assert_same, dist_crash_and_resume, dist_error_on_one_rank, dist_resume_from_error_snapshot,
-    dist_saver_rank_out_of_range,
+    assert_same, dist_crash_and_resume, dist_error_on_one_rank, dist_fixed_name_and_initialize,
+    dist_resume_from_error_snapshot, dist_saver_rank_out_of_range,
 )
 
 ITERS = 10
@@ -109,3 +109,15 @@ def test_resume_from_a_distributed_error_snapshot_restores_every_rank_rng(dist_r
         if rank == 0:  # the log restored is the saver rank's
             r["straight"].pop("log"), r["resumed"].pop("log")
         assert_same(r["resumed"], r["straight"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("mode, writer", [("DISTRIBUTED", "ThreadWriter"), ("SHARDED", "ThreadWriter"),
+                                          ("SHARDED", "SimpleWriter")])
+def test_fixed_name_replaced_and_initialize_returns_the_name_on_every_rank(dist_run, tmp_path, mode, writer):
+    results = dist_run(dist_fixed_name_and_initialize, 2, str(tmp_path), mode, writer)
+    for rank, r in enumerate(results):
+        assert r["listing"] == ["latest"]  # replaced at every trigger; nothing left beside it
+        assert r["loaded"] == "latest" and r["resumed_from"] == os.path.join(str(tmp_path), "latest")
+        assert r["iteration"] == 5
+        assert_same(r["resumed_model"], r["model"], f"rank {rank}")
+    assert Snapshot(str(tmp_path / "latest")).metadata["iteration"] == 5

@@ -26,7 +26,7 @@ from ppe_snapshot.engine.take import TakeJob
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._base import WriterBase, add_note, logger
 from ppe_snapshot.writing._files import FileSave, stage_object
-from ppe_snapshot.writing._replace import Replacement
+from ppe_snapshot.writing._replace import AfterCommit
 
 _MiB = 1 << 20
 
@@ -112,10 +112,10 @@ class AsyncWriter(WriterBase):
         slot = self._acquire()
         try:
             self._claim_path(slot, path)  # a save to the same name in flight must end before it is replaced
-            job, replacement = self._prepare(path, app_state, metadata, pg, allow_pickle)
+            job, step = self._prepare(path, app_state, metadata, pg, allow_pickle)
             pin = job.layout.on_cuda()
             job.stage(lambda nbytes: self._buffer(slot, nbytes, pin))
-            self._submit_take(Ticket(slot, self._new_stats(path, start, job.layout.size)), job, replacement)
+            self._submit_take(Ticket(slot, self._new_stats(path, start, job.layout.size)), job, step)
         except BaseException:
             self._release(slot)
             raise
@@ -181,7 +181,7 @@ class AsyncWriter(WriterBase):
     def _buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
         """A slot has a new buffer."""
 
-    def _submit_take(self, ticket: Ticket, job: TakeJob, replacement: Replacement | None) -> None:
+    def _submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit) -> None:
         raise NotImplementedError
 
     def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:

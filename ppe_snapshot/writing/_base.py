@@ -16,7 +16,7 @@ from ppe_snapshot.engine.take import TakeJob, group_rank, prepare
 from ppe_snapshot.storage import is_local, join
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._files import FileSave
-from ppe_snapshot.writing._replace import Replacement
+from ppe_snapshot.writing._replace import AfterCommit
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -121,11 +121,8 @@ class WriterBase(Writer):
         path = join(self.out_dir or out_dir, filename)
         self._check_path(path)
         if savefun is None:
-            job, replacement = self._prepare(path, self._app_state(target, append, None), None, LOCAL,
-                                             self.allow_pickle)
-            job.write_and_commit()
-            if replacement is not None:
-                replacement.promote()
+            job, step = self._prepare(path, self._app_state(target, append, None), None, LOCAL, self.allow_pickle)
+            _replace.commit_in_place(job, step)
         else:
             self._file_save(path, savefun, append, {**self._kwds, **savefun_kwargs}).run(target)
         self._post_save()
@@ -148,16 +145,17 @@ class WriterBase(Writer):
         raise NotImplementedError
 
     def _prepare(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-                 allow_pickle: bool) -> tuple[TakeJob, Replacement | None]:
-        """The take job, and the step that gives the snapshot its name when it replaces one.
+                 allow_pickle: bool) -> tuple[TakeJob, AfterCommit]:
+        """The take job, and the step after its commit that gives the snapshot its name when it replaces one.
 
         Rank 0 of ``pg`` decides where the take goes (every rank follows it in
         ``prepare``) and is the one that moves the committed snapshot.
         """
-        replacement = None
+        requested, replacement = path, None
         if group_rank(pg)[0] == 0:
             path, replacement = _replace.plan(path, self._storage_options)
-        return prepare(path, app_state, pg, None, self._storage_options, allow_pickle, metadata), replacement
+        job = prepare(path, app_state, pg, None, self._storage_options, allow_pickle, metadata)
+        return job, _replace.after_commit(job, requested, replacement, self._storage_options)
 
     def _new_stats(self, path: str, start: float, nbytes: int | None) -> dict[str, Any]:
         stats = {"path": path, "bytes": nbytes, "blocking_s": time.perf_counter() - start, "write_s": None}
@@ -185,11 +183,9 @@ class SimpleWriter(WriterBase):
 
     def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
               allow_pickle: bool, start: float) -> None:
-        job, replacement = self._prepare(path, app_state, metadata, pg, allow_pickle)
+        job, step = self._prepare(path, app_state, metadata, pg, allow_pickle)
         began = time.perf_counter()
-        job.write_and_commit()
-        if replacement is not None:
-            replacement.promote()
+        _replace.commit_in_place(job, step)
         self._finish(path, start, began, job.layout.size)
 
     def _save_file(self, save: FileSave, target: Any, start: float) -> None:

@@ -24,7 +24,7 @@ from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._async import AsyncWriter, Ticket
 from ppe_snapshot.writing._base import SimpleWriter, add_note, logger
 from ppe_snapshot.writing._files import FileSave
-from ppe_snapshot.writing._replace import Replacement
+from ppe_snapshot.writing._replace import AfterCommit
 from ppe_snapshot.writing._worker import serve
 
 OnDone = Callable[[BaseException | None, int | None], None]
@@ -196,9 +196,9 @@ class _ProcessBase(AsyncWriter):
     def _buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
         self._live_worker().send_buffer(slot, buffer)
 
-    def _submit_take(self, ticket: Ticket, job: TakeJob, replacement: Replacement | None) -> None:
+    def _submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit) -> None:
         job.staged = None  # the worker holds the slot's buffer already
-        self._send(ticket, ("take", ticket.slot, job, replacement))
+        self._send(ticket, ("take", ticket.slot, job, step))
 
     def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
         self._send(ticket, ("file", ticket.slot, save, skeleton))

@@ -12,12 +12,12 @@ from ppe_snapshot.engine.take import TakeJob
 from ppe_snapshot.writing._async import AsyncWriter, Ticket
 from ppe_snapshot.writing._base import SimpleWriter
 from ppe_snapshot.writing._files import FileSave, materialize
-from ppe_snapshot.writing._replace import Replacement, commit_in_place
+from ppe_snapshot.writing._replace import AfterCommit, commit_in_place
 
 
 class _ThreadBase(AsyncWriter):
-    def _submit_take(self, ticket: Ticket, job: TakeJob, replacement: Replacement | None) -> None:
-        self._hand_off(ticket, lambda: commit_in_place(job, replacement))
+    def _submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit) -> None:
+        self._hand_off(ticket, lambda: commit_in_place(job, step))
 
     def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
         buffer = self._buffers[ticket.slot]

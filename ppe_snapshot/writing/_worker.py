@@ -4,8 +4,8 @@ It never touches CUDA: every save arrives staged in a host shared-memory
 buffer that the parent sent once (and again only when it grew). Messages:
 
 * ``("buffer", slot, tensor)``: the staging buffer of a slot;
-* ``("take", ticket, slot, job, replacement)``: write and commit an engine snapshot,
-  then give it its name when it replaces one (``replacement`` not None);
+* ``("take", ticket, slot, job, step)``: write and commit an engine snapshot, then run
+  ``step`` (see ``_replace.after_commit``: give it its name when it replaces one);
 * ``("file", ticket, slot, save, skeleton)``: write a single file;
 * ``("stop",)``: finish what is queued, then exit.
 
@@ -80,9 +80,9 @@ def _receive(jobs: Connection, inbox: "queue.SimpleQueue[tuple[Any, ...] | None]
 def _run(kind: str, work: list[Any], buffer: torch.Tensor) -> tuple[Any, int | None]:
     try:
         if kind == "take":
-            job, replacement = work
+            job, step = work
             job.staged = buffer
-            commit_in_place(job, replacement)
+            commit_in_place(job, step)
             return None, None
         save, skeleton = work
         return None, save.run(materialize(skeleton, buffer))
