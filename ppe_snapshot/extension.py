@@ -28,7 +28,7 @@ from pytorch_pfn_extras.writing import Writer
 
 from ppe_snapshot import ppe_glue, retention
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot, StateDict
-from ppe_snapshot.resume import Unusable, cannot_start_fresh, is_committed, load_file, opened, skip
+from ppe_snapshot.resume import Unusable, cannot_start_fresh, holds_iteration, load_file, opened, skip
 from ppe_snapshot.retention import Candidate, FilenameFormat
 from ppe_snapshot.writing._base import WriterBase
 
@@ -368,13 +368,13 @@ class _Snapshot(extension.Extension):
     def _save_on_error(self, manager: ExtensionsManagerProtocol, name: str, pg: Any) -> None:
         location = retention.join(self._out_dir, name)
         if (self._engine_writer and self._savefun is None and name not in self._superseded
-                and is_committed(location, self._storage_options)):
-            logger.warning("ppe_snapshot: training failed at iteration %d; snapshot %s already holds this "
+                and holds_iteration(location, self._storage_options, manager.iteration)):
+            logger.warning("ppe_snapshot: training failed at iteration %s; snapshot %s already holds this "
                            "position, so no snapshot on error is taken", manager.iteration, location)
             return
         self._save(manager, name, _state_of(self._resolve_target(manager)), pg)
         self._wait_in_flight()
-        logger.warning("ppe_snapshot: training failed at iteration %d; saved snapshot %s", manager.iteration,
+        logger.warning("ppe_snapshot: training failed at iteration %s; saved snapshot %s", manager.iteration,
                        location)
 
     # -- retention ---------------------------------------------------------------

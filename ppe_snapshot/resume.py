@@ -48,12 +48,13 @@ def load_file(url: str, storage_options: dict[str, Any] | None) -> Any:
         return torch.load(f, map_location=torch.device("cpu"), weights_only=True)
 
 
-def is_committed(location: str, storage_options: dict[str, Any] | None) -> bool:
+def holds_iteration(location: str, storage_options: dict[str, Any] | None, iteration: int) -> bool:
+    """Whether a committed snapshot at ``location`` records training position ``iteration``."""
     try:
-        Snapshot(location, pg=LOCAL, storage_options=storage_options).metadata
+        metadata = Snapshot(location, pg=LOCAL, storage_options=storage_options).metadata
     except Exception:  # noqa: BLE001 - absent or unreadable: not a committed snapshot
         return False
-    return True
+    return isinstance(metadata, dict) and metadata.get("iteration") == iteration
 
 
 def opened(candidate: Candidate, pg: Any, storage_options: dict[str, Any] | None,

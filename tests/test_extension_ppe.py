@@ -386,11 +386,14 @@ def test_writer_allow_pickle(tmp_path):
 # -- autoload skips a malformed manifest --------------------------------------------------------------------------
 
 
-def test_autoload_skips_a_snapshot_whose_metadata_is_not_an_object(tmp_path, caplog):
+@pytest.mark.parametrize("field, value", [("metadata", ["not", "an", "object"]), ("version", 999),
+                                          ("world_size", "1"), ("files", [])])
+def test_autoload_skips_a_malformed_manifest_and_training_goes_on(tmp_path, field, value):
     Run(str(tmp_path), 4, {}).train()  # snapshot_iter_2, snapshot_iter_4
     manifest = tmp_path / "snapshot_iter_4" / "manifest.json"
     data = json.loads(manifest.read_text())
-    data["metadata"] = ["not", "an", "object"]
+    assert field in data
+    data[field] = value
     manifest.write_text(json.dumps(data))
     resumed = Run(str(tmp_path), 6, {"autoload": True}, seed=1)
     with pytest.warns(UserWarning, match="snapshot_iter_4"):
@@ -422,3 +425,11 @@ def test_the_writer_process_does_not_import_ppe():
                           env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_snapshot_on_error_replaces_an_older_snapshot_under_a_fixed_name(tmp_path, caplog):
+    run = Run(str(tmp_path), 10, {"filename": "latest", "snapshot_on_error": True}, trigger=(4, "iteration"))
+    with caplog.at_level(logging.INFO, logger="ppe_snapshot"), pytest.raises(Crash):
+        run.train(crash_at=5)
+    assert "training failed at iteration 5; saved snapshot" in caplog.text
+    assert Snapshot(str(tmp_path / "latest")).metadata["iteration"] == 5  # not the one of iteration 4
