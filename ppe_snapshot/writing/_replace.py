@@ -4,13 +4,13 @@ ppe's writers overwrite: a filename without format fields
 (``"snapshot_latest"``) is saved again at every trigger. An engine snapshot
 is a directory, so it cannot be overwritten in one step. Instead the new one
 is taken beside it, at ``<name>`` + :data:`SIDE_SUFFIX`, and then takes the
-name:
+name (a directory without manifest, left by a crashed take, is simply
+taken into):
 
 * local paths: the two directories are exchanged atomically
   (``renameat2(RENAME_EXCHANGE)``), then the old one is removed; where the
   platform cannot exchange, the old one is removed (manifest first) and the
   new one renamed;
-  (a directory without manifest, left by a crashed take, is taken into directly);
 * other file systems (object stores): the old one is removed (manifest
   first), then the new one is copied to the name, its manifest last, and
   removed from beside it.
