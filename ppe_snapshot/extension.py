@@ -259,8 +259,10 @@ class _Snapshot(extension.Extension):
             if writer is not chosen:
                 self._stood_in_for = chosen
         self.writer = writer
-        self._out_dir = getattr(writer, "out_dir", "") or manager.out
-        self._storage_options = getattr(writer, "storage_options", None)
+        out_dir = getattr(writer, "out_dir", "")  # a writer of the ppe protocol only may have none
+        self._out_dir = out_dir if isinstance(out_dir, str) and out_dir else manager.out
+        options = getattr(writer, "storage_options", None)
+        self._storage_options = options if isinstance(options, dict) else None
         if self.n_retains > 0 and self._format is not None and self._prunes():
             writer._add_cleanup_hook(self._prune)
         self._bound = True

@@ -430,3 +430,19 @@ def test_snapshot_on_error_replaces_an_older_snapshot_under_a_fixed_name(tmp_pat
         run.train(crash_at=5)
     assert "training failed at iteration 5; saved snapshot" in caplog.text
     assert Snapshot(str(tmp_path / "latest")).metadata["iteration"] == 5  # not the one of iteration 4
+
+
+def test_condition_and_any_callable_writer_as_in_ppe():
+    """ppe's contract: ``condition()`` at every call, the writer called when it returns True, and the
+    writer finalized with the extension; any writer object of ppe's protocol will do."""
+    from unittest import mock
+    target, condition, writer = mock.MagicMock(), mock.MagicMock(side_effect=[True, False]), mock.MagicMock()
+    ext = snapshot(target=target, condition=condition, writer=writer)
+    manager = mock.MagicMock()
+    ext(manager)
+    ext(manager)
+    assert condition.call_count == 2 and writer.call_count == 1
+    (name, out_dir, state), kwargs = writer.call_args
+    assert state is target.state_dict.return_value and kwargs == {"savefun": None}
+    ext.finalize(manager)
+    assert writer.finalize.call_count == 1
