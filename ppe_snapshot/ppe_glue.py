@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 import posixpath
+import re
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ def check_inside(name: str, what: str = "filename") -> None:
     if not isinstance(name, str):
         raise TypeError(f"{what} must give a str, got {type(name).__name__} {name!r}")
     unified = name.replace("\\", "/")
-    if "://" in unified or posixpath.isabs(unified) or (len(unified) > 1 and unified[1] == ":"):
+    if "://" in unified or posixpath.isabs(unified) or re.match(r"[A-Za-z]:/", unified):
         raise ValueError(f"{what} {name!r} is an absolute path or URL; it must name a place inside the output "
                          "directory (give the directory as the manager's out_dir or the writer's out_dir)")
     if ".." in unified.split("/"):

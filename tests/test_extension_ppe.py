@@ -301,6 +301,11 @@ def test_filename_outside_out_dir_is_refused_at_construction(bad):
         snapshot_object(torch.nn.Linear(1, 1), bad)
 
 
+def test_names_inside_out_dir_are_accepted():
+    for name in ("x:{.iteration}", "a/b/{.iteration}", "a..b_{.iteration}", "./x_{.iteration}"):
+        snapshot(filename=name)
+
+
 def test_callable_filename_outside_out_dir_is_refused_at_save(tmp_path):
     manager, _ = make_manager(str(tmp_path / "out"))
     ext = snapshot(filename=lambda m: "../escaped")
