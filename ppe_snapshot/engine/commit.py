@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, entries_from_json, entries_to_json
+from ppe_snapshot.engine.flatten import join
+from ppe_snapshot.engine.manifest import (
+    MANIFEST_NAME, Chunk, ContainerEntry, Entry, Manifest, ShardedTensorEntry, entries_from_json, entries_to_json,
+)
+from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import Storage
@@ -100,8 +104,54 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
                     sharded=merge_sharded([p.sharded for p in parts]))
 
 
+def _children(path: str, entry: ContainerEntry) -> list[str]:
+    if entry.kind in ("dict", "OrderedDict"):
+        return [join(path, decode_value(key)) for key in entry.keys]
+    return [join(path, i) for i in range(entry.length)]
+
+
+def _chunks(entry: Entry) -> list[Chunk]:
+    if isinstance(entry, ShardedTensorEntry):
+        return [c for shard in entry.shards for c in shard.chunks]
+    return getattr(entry, "chunks", [])
+
+
+def check_restorable(manifest: Manifest) -> None:
+    """Raise :class:`SnapshotError` unless every rank can restore everything the manifest lists for it.
+
+    Every child a container refers to must be an entry the same rank sees,
+    and every chunk must lie inside a data file the manifest lists.
+    """
+    world = range(manifest.world_size)
+    shared = (manifest.replicated, manifest.sharded)
+    tables = [(list(world), manifest.replicated), (list(world), manifest.sharded)]
+    tables += [([rank], entries) for rank, entries in enumerate(manifest.ranks)]
+    for ranks, table in tables:
+        for path, entry in table.items():
+            for chunk in _chunks(entry):
+                size = manifest.files.get(chunk.file)
+                if size is None or chunk.offset + chunk.nbytes > size:
+                    raise SnapshotError(f"entry {path!r} refers to bytes {chunk.offset}..{chunk.offset + chunk.nbytes}"
+                                        f" of {chunk.file}, which the take did not write")
+            if not isinstance(entry, ContainerEntry):
+                continue
+            for child in _children(path, entry):
+                if any(child in t for t in shared):
+                    continue
+                missing = [r for r in ranks if manifest.lookup(r, child) is None]
+                if missing:
+                    raise SnapshotError(
+                        f"{path!r} refers to {child!r}, which no rank wrote for rank(s) {missing}; the ranks "
+                        "disagree on this state (replicated globs matching different entries on different "
+                        "ranks?)")
+
+
 def commit(storage: Storage, manifest: Manifest) -> None:
-    """Make the snapshot visible: check every data file, then write the manifest last."""
+    """Make the snapshot visible: check the manifest restores and every data file, then write the manifest last."""
+    try:
+        check_restorable(manifest)
+    except SnapshotError as e:
+        raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
     for name, size in manifest.files.items():
         stored = storage.size(name)
         if stored != size:

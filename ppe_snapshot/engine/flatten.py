@@ -21,7 +21,7 @@ import torch
 from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
 from ppe_snapshot.engine.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.engine.serialization import (
-    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, torch_dtype,
+    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, raw_storage_problem, torch_dtype,
 )
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 
@@ -65,6 +65,11 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         if can_store_raw(value):
             out[path] = Payload("tensor", value.detach())
             return
+        problem = raw_storage_problem(value)
+        if value.is_meta or not allow_pickle:
+            hint = "" if value.is_meta else (
+                "; pass allow_pickle=True to save it with pickle, or convert it to a dense strided tensor")
+            raise UnsupportedValueError(f"{path}: the tensor {problem} and cannot be stored as raw bytes{hint}")
     elif is_raw_array(value):
         out[path] = Payload("ndarray", value)
         return
