@@ -96,7 +96,12 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
     except UnsupportedValueError as e:
         if not allow_pickle:
             raise UnsupportedValueError(f"{path}: {e}") from None
-    out[path] = Payload("pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    try:
+        out[path] = Payload("pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:  # a local class, a lock, an open file, ...
+        raise UnsupportedValueError(
+            f"{path}: a value of type {type(value).__module__}.{type(value).__qualname__} cannot be pickled "
+            f"either ({e}); convert it to tensors and plain Python values") from e
 
 
 def flatten(key: str, state: Any, allow_pickle: bool = False) -> dict[str, FlatItem]:

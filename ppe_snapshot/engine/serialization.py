@@ -98,7 +98,7 @@ def _imported_class(module: Any, qualname: Any) -> type | None:
         return None
     obj = sys.modules.get(module)
     for part in qualname.split("."):
-        if obj is None or not part.isidentifier():
+        if obj is None or not part.isidentifier() or part.startswith("__"):
             return None
         obj = inspect.getattr_static(obj, part, None)  # no properties or __getattr__ run
     return obj if isinstance(obj, type) else None
@@ -113,13 +113,17 @@ def _class_ref(value: Any) -> list[str] | None:
 
 def _class_of(tag: str, module: Any, qualname: Any) -> type:
     """The class a manifest names, if already imported and of the tag's kind; else CorruptSnapshotError."""
-    cls = _imported_class(module, qualname)
-    if cls is None:
+    kind = tag[1:]
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        raise CorruptSnapshotError(f"malformed {kind} class name in manifest: {module!r:.100}, {qualname!r:.100}")
+    if module not in sys.modules:
         raise CorruptSnapshotError(
-            f"the manifest holds a {tag[1:]} of class {module!r}.{qualname!r}, which this process has not "
-            "imported; import the module that defines it before restoring (snapshots never import modules)")
-    if not _CLASS_KINDS[tag](cls):
-        raise CorruptSnapshotError(f"the manifest names {module}.{qualname} as a {tag[1:]} class, which it is not")
+            f"the manifest holds a value of class {module}.{qualname:.100} ({kind}), but module {module!r:.100} is "
+            "not imported in this process; import it before restoring (reading a snapshot never imports modules)")
+    cls = _imported_class(module, qualname)
+    if cls is None or not _CLASS_KINDS[tag](cls):
+        raise CorruptSnapshotError(
+            f"the manifest names {module}.{qualname:.100} as the class of a {kind} value, which it is not; refused")
     return cls
 
 
