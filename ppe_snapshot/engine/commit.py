@@ -17,7 +17,8 @@ from typing import Callable
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.flatten import join
 from ppe_snapshot.engine.manifest import (
-    MANIFEST_NAME, Chunk, ContainerEntry, Entry, Manifest, ShardedTensorEntry, entries_from_json, entries_to_json,
+    MANIFEST_NAME, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, entries_from_json,
+    entries_to_json,
 )
 from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
@@ -110,10 +111,12 @@ def _children(path: str, entry: ContainerEntry) -> list[str]:
     return [join(path, i) for i in range(entry.length)]
 
 
-def _chunks(entry: Entry) -> list[Chunk]:
-    if isinstance(entry, ShardedTensorEntry):
-        return [c for shard in entry.shards for c in shard.chunks]
-    return getattr(entry, "chunks", [])
+def _check_chunks(path: str, chunks: list[Chunk], files: dict[str, int]) -> None:
+    for chunk in chunks:
+        size = files.get(chunk.file)
+        if size is None or chunk.offset + chunk.nbytes > size:
+            raise SnapshotError(f"entry {path!r} refers to bytes {chunk.offset}..{chunk.offset + chunk.nbytes} "
+                                f"of {chunk.file}, which the take did not write")
 
 
 def check_restorable(manifest: Manifest) -> None:
@@ -122,28 +125,27 @@ def check_restorable(manifest: Manifest) -> None:
     Every child a container refers to must be an entry the same rank sees,
     and every chunk must lie inside a data file the manifest lists.
     """
-    world = range(manifest.world_size)
-    shared = (manifest.replicated, manifest.sharded)
-    tables = [(list(world), manifest.replicated), (list(world), manifest.sharded)]
-    tables += [([rank], entries) for rank, entries in enumerate(manifest.ranks)]
-    for ranks, table in tables:
+    replicated, sharded, files = manifest.replicated, manifest.sharded, manifest.files
+    tables = [(None, replicated), (None, sharded), *enumerate(manifest.ranks)]
+    for rank, table in tables:
+        own = table if rank is not None else {}
         for path, entry in table.items():
-            for chunk in _chunks(entry):
-                size = manifest.files.get(chunk.file)
-                if size is None or chunk.offset + chunk.nbytes > size:
-                    raise SnapshotError(f"entry {path!r} refers to bytes {chunk.offset}..{chunk.offset + chunk.nbytes}"
-                                        f" of {chunk.file}, which the take did not write")
-            if not isinstance(entry, ContainerEntry):
-                continue
-            for child in _children(path, entry):
-                if any(child in t for t in shared):
-                    continue
-                missing = [r for r in ranks if manifest.lookup(r, child) is None]
-                if missing:
-                    raise SnapshotError(
-                        f"{path!r} refers to {child!r}, which no rank wrote for rank(s) {missing}; the ranks "
-                        "disagree on this state (replicated globs matching different entries on different "
-                        "ranks?)")
+            if isinstance(entry, ContainerEntry):
+                for child in _children(path, entry):
+                    if child in own or child in replicated or child in sharded:
+                        continue
+                    ranks = [rank] if rank is not None else range(manifest.world_size)
+                    missing = [r for r in ranks if manifest.lookup(r, child) is None]
+                    if missing:
+                        raise SnapshotError(
+                            f"{path!r} refers to {child!r}, which no rank wrote for rank(s) {missing}; the ranks "
+                            "disagree on this state (replicated globs matching different entries on different "
+                            "ranks?)")
+            elif isinstance(entry, ShardedTensorEntry):
+                for shard in entry.shards:
+                    _check_chunks(path, shard.chunks, files)
+            elif not isinstance(entry, ObjectEntry):
+                _check_chunks(path, entry.chunks, files)
 
 
 def commit(storage: Storage, manifest: Manifest) -> None:
