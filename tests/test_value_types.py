@@ -34,6 +34,10 @@ class Level(enum.IntEnum):
     HIGH = 2
 
 
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+
+
 class Perm(enum.Flag):
     R = 4
     W = 2
@@ -76,7 +80,7 @@ class Outer:
 
 def _values() -> dict:
     return {
-        "color": Color.GREEN, "level": Level.HIGH, "perm": Perm.W,
+        "color": Color.GREEN, "level": Level.HIGH, "perm": Perm.W, "mode": Mode.TRAIN,
         "pair": Pair(1, "b"), "span": Span(3), "spans": [Span(1, 2), Span(3, 4)],
         "config": Config(0.1, "adam", level=Level.HIGH), "frozen": Frozen(torch.Size([2, 3]), frozenset({"a", 1})),
         "slotted": Slotted(1, [2, {"k": Color.RED}]), "inner": Outer.Inner(5),

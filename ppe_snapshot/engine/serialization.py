@@ -189,7 +189,11 @@ def encode_value(value: Any) -> Any:
     if type(value) in (dict, collections.OrderedDict):
         tag = "$dict" if type(value) is dict else "$odict"
         return {tag: [[encode_value(k), encode_value(v)] for k, v in value.items()]}
-    if type(value) in (bytes, bytearray):
+    if isinstance(value, enum.Enum):  # before str and int: StrEnum, IntEnum members stay members
+        return _encode_instance(value) or _needs_pickle(value)
+    if isinstance(value, str):  # a subclass, read back as str
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
         return {"$bytes": _b64(bytes(value))}
     if type(value) is complex:
         return {"$complex": [encode_value(value.real), encode_value(value.imag)]}
@@ -197,15 +201,16 @@ def encode_value(value: Any) -> Any:
         return {"$dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {"$device": str(value)}
-    if type(value) in (set, frozenset):
-        return {"$set" if type(value) is set else "$frozenset": [encode_value(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        return {"$set" if isinstance(value, set) else "$frozenset": [encode_value(v) for v in value]}
     if isinstance(value, np.generic) and not isinstance(value, np.object_):
         return {"$npscalar": [value.dtype.str, _b64(value.tobytes())]}
     if is_raw_array(value):
         return {"$ndarray": [value.dtype.str, list(value.shape), _b64(np.ascontiguousarray(value).tobytes())]}
-    encoded = _encode_instance(value)
-    if encoded is not None:
-        return encoded
+    return _encode_instance(value) or _needs_pickle(value)
+
+
+def _needs_pickle(value: Any) -> Any:
     raise UnsupportedValueError(
         f"a value of type {type(value).__module__}.{type(value).__qualname__} can only be saved with pickle; "
         "pass allow_pickle=True to save it that way, or convert it to tensors and plain Python values")
