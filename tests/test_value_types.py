@@ -292,3 +292,24 @@ def test_valid_tags_still_decode():
     assert ppe_snapshot.engine.serialization.MAX_DEPTH >= 100
     nested = _deep(50, lambda v: [v])
     assert decode_value(nested) == nested
+
+
+def test_deeply_nested_containers_in_a_manifest_are_corrupt(tmp_path):
+    """A crafted manifest whose containers chain 5,000 levels deep (deeper than Python's stack)."""
+    import json
+
+    path = tmp_path / "s"
+    Snapshot.take(str(path), {"s": StateDict(x=[[1, torch.ones(1)]])})
+    doc = json.loads((path / "manifest.json").read_text())
+    entries = doc["ranks"][0]
+    entries["s"] = {"type": "container", "kind": "dict", "keys": ["x"], "length": 0}
+    chain = "s/x"
+    for _ in range(5_000):
+        entries[chain] = {"type": "container", "kind": "list", "keys": [], "length": 1}
+        chain += "/0"
+    entries[chain] = {"type": "object", "value": 1}
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptSnapshotError, match="nested deeper than"):
+        Snapshot(str(path)).restore({"s": StateDict()})
+    with pytest.raises(CorruptSnapshotError, match="nested deeper than"):
+        Snapshot(str(path)).read_object("0/s/x")

@@ -139,20 +139,28 @@ def _template_children(template: Any) -> Callable[[Any], Any]:
     return lambda _: None
 
 
-def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLeaf, template: Any = None) -> Any:
+#: Containers nested deeper than this in a manifest are refused as damage (before Python's stack runs out).
+MAX_CONTAINER_DEPTH = 200
+
+
+def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLeaf, template: Any = None,
+            depth: int = 0) -> Any:
     """Rebuild the value stored under ``path``; ``load_leaf`` loads tensors, arrays and pickles."""
     entry = lookup(path)
     if entry is None:
         raise CorruptSnapshotError(f"the manifest lists no entry for {path!r}, which its parent refers to")
     if isinstance(entry, ContainerEntry):
-        child = _template_children(template)
+        if depth >= MAX_CONTAINER_DEPTH:
+            raise CorruptSnapshotError(f"{path[:200]!r}...: containers nested deeper than {MAX_CONTAINER_DEPTH} "
+                                       "levels in the manifest")
+        child, depth = _template_children(template), depth + 1
         if entry.kind in ("dict", "OrderedDict"):
             out = collections.OrderedDict() if entry.kind == "OrderedDict" else {}
             for key in entry.keys:  # a loop, not a generator: thousands of children in a model's state
                 key = decode_value(key)
-                out[key] = inflate(join(path, key), lookup, load_leaf, child(key))
+                out[key] = inflate(join(path, key), lookup, load_leaf, child(key), depth)
             return out
-        items = [inflate(join(path, i), lookup, load_leaf, child(i)) for i in range(entry.length)]
+        items = [inflate(join(path, i), lookup, load_leaf, child(i), depth) for i in range(entry.length)]
         return tuple(items) if entry.kind == "tuple" else items
     if isinstance(entry, ObjectEntry):
         return decode_value(entry.value)
