@@ -154,3 +154,15 @@ def test_local_paths_still_get_their_directories(tmp_path):
     path = tmp_path / "a" / "b" / "snap"
     Snapshot.take(f"file://{path}", {"s": StateDict(w=torch.ones(2))}, storage_options={"auto_mkdir": False})
     assert os.path.isfile(path / "manifest.json")
+
+
+@pytest.mark.parametrize("replicated", ["model/*", [1], [None]])
+def test_replicated_must_be_a_list_of_globs(tmp_path, replicated):
+    with pytest.raises(TypeError, match="replicated must be a list of glob strings"):
+        Snapshot.take(str(tmp_path / "s"), {"model": StateDict(w=torch.ones(2))}, replicated=replicated)
+    assert not (tmp_path / "s").exists()
+
+
+def test_replicated_globs_may_be_any_iterable(tmp_path):
+    Snapshot.take(str(tmp_path / "s"), {"model": StateDict(w=torch.ones(2))}, replicated=(g for g in ["model/*"]))
+    assert Snapshot(str(tmp_path / "s")).get_manifest()["0/model/w"].replicated

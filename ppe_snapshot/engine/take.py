@@ -207,9 +207,10 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, rep
 def _globs(replicated: Iterable[str] | None) -> list[str]:
     if replicated is None:
         return []
-    if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
+    globs = [] if isinstance(replicated, str) else list(replicated)
+    if isinstance(replicated, str) or not all(isinstance(g, str) for g in globs):
         raise TypeError(f"replicated must be a list of glob strings, got {replicated!r}")
-    return list(replicated)
+    return globs
 
 
 def _flatten_all(app_state: dict[str, Any], allow_pickle: bool) -> dict[str, Any]:
