@@ -107,14 +107,15 @@ class FaultProxy:
                 status = proxy._injected(self.command, self.path)
                 if status is not None:
                     code = _ERROR_CODES.get(status, "InternalError")
-                    reply = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
-                             f"<Message>injected by the test proxy</Message></Error>").encode()
-                    self._send(status, [("Content-Type", "application/xml")], reply)
+                    data = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                            f"<Message>injected by the test proxy</Message></Error>").encode()
+                    headers, length = [("Content-Type", "application/xml")], None
                 else:
-                    status = self._forward(body)
-                proxy._record(self.command, self.path, status)
+                    status, headers, data, length = self._forward(body)
+                proxy._record(self.command, self.path, status)  # before the client can see the reply
+                self._send(status, headers, data, length)
 
-            def _forward(self, body: bytes) -> int:
+            def _forward(self, body: bytes) -> tuple[int, list, bytes, str | None]:
                 conn = http.client.HTTPConnection(*proxy._upstream, timeout=60)
                 try:
                     conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
@@ -127,9 +128,8 @@ class FaultProxy:
                     data = response.read()
                     headers = [(k, v) for k, v in response.getheaders()
                                if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length"]
-                    self._send(response.status, headers, data,
-                               length=response.getheader("Content-Length") if self.command == "HEAD" else None)
-                    return response.status
+                    length = response.getheader("Content-Length") if self.command == "HEAD" else None
+                    return response.status, headers, data, length
                 finally:
                     conn.close()
 
