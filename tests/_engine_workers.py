@@ -7,6 +7,7 @@ the deterministic builders below, which the test process calls too.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -206,14 +207,15 @@ def take_uneven_replicated(path: str) -> tuple[str, str] | None:
 # -- async takes failing on one rank ------------------------------------------------------
 
 class _FailingFile:
-    """A file whose writes fail with ENOSPC once ``limit`` bytes were written."""
+    """A file whose writes fail with ENOSPC once ``limit`` bytes were written (after ``delay`` seconds)."""
 
-    def __init__(self, file: Any, limit: int) -> None:
-        self._file, self._limit, self._written = file, limit, 0
+    def __init__(self, file: Any, limit: int, delay: float) -> None:
+        self._file, self._limit, self._delay, self._written = file, limit, delay, 0
 
     def write(self, data: Any) -> int:
         self._written += memoryview(data).nbytes
         if self._written > self._limit:
+            time.sleep(self._delay)  # late: the other ranks have published their parts by then
             raise OSError(28, "No space left on device (injected)")
         return self._file.write(data)
 
@@ -228,9 +230,9 @@ def _failing_fs_class():
         """The local file system, except that writes to files named ``fail_name`` fail after ``limit`` bytes."""
         protocol = "failingwrite"
 
-        def __init__(self, fail_name: str = "", limit: int = 0, **kwargs: Any) -> None:
+        def __init__(self, fail_name: str = "", limit: int = 0, delay: float = 0.0, **kwargs: Any) -> None:
             super().__init__(auto_mkdir=True, **kwargs)
-            self.fail_name, self.limit = fail_name, limit
+            self.fail_name, self.limit, self.delay = fail_name, limit, delay
 
         @classmethod
         def _strip_protocol(cls, path):
@@ -241,7 +243,7 @@ def _failing_fs_class():
         def _open(self, path, mode="rb", **kwargs):
             file = super()._open(path, mode, **kwargs)
             if "w" in mode and self.fail_name and path.endswith(self.fail_name):
-                return _FailingFile(file, self.limit)
+                return _FailingFile(file, self.limit, self.delay)
             return file
 
     return FailingWriteFileSystem
@@ -251,12 +253,21 @@ def _fail_staging(size: int) -> torch.Tensor:
     raise MemoryError(f"cannot stage {size} bytes (injected)")
 
 
-def async_take_failing_rounds(base: str, rounds: int) -> list[tuple[str, str] | None]:
-    """``rounds`` async takes of replicated and per-rank state; in each, one rank fails at some moment.
+#: When the failing rank of a round fails: at its data file's open (a directory is in the way), at staging,
+#: at its write (ENOSPC, the file open), or late in its write (after the others published their parts).
+FAILURE_MOMENTS = ("open", "stage", "write", "late")
 
-    Round i fails on rank ``i % world``, at: its data file's open (a directory is in the way), its
-    staging buffer, or in the middle of its write (ENOSPC after some bytes). Every rank reports the
-    error its ``async_take`` / ``wait()`` raised; a wait that would hang raises TimeoutError.
+
+def failure_of_round(i: int, world: int) -> tuple[int, str]:
+    """(failing rank, moment) of round ``i``: every rank fails at every moment over ``4 * world`` rounds."""
+    return i % world, FAILURE_MOMENTS[i // world % len(FAILURE_MOMENTS)]
+
+
+def async_take_failing_rounds(base: str, rounds: int) -> list[tuple[str, str] | None]:
+    """``rounds`` async takes of replicated and per-rank state; in each, one rank fails (``failure_of_round``).
+
+    Every rank reports the error its ``async_take`` / ``wait()`` raised; a wait that would hang raises
+    TimeoutError.
     """
     import fsspec
 
@@ -264,15 +275,15 @@ def async_take_failing_rounds(base: str, rounds: int) -> list[tuple[str, str] | 
     rank, world = dist.get_rank(), dist.get_world_size()
     errors = []
     for i in range(rounds):
-        bad, moment = i % world, ("open", "stage", "write")[i % 3]
+        bad, moment = failure_of_round(i, world)
         path, options, staging = f"{base}/round{i}", None, None
         if rank == bad and moment == "open":
             os.makedirs(f"{path}/data/rank{rank}.bin")
         if rank == bad and moment == "stage":
             staging = _fail_staging
-        if moment == "write":
-            limit = 10000 * (i // 3 % 3)  # at the first write, or after some bytes
-            path, options = f"failingwrite://{path}", {"fail_name": f"data/rank{bad}.bin", "limit": limit}
+        if moment in ("write", "late"):
+            options = {"fail_name": f"data/rank{bad}.bin", "limit": 0, "delay": 0.5 if moment == "late" else 0}
+            path = f"failingwrite://{path}"
         app_state = {"model": StateDict(model_values()), "state": StateDict(per_rank_values(rank))}
         try:
             pending = Snapshot.async_take(path, app_state, replicated=["model/**"], storage_options=options,

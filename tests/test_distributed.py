@@ -227,15 +227,16 @@ def test_replicated_glob_matching_different_entries_is_never_committed(dist_run,
 # -- async takes failing on one rank ------------------------------------------------------
 
 _OWN_ERRORS = {"open": ("IsADirectoryError", "rank{bad}.bin"), "stage": ("MemoryError", "cannot stage"),
-               "write": ("OSError", "No space left on device (injected)")}
+               "write": ("OSError", "No space left on device (injected)"),
+               "late": ("OSError", "No space left on device (injected)")}
 
 
 @pytest.mark.parametrize("world", [3, 4])  # 4 ranks on this 2-core machine: the rounds run under load
 def test_async_take_failing_on_one_rank_fails_every_wait_every_time(dist_run, tmp_path, world):
-    rounds = 12
+    rounds = world * len(w.FAILURE_MOMENTS)  # every rank fails once at every moment
     errors = dist_run(w.async_take_failing_rounds, world, str(tmp_path), rounds, timeout=600)
     for i in range(rounds):
-        bad, moment = i % world, ("open", "stage", "write")[i % 3]
+        bad, moment = w.failure_of_round(i, world)
         name, fragment = _OWN_ERRORS[moment]
         own = errors[bad][i]
         assert own is not None and own[0] == name and fragment.format(bad=bad) in own[1], (i, own)
