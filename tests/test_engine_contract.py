@@ -166,3 +166,21 @@ def test_replicated_must_be_a_list_of_globs(tmp_path, replicated):
 def test_replicated_globs_may_be_any_iterable(tmp_path):
     Snapshot.take(str(tmp_path / "s"), {"model": StateDict(w=torch.ones(2))}, replicated=(g for g in ["model/*"]))
     assert Snapshot(str(tmp_path / "s")).get_manifest()["0/model/w"].replicated
+
+
+class _Opaque:
+    """A value with no pickle-free encoding."""
+
+
+@pytest.mark.parametrize("writer_name", ["SimpleWriter", "ThreadWriter", "ThreadQueueWriter", "ProcessWriter"])
+def test_value_needing_pickle_is_named_by_every_writer(tmp_path, writer_name):
+    from ppe_snapshot import UnsupportedValueError, writing
+
+    writer = getattr(writing, writer_name)(out_dir=str(tmp_path))
+    try:
+        with pytest.raises(UnsupportedValueError, match=r"extra/obj: .*can only be saved with pickle; "
+                                                         r"pass allow_pickle=True"):
+            writer("snap", str(tmp_path), {"model": {"w": torch.ones(2)}, "extra": {"obj": _Opaque()}})
+    finally:
+        writer.finalize()
+    assert not (tmp_path / "snap" / "manifest.json").exists()
