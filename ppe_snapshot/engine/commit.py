@@ -106,8 +106,9 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
 
 
 def _children(path: str, entry: ContainerEntry) -> list[str]:
-    if entry.kind in ("dict", "OrderedDict"):
-        return [join(path, decode_value(key)) for key in entry.keys]
+    if entry.kind in ("dict", "OrderedDict"):  # string keys inline: a model's state has thousands
+        return [f"{path}/{key.replace('%', '%25').replace('/', '%2F')}" if type(key) is str
+                else join(path, decode_value(key)) for key in entry.keys]
     return [join(path, i) for i in range(entry.length)]
 
 

@@ -43,7 +43,10 @@ class Snapshot:
 
         Tensors are written straight from their memory (no copy of the state).
         ``replicated`` globs mark state that is identical on every rank: it is
-        written once in total, spread over the ranks. ``allow_pickle`` lets
+        written once in total, spread over the ranks; a glob counts only when
+        every rank gives it. A manifest that would not restore (ranks that
+        disagree on the replicated state) is never committed: every rank
+        raises. ``allow_pickle`` lets
         values that have no pickle-free encoding be pickled; ``metadata`` is a
         small JSON-able dict stored in the manifest (see :attr:`metadata`).
         """
