@@ -313,3 +313,16 @@ def test_deeply_nested_containers_in_a_manifest_are_corrupt(tmp_path):
         Snapshot(str(path)).restore({"s": StateDict()})
     with pytest.raises(CorruptSnapshotError, match="nested deeper than"):
         Snapshot(str(path)).read_object("0/s/x")
+
+
+@pytest.mark.parametrize("wrap", [lambda v: [v], lambda v: (v,), lambda v: {"k": v}, lambda v: Pair(v, 0)],
+                         ids=["list", "tuple", "dict", "namedtuple"])
+def test_what_a_reader_would_refuse_as_too_deep_is_not_written(tmp_path, wrap):
+    from ppe_snapshot.engine.serialization import MAX_DEPTH
+
+    fits = _deep(MAX_DEPTH - 1, wrap)
+    assert decode_value(encode_value(fits)) == fits
+    path = tmp_path / "s"
+    with pytest.raises(UnsupportedValueError, match=rf"s/v: .*deeper than {MAX_DEPTH} levels"):
+        Snapshot.take(str(path), {"s": StateDict(v=Config(1.0, "x", betas=_deep(MAX_DEPTH + 5, wrap)))})
+    assert not path.exists()

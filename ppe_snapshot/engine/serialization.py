@@ -82,6 +82,10 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+#: Values nested deeper than this are not written, and refused as damage when read (before Python's stack runs out).
+MAX_DEPTH = 200
+
+
 # -- classes named in the manifest (Enum, namedtuple, dataclass) ----------------------
 
 #: The kinds of classes a manifest may name, with the check a class must pass to be one.
@@ -127,7 +131,7 @@ def _class_of(tag: str, module: Any, qualname: Any) -> type:
     return cls
 
 
-def _encode_instance(value: Any) -> Any:
+def _encode_instance(value: Any, depth: int) -> Any:
     """Tagged JSON for an Enum member, a namedtuple or a dataclass instance; None for anything else."""
     if isinstance(value, enum.Enum):
         ref = _class_ref(value)
@@ -136,7 +140,7 @@ def _encode_instance(value: Any) -> Any:
         return {"$enum": [*ref, value.name]}
     if isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple):
         ref = _class_ref(value)
-        return None if ref is None else {"$namedtuple": [*ref, [encode_value(v) for v in value]]}
+        return None if ref is None else {"$namedtuple": [*ref, [encode_value(v, depth) for v in value]]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         ref = _class_ref(value)
         fields = dataclasses.fields(value)
@@ -144,7 +148,7 @@ def _encode_instance(value: Any) -> Any:
         if ref is None or not all(f.init for f in fields) or \
                 (attributes is not None and attributes.keys() != {f.name for f in fields}):
             return None  # state __init__ cannot rebuild: only pickle keeps it
-        return {"$dataclass": [*ref, [[f.name, encode_value(getattr(value, f.name))] for f in fields]]}
+        return {"$dataclass": [*ref, [[f.name, encode_value(getattr(value, f.name), depth)] for f in fields]]}
     return None
 
 
@@ -172,52 +176,52 @@ def _decode_instance(tag: str, body: Any, depth: int) -> Any:
     return cls(**{name: _decode(v, depth) for name, v in content})
 
 
-def encode_value(value: Any) -> Any:
+def encode_value(value: Any, depth: int = 0) -> Any:
     """Tagged JSON for ``value``; raises :class:`UnsupportedValueError` when only pickle could store it."""
     if value is None or type(value) in (bool, str):
         return value
+    depth += 1
+    if depth > MAX_DEPTH:  # a reader would refuse it
+        raise UnsupportedValueError(f"the value nests containers deeper than {MAX_DEPTH} levels; "
+                                    "store it with allow_pickle=True or flatten it")
     if isinstance(value, int) and type(value) is int:
         return value
     if type(value) is float:
         return value if math.isfinite(value) else {"$float": repr(value)}
     if isinstance(value, list) and type(value) is list:
-        return [encode_value(v) for v in value]
+        return [encode_value(v, depth) for v in value]
     if type(value) is tuple:
-        return {"$tuple": [encode_value(v) for v in value]}
+        return {"$tuple": [encode_value(v, depth) for v in value]}
     if isinstance(value, torch.Size):
         return {"$size": list(value)}
     if type(value) in (dict, collections.OrderedDict):
         tag = "$dict" if type(value) is dict else "$odict"
-        return {tag: [[encode_value(k), encode_value(v)] for k, v in value.items()]}
+        return {tag: [[encode_value(k, depth), encode_value(v, depth)] for k, v in value.items()]}
     if isinstance(value, enum.Enum):  # before str and int: StrEnum, IntEnum members stay members
-        return _encode_instance(value) or _needs_pickle(value)
+        return _encode_instance(value, depth) or _needs_pickle(value)
     if isinstance(value, str):  # a subclass, read back as str
         return str(value)
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": _b64(bytes(value))}
     if type(value) is complex:
-        return {"$complex": [encode_value(value.real), encode_value(value.imag)]}
+        return {"$complex": [encode_value(value.real, depth), encode_value(value.imag, depth)]}
     if isinstance(value, torch.dtype):
         return {"$dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {"$device": str(value)}
     if isinstance(value, (set, frozenset)):
-        return {"$set" if isinstance(value, set) else "$frozenset": [encode_value(v) for v in value]}
+        return {"$set" if isinstance(value, set) else "$frozenset": [encode_value(v, depth) for v in value]}
     if isinstance(value, np.generic) and not isinstance(value, np.object_):
         return {"$npscalar": [value.dtype.str, _b64(value.tobytes())]}
     if is_raw_array(value):
         return {"$ndarray": [value.dtype.str, list(value.shape), _b64(np.ascontiguousarray(value).tobytes())]}
-    return _encode_instance(value) or _needs_pickle(value)
+    return _encode_instance(value, depth) or _needs_pickle(value)
 
 
 def _needs_pickle(value: Any) -> Any:
     raise UnsupportedValueError(
         f"a value of type {type(value).__module__}.{type(value).__qualname__} can only be saved with pickle; "
         "pass allow_pickle=True to save it that way, or convert it to tensors and plain Python values")
-
-
-#: Deeper nesting than this in one value is refused as damage (and would exhaust Python's stack).
-MAX_DEPTH = 200
 
 
 def _malformed(tag: str, body: Any) -> CorruptSnapshotError:
@@ -264,9 +268,10 @@ def _decode_tagged(tag: str, body: Any, depth: int) -> Any:
             raise _malformed(tag, body)
         return torch.Size(body)
     if tag in ("$dict", "$odict"):
-        items = [_decode(kv, depth) for kv in _items(tag, body)]
-        if not all(type(kv) is list and len(kv) == 2 for kv in items):
+        pairs = _items(tag, body)
+        if not all(type(kv) is list and len(kv) == 2 for kv in pairs):
             raise _malformed(tag, body)
+        items = [(_decode(k, depth), _decode(v, depth)) for k, v in pairs]
         try:
             return dict(items) if tag == "$dict" else collections.OrderedDict(items)
         except TypeError:  # an unhashable key
