@@ -208,6 +208,7 @@ def _b64(data: bytes) -> str:
     {"$dataclass": [__name__, "Pair", [["first", 1]]]},
     {"$namedtuple": [__name__, "Pair", [1, 2, 3]]},  # wrong length
     {"$dataclass": [__name__, "Config", [["lr", 1.0]]]},  # missing field
+    {"$dataclass": [__name__, "Slotted", [["x", 1], ["y", []], ["x", 2]]]},  # a field twice
     {"$dataclass": [__name__, "Config", [["lr", 1.0], ["name", "x"], ["betas", []], ["level", 1],
                                          ["span", []], ["evil", 1]]]},
     {"$enum": [__name__, "<locals>.X", "A"]},

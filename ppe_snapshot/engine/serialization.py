@@ -91,7 +91,8 @@ MAX_DEPTH = 200
 #: The kinds of classes a manifest may name, with the check a class must pass to be one.
 _CLASS_KINDS: dict[str, Callable[[type], bool]] = {
     "$enum": lambda cls: issubclass(cls, enum.Enum),
-    "$namedtuple": lambda cls: issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple),
+    "$namedtuple": lambda cls: issubclass(cls, tuple) and isinstance(inspect.getattr_static(cls, "_fields", None),
+                                                                     tuple),
     "$dataclass": lambda cls: dataclasses.is_dataclass(cls),
 }
 
@@ -171,7 +172,7 @@ def _decode_instance(tag: str, body: Any, depth: int) -> Any:
         return tuple.__new__(cls, [_decode(v, depth) for v in content])
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     if not all(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) for item in content) \
-            or {item[0] for item in content} != names:
+            or len(content) != len(names) or {item[0] for item in content} != names:
         raise CorruptSnapshotError(f"the manifest's fields of {module}.{qualname} do not match its init fields")
     return cls(**{name: _decode(v, depth) for name, v in content})
 
