@@ -184,3 +184,48 @@ def test_value_needing_pickle_is_named_by_every_writer(tmp_path, writer_name):
     finally:
         writer.finalize()
     assert not (tmp_path / "snap" / "manifest.json").exists()
+
+
+# -- the commit protocol on file systems where a file is visible before it is complete ---------
+
+def test_an_abort_marker_aborts_even_before_its_reason_is_written(tmp_path):
+    from ppe_snapshot import SnapshotError
+    from ppe_snapshot.engine import commit
+    from ppe_snapshot.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "snap"))
+    (tmp_path / "snap" / ".parts").mkdir(parents=True)
+    (tmp_path / "snap" / ".parts" / "abc.abort").write_bytes(b"")  # created, not yet written
+    with pytest.raises(SnapshotError, match="was not committed: rank 0 aborted the take"):
+        commit.wait_for_commit(storage, "abc", timeout=5)
+
+
+def test_a_part_still_being_written_is_read_again(tmp_path):
+    import threading
+
+    from ppe_snapshot.engine import commit
+    from ppe_snapshot.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "snap"))
+    part = commit.RankPart(1, error="boom").to_bytes()
+    (tmp_path / "snap" / ".parts").mkdir(parents=True)
+    storage.put_atomic(".parts/abc.rank0.json", commit.RankPart(0).to_bytes())
+    (tmp_path / "snap" / ".parts" / "abc.rank1.json").write_bytes(part[: len(part) // 2])  # half written
+    finish = threading.Timer(0.2, lambda: (tmp_path / "snap" / ".parts" / "abc.rank1.json").write_bytes(part))
+    finish.start()
+    try:
+        parts = commit.gather_parts(storage, "abc", 2, timeout=60)
+    finally:
+        finish.join()
+    assert [p.rank for p in parts] == [0, 1] and parts[1].error == "boom"
+
+
+def test_fsspec_put_atomic_renames_into_place(tmp_path, no_parents_fs):
+    from ppe_snapshot.storage import FsspecStorage, open_storage
+
+    storage = open_storage(f"noparents://{tmp_path}/snap", {})
+    assert isinstance(storage, FsspecStorage)
+    storage.put_atomic("a/b/manifest.json", b"{}")
+    storage.put_atomic("a/b/manifest.json", b"[1]")  # replaces
+    assert storage.read_bytes("a/b/manifest.json") == b"[1]"
+    assert os.listdir(tmp_path / "snap" / "a" / "b") == ["manifest.json"]  # no temporary left

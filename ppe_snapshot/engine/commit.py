@@ -86,7 +86,10 @@ def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float
     def ready():
         for r in range(world_size):
             if r not in parts and storage.exists(_part_name(take_id, r)):
-                parts[r] = RankPart.from_bytes(storage.read_bytes(_part_name(take_id, r)))
+                try:
+                    parts[r] = RankPart.from_bytes(storage.read_bytes(_part_name(take_id, r)))
+                except (ValueError, KeyError, TypeError, OSError):  # still being written: read it again later
+                    pass
         return [parts[r] for r in range(world_size)] if len(parts) == world_size else None
 
     def missing() -> str:
@@ -175,8 +178,12 @@ def clean_parts(storage: Storage, take_id: str, world_size: int) -> None:
 def wait_for_commit(storage: Storage, take_id: str, timeout: float = COMMIT_TIMEOUT) -> None:
     """Ranks other than 0: wait until rank 0 committed (or aborted) this take."""
     def ready():
-        if storage.exists(_abort_name(take_id)):
-            return storage.read_bytes(_abort_name(take_id)).decode()
+        if storage.exists(_abort_name(take_id)):  # aborted, whether or not its reason can be read yet
+            try:
+                reason = storage.read_bytes(_abort_name(take_id)).decode(errors="replace")
+            except OSError:
+                reason = ""
+            return reason or "rank 0 aborted the take"
         if storage.exists(MANIFEST_NAME):
             try:
                 if Manifest.from_bytes(storage.read_bytes(MANIFEST_NAME)).take_id == take_id:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any, Callable, Sequence, TypeVar
 
 import fsspec
@@ -69,12 +70,15 @@ class FsspecStorage(Storage):
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
+    def _is_object_store(self) -> bool:
+        return bool(set(_protocols(self.fs)) & _OBJECT_STORE_PROTOCOLS)
+
     def _with_parent(self, path: str, create: Callable[[], T]) -> T:
         """``create()``; where it fails for a missing parent directory, make the directories and retry."""
         try:
             return create()
         except FileNotFoundError:
-            if set(_protocols(self.fs)) & _OBJECT_STORE_PROTOCOLS:
+            if self._is_object_store():
                 raise
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         return create()
@@ -84,9 +88,19 @@ class FsspecStorage(Storage):
         return self._with_parent(path, lambda: _FsspecBlobWriter(self.fs, path))
 
     def put_atomic(self, rel: str, data: bytes) -> None:
-        # One PUT on object stores: the object appears whole or not at all.
+        # One PUT on object stores: the object appears whole or not at all. Elsewhere a file is
+        # visible, empty, as soon as it is created: write it beside, then rename it into place.
         path = self._abs(rel)
-        self._with_parent(path, lambda: self.fs.pipe_file(path, data))
+        if self._is_object_store():
+            self._with_parent(path, lambda: self.fs.pipe_file(path, data))
+        else:
+            temporary = f"{rel}.tmp-{uuid.uuid4().hex[:12]}"
+            self._with_parent(self._abs(temporary), lambda: self.fs.pipe_file(self._abs(temporary), data))
+            try:
+                self.fs.mv(self._abs(temporary), path)
+            except BaseException:
+                self.remove(temporary)
+                raise
         self.fs.invalidate_cache(path)
 
     def read_bytes(self, rel: str) -> bytes:
