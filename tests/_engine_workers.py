@@ -6,6 +6,8 @@ the deterministic builders below, which the test process calls too.
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -177,3 +179,118 @@ def take_reporting_error(path: str, bad_rank: int | None) -> tuple[str, str] | N
     dist.barrier()
     return error
 
+
+
+# -- replicated globs that differ between ranks ----------------------------------------
+
+def take_with_rank_globs(path: str, globs_by_rank: list[list[str]]) -> dict[str, Any]:
+    """Replicated "model" and per-rank "extra"; each rank passes its own globs. Restores both."""
+    rank = dist.get_rank()
+    app_state = {"model": StateDict(model_values()), "extra": StateDict(per_rank_values(rank))}
+    Snapshot.take(path, app_state, replicated=globs_by_rank[rank])
+    snapshot = Snapshot(path)
+    return {"model": _restored(snapshot, "model", model_target()),
+            "extra": _restored(snapshot, "extra", per_rank_target(rank))}
+
+
+def take_uneven_replicated(path: str) -> tuple[str, str] | None:
+    """A replicated glob matching different entries on different ranks: rank 0 has x/a and x/b, the others x/a."""
+    rank = dist.get_rank()
+    state = {"a": torch.arange(1000.0)}
+    if rank == 0:
+        state["b"] = torch.arange(10.0)
+    error = error_of(Snapshot.take, path, {"x": StateDict(state)}, replicated=["x/*"])
+    dist.barrier()
+    return error
+
+
+# -- async takes failing on one rank ------------------------------------------------------
+
+class _FailingFile:
+    """A file whose writes fail with ENOSPC once ``limit`` bytes were written (after ``delay`` seconds)."""
+
+    def __init__(self, file: Any, limit: int, delay: float) -> None:
+        self._file, self._limit, self._delay, self._written = file, limit, delay, 0
+
+    def write(self, data: Any) -> int:
+        self._written += memoryview(data).nbytes
+        if self._written > self._limit:
+            time.sleep(self._delay)  # late: the other ranks have published their parts by then
+            raise OSError(28, "No space left on device (injected)")
+        return self._file.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def _failing_fs_class():
+    from fsspec.implementations.local import LocalFileSystem
+
+    class FailingWriteFileSystem(LocalFileSystem):
+        """The local file system, except that writes to files named ``fail_name`` fail after ``limit`` bytes."""
+        protocol = "failingwrite"
+
+        def __init__(self, fail_name: str = "", limit: int = 0, delay: float = 0.0, **kwargs: Any) -> None:
+            super().__init__(auto_mkdir=True, **kwargs)
+            self.fail_name, self.limit, self.delay = fail_name, limit, delay
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            if isinstance(path, str) and path.startswith("failingwrite://"):
+                path = path[len("failingwrite://"):]
+            return super()._strip_protocol(path)
+
+        def _open(self, path, mode="rb", **kwargs):
+            file = super()._open(path, mode, **kwargs)
+            if "w" in mode and self.fail_name and path.endswith(self.fail_name):
+                return _FailingFile(file, self.limit, self.delay)
+            return file
+
+    return FailingWriteFileSystem
+
+
+def _fail_staging(size: int) -> torch.Tensor:
+    raise MemoryError(f"cannot stage {size} bytes (injected)")
+
+
+#: When the failing rank of a round fails: at its data file's open (a directory is in the way), at staging,
+#: at its write (ENOSPC, the file open), or late in its write (after the others published their parts).
+FAILURE_MOMENTS = ("open", "stage", "write", "late")
+
+
+def failure_of_round(i: int, world: int) -> tuple[int, str]:
+    """(failing rank, moment) of round ``i``: every rank fails at every moment over ``4 * world`` rounds."""
+    return i % world, FAILURE_MOMENTS[i // world % len(FAILURE_MOMENTS)]
+
+
+def async_take_failing_rounds(base: str, rounds: int) -> list[tuple[str, str] | None]:
+    """``rounds`` async takes of replicated and per-rank state; in each, one rank fails (``failure_of_round``).
+
+    Every rank reports the error its ``async_take`` / ``wait()`` raised; a wait that would hang raises
+    TimeoutError.
+    """
+    import fsspec
+
+    fsspec.register_implementation("failingwrite", _failing_fs_class(), clobber=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    errors = []
+    for i in range(rounds):
+        bad, moment = failure_of_round(i, world)
+        path, options, staging = f"{base}/round{i}", None, None
+        if rank == bad and moment == "open":
+            os.makedirs(f"{path}/data/rank{rank}.bin")
+        if rank == bad and moment == "stage":
+            staging = _fail_staging
+        if moment in ("write", "late"):
+            options = {"fail_name": f"data/rank{bad}.bin", "limit": 0, "delay": 0.5 if moment == "late" else 0}
+            path = f"failingwrite://{path}"
+        app_state = {"model": StateDict(model_values()), "state": StateDict(per_rank_values(rank))}
+        try:
+            pending = Snapshot.async_take(path, app_state, replicated=["model/**"], storage_options=options,
+                                          staging=staging)
+        except Exception as e:  # the staging failure is raised by async_take itself
+            errors.append((type(e).__name__, str(e)))
+        else:
+            errors.append(error_of(pending.wait, timeout=60))
+        dist.barrier()
+    return errors

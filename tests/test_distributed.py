@@ -194,3 +194,54 @@ def test_rank_failing_while_writing_fails_every_rank(dist_run, tmp_path):
     (path / "data" / "rank1.bin").rmdir()
     results = dist_run(w.take_and_restore_per_rank, 2, str(path))
     _assert_state_equal(results[1]["restored"], w.per_rank_values(1))
+
+
+# -- replicated globs that differ between ranks ----------------------------------------
+
+@pytest.mark.parametrize("globs", [[["model/*", "extra/*"], ["model/*"]], [["model/*"], []]],
+                         ids=["one-glob-on-rank0-only", "no-glob-on-rank1"])
+def test_only_globs_given_by_every_rank_count(dist_run, tmp_path, globs):
+    path = str(tmp_path / "snap")
+    results = dist_run(w.take_with_rank_globs, 2, path, globs)
+    for rank, result in enumerate(results):
+        _assert_state_equal(result["model"], w.model_values())
+        _assert_state_equal(result["extra"], w.per_rank_values(rank))
+    common = set(globs[0]) & set(globs[1])
+    expected = {"model", *(f"model/layer{i}" for i in range(w.MODEL_TENSORS))} if common else set()
+    assert _replicated_paths(path) == expected
+    Snapshot(path).verify()
+
+
+def test_replicated_glob_matching_different_entries_is_never_committed(dist_run, tmp_path):
+    path = tmp_path / "snap"
+    errors = dist_run(w.take_uneven_replicated, 2, str(path), timeout=60)
+    name, message = errors[0]
+    assert name == "SnapshotError" and "would not restore" in message and "'x/b'" in message
+    name, message = errors[1]
+    assert name == "SnapshotError" and "was not committed" in message and "would not restore" in message
+    assert not (path / "manifest.json").exists()
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(str(path)).get_manifest()
+
+
+# -- async takes failing on one rank ------------------------------------------------------
+
+_OWN_ERRORS = {"open": ("IsADirectoryError", "rank{bad}.bin"), "stage": ("MemoryError", "cannot stage"),
+               "write": ("OSError", "No space left on device (injected)"),
+               "late": ("OSError", "No space left on device (injected)")}
+
+
+@pytest.mark.parametrize("world", [3, 4])  # 4 ranks on this 2-core machine: the rounds run under load
+def test_async_take_failing_on_one_rank_fails_every_wait_every_time(dist_run, tmp_path, world):
+    rounds = world * len(w.FAILURE_MOMENTS)  # every rank fails once at every moment
+    errors = dist_run(w.async_take_failing_rounds, world, str(tmp_path), rounds, timeout=600)
+    for i in range(rounds):
+        bad, moment = w.failure_of_round(i, world)
+        name, fragment = _OWN_ERRORS[moment]
+        own = errors[bad][i]
+        assert own is not None and own[0] == name and fragment.format(bad=bad) in own[1], (i, own)
+        for rank in set(range(world)) - {bad}:
+            other = errors[rank][i]
+            assert other is not None and other[0] == "SnapshotError", (i, rank, other)
+            assert "was not committed" in other[1] and f"rank {bad}: {name}" in other[1], (i, rank, other)
+        assert not (tmp_path / f"round{i}" / "manifest.json").exists(), i

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.manifest import MANIFEST_NAME, Entry, Manifest, entries_from_json, entries_to_json
+from ppe_snapshot.engine.flatten import join
+from ppe_snapshot.engine.manifest import (
+    MANIFEST_NAME, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, entries_from_json,
+    entries_to_json,
+)
+from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import Storage
@@ -81,7 +86,10 @@ def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float
     def ready():
         for r in range(world_size):
             if r not in parts and storage.exists(_part_name(take_id, r)):
-                parts[r] = RankPart.from_bytes(storage.read_bytes(_part_name(take_id, r)))
+                try:
+                    parts[r] = RankPart.from_bytes(storage.read_bytes(_part_name(take_id, r)))
+                except (ValueError, KeyError, TypeError, OSError):  # still being written: read it again later
+                    pass
         return [parts[r] for r in range(world_size)] if len(parts) == world_size else None
 
     def missing() -> str:
@@ -100,8 +108,56 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
                     sharded=merge_sharded([p.sharded for p in parts]))
 
 
+def _children(path: str, entry: ContainerEntry) -> list[str]:
+    if entry.kind in ("dict", "OrderedDict"):  # string keys inline: a model's state has thousands
+        return [f"{path}/{key.replace('%', '%25').replace('/', '%2F')}" if type(key) is str
+                else join(path, decode_value(key)) for key in entry.keys]
+    return [join(path, i) for i in range(entry.length)]
+
+
+def _check_chunks(path: str, chunks: list[Chunk], files: dict[str, int]) -> None:
+    for chunk in chunks:
+        size = files.get(chunk.file)
+        if size is None or chunk.offset + chunk.nbytes > size:
+            raise SnapshotError(f"entry {path!r} refers to bytes {chunk.offset}..{chunk.offset + chunk.nbytes} "
+                                f"of {chunk.file}, which the take did not write")
+
+
+def check_restorable(manifest: Manifest) -> None:
+    """Raise :class:`SnapshotError` unless every rank can restore everything the manifest lists for it.
+
+    Every child a container refers to must be an entry the same rank sees,
+    and every chunk must lie inside a data file the manifest lists.
+    """
+    replicated, sharded, files = manifest.replicated, manifest.sharded, manifest.files
+    tables = [(None, replicated), (None, sharded), *enumerate(manifest.ranks)]
+    for rank, table in tables:
+        own = table if rank is not None else {}
+        for path, entry in table.items():
+            if isinstance(entry, ContainerEntry):
+                for child in _children(path, entry):
+                    if child in own or child in replicated or child in sharded:
+                        continue
+                    ranks = [rank] if rank is not None else range(manifest.world_size)
+                    missing = [r for r in ranks if manifest.lookup(r, child) is None]
+                    if missing:
+                        raise SnapshotError(
+                            f"{path!r} refers to {child!r}, which no rank wrote for rank(s) {missing}; the ranks "
+                            "disagree on this state (replicated globs matching different entries on different "
+                            "ranks?)")
+            elif isinstance(entry, ShardedTensorEntry):
+                for shard in entry.shards:
+                    _check_chunks(path, shard.chunks, files)
+            elif not isinstance(entry, ObjectEntry):
+                _check_chunks(path, entry.chunks, files)
+
+
 def commit(storage: Storage, manifest: Manifest) -> None:
-    """Make the snapshot visible: check every data file, then write the manifest last."""
+    """Make the snapshot visible: check the manifest restores and every data file, then write the manifest last."""
+    try:
+        check_restorable(manifest)
+    except SnapshotError as e:
+        raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
     for name, size in manifest.files.items():
         stored = storage.size(name)
         if stored != size:
@@ -122,8 +178,12 @@ def clean_parts(storage: Storage, take_id: str, world_size: int) -> None:
 def wait_for_commit(storage: Storage, take_id: str, timeout: float = COMMIT_TIMEOUT) -> None:
     """Ranks other than 0: wait until rank 0 committed (or aborted) this take."""
     def ready():
-        if storage.exists(_abort_name(take_id)):
-            return storage.read_bytes(_abort_name(take_id)).decode()
+        if storage.exists(_abort_name(take_id)):  # aborted, whether or not its reason can be read yet
+            try:
+                reason = storage.read_bytes(_abort_name(take_id)).decode(errors="replace")
+            except OSError:
+                reason = ""
+            return reason or "rank 0 aborted the take"
         if storage.exists(MANIFEST_NAME):
             try:
                 if Manifest.from_bytes(storage.read_bytes(MANIFEST_NAME)).take_id == take_id:

@@ -21,7 +21,7 @@ import torch
 from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
 from ppe_snapshot.engine.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.engine.serialization import (
-    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, torch_dtype,
+    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, raw_storage_problem, torch_dtype,
 )
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 
@@ -65,6 +65,11 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         if can_store_raw(value):
             out[path] = Payload("tensor", value.detach())
             return
+        problem = raw_storage_problem(value)
+        if value.is_meta or not allow_pickle:
+            hint = "" if value.is_meta else (
+                "; pass allow_pickle=True to save it with pickle, or convert it to a dense strided tensor")
+            raise UnsupportedValueError(f"{path}: the tensor {problem} and cannot be stored as raw bytes{hint}")
     elif is_raw_array(value):
         out[path] = Payload("ndarray", value)
         return
@@ -91,7 +96,12 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
     except UnsupportedValueError as e:
         if not allow_pickle:
             raise UnsupportedValueError(f"{path}: {e}") from None
-    out[path] = Payload("pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    try:
+        out[path] = Payload("pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:  # a local class, a lock, an open file, ...
+        raise UnsupportedValueError(
+            f"{path}: a value of type {type(value).__module__}.{type(value).__qualname__} cannot be pickled "
+            f"either ({e}); convert it to tensors and plain Python values") from e
 
 
 def flatten(key: str, state: Any, allow_pickle: bool = False) -> dict[str, FlatItem]:
@@ -129,20 +139,28 @@ def _template_children(template: Any) -> Callable[[Any], Any]:
     return lambda _: None
 
 
-def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLeaf, template: Any = None) -> Any:
+#: Containers nested deeper than this in a manifest are refused as damage (before Python's stack runs out).
+MAX_CONTAINER_DEPTH = 200
+
+
+def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLeaf, template: Any = None,
+            depth: int = 0) -> Any:
     """Rebuild the value stored under ``path``; ``load_leaf`` loads tensors, arrays and pickles."""
     entry = lookup(path)
     if entry is None:
         raise CorruptSnapshotError(f"the manifest lists no entry for {path!r}, which its parent refers to")
     if isinstance(entry, ContainerEntry):
-        child = _template_children(template)
+        if depth >= MAX_CONTAINER_DEPTH:
+            raise CorruptSnapshotError(f"{path[:200]!r}...: containers nested deeper than {MAX_CONTAINER_DEPTH} "
+                                       "levels in the manifest")
+        child, depth = _template_children(template), depth + 1
         if entry.kind in ("dict", "OrderedDict"):
             out = collections.OrderedDict() if entry.kind == "OrderedDict" else {}
             for key in entry.keys:  # a loop, not a generator: thousands of children in a model's state
                 key = decode_value(key)
-                out[key] = inflate(join(path, key), lookup, load_leaf, child(key))
+                out[key] = inflate(join(path, key), lookup, load_leaf, child(key), depth)
             return out
-        items = [inflate(join(path, i), lookup, load_leaf, child(i)) for i in range(entry.length)]
+        items = [inflate(join(path, i), lookup, load_leaf, child(i), depth) for i in range(entry.length)]
         return tuple(items) if entry.kind == "tuple" else items
     if isinstance(entry, ObjectEntry):
         return decode_value(entry.value)

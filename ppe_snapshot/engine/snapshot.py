@@ -11,7 +11,7 @@ from ppe_snapshot.engine.manifest import (
     MANIFEST_NAME, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
 )
 from ppe_snapshot.engine.sharded import is_sharded, load_sharded
-from ppe_snapshot.engine.stateful import state_of
+from ppe_snapshot.engine.stateful import check_restorable, restore_order, state_of
 from ppe_snapshot.engine.take import StagingProvider, TakeJob, group_rank, prepare
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, StateMismatchError
 from ppe_snapshot.storage import Storage, open_storage
@@ -43,7 +43,10 @@ class Snapshot:
 
         Tensors are written straight from their memory (no copy of the state).
         ``replicated`` globs mark state that is identical on every rank: it is
-        written once in total, spread over the ranks. ``allow_pickle`` lets
+        written once in total, spread over the ranks; a glob counts only when
+        every rank gives it. A manifest that would not restore (ranks that
+        disagree on the replicated state) is never committed: every rank
+        raises. ``allow_pickle`` lets
         values that have no pickle-free encoding be pickled; ``metadata`` is a
         small JSON-able dict stored in the manifest (see :attr:`metadata`).
         """
@@ -125,6 +128,8 @@ class Snapshot:
         ``allow_pickle`` (default: the snapshot's) lets entries saved with
         pickle be unpickled; without it they raise ``UnsupportedValueError``.
         """
+        check_restorable(app_state)  # before any storage is touched, as take does
+        app_state = restore_order(app_state)  # RNG states last: other objects' loads may draw numbers
         allow_pickle = self.allow_pickle if allow_pickle is None else allow_pickle
         storage = self._storage()
         try:

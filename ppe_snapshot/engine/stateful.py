@@ -24,7 +24,7 @@ class StateDict(dict):
     """
 
     def state_dict(self) -> dict[str, Any]:
-        return self
+        return dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.update(state_dict)
@@ -33,7 +33,12 @@ class StateDict(dict):
 class RNGState:
     """The global random number generators: torch (CPU and every CUDA device), numpy, Python.
 
-    After a restore they produce what they would have produced right after the take.
+    After a restore they produce what they would have produced right after the take,
+    even when other objects of the same app state draw random numbers in their
+    ``state_dict()`` / ``load_state_dict()``: a take captures this state before
+    any other object's and sets the generators back to it afterwards, and a
+    restore loads it after every other object (see :func:`take_states` and
+    :func:`restore_order`).
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -63,6 +68,42 @@ def state_of(key: str, obj: Any) -> dict[str, Any]:
             f"app_state[{key!r}] is a {type(obj).__name__}, which has no state_dict()/load_state_dict(); "
             "wrap tensors and plain values in ppe_snapshot.StateDict")
     return obj.state_dict()
+
+
+def take_states(app_state: dict[str, Any]) -> dict[str, Any]:
+    """Every object's state, keyed as ``app_state``; RNG states are captured first.
+
+    The generators are set back to the captured state once every other
+    ``state_dict()`` has run, so draws made there neither leak into the
+    snapshot nor make the process diverge from it.
+    """
+    rng_keys = [key for key, obj in app_state.items() if isinstance(obj, RNGState)]
+    states = {key: state_of(key, app_state[key]) for key in rng_keys}
+    try:
+        for key, obj in app_state.items():
+            if key not in states:
+                states[key] = state_of(key, obj)
+    finally:
+        for key in rng_keys:
+            app_state[key].load_state_dict(states[key])
+    return {key: states[key] for key in app_state}
+
+
+def check_restorable(app_state: Any) -> None:
+    """Raise ``TypeError`` unless ``app_state`` is a dict of stateful objects (before any storage is touched)."""
+    if not isinstance(app_state, dict):
+        raise TypeError(f"app_state must be a dict of stateful objects, got {type(app_state).__name__}")
+    for key, obj in app_state.items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                f"app_state[{key!r}] is a {type(obj).__name__}, which has no state_dict()/load_state_dict(); "
+                "wrap tensors and plain values in ppe_snapshot.StateDict")
+
+
+def restore_order(app_state: dict[str, Any]) -> dict[str, Any]:
+    """``app_state`` with its RNG states last, so no other object's ``load_state_dict()`` moves the generators."""
+    rng = {key: obj for key, obj in app_state.items() if isinstance(obj, RNGState)}
+    return {**{key: obj for key, obj in app_state.items() if key not in rng}, **rng}
 
 
 class OptimizerState:

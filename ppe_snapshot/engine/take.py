@@ -19,7 +19,7 @@ from ppe_snapshot.engine.packing import (
 from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
 from ppe_snapshot.engine.serialization import dtype_name
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
-from ppe_snapshot.engine.stateful import state_of
+from ppe_snapshot.engine.stateful import take_states
 from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
 from ppe_snapshot.storage import Storage, open_storage
 
@@ -68,24 +68,27 @@ class TakeJob:
 
     def stage(self, provider: StagingProvider | None = None) -> None:
         """Copy this rank's payloads into a buffer the job owns (the caller may mutate them after)."""
-        if provider is not None:
-            buffer = provider(self.layout.size)
-        else:
-            buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
-        stage(self.layout, buffer)
+        try:
+            if provider is not None:
+                buffer = provider(self.layout.size)
+            else:
+                buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
+            stage(self.layout, buffer)
+        except BaseException as e:
+            self.fail(e)
+            raise
         self.staged = buffer
         for p in self.layout.placements:  # the job must not keep the live state alive
             p.payload = Payload(p.payload.kind, _Shape.of(p.payload.data), p.payload.replicated)
 
     def write_and_commit(self) -> None:
         try:
-            chunks = self._write()
+            part = self._part(self._write())
         except BaseException as e:
-            self._publish_failure(e)
+            self.fail(e)
             raise
         finally:
             self.staged = None
-        part = self._part(chunks)
         if self.world_size == 1:
             commit_protocol.commit(self.storage, commit_protocol.merge([part], self.take_id, self.metadata))
             return
@@ -118,7 +121,11 @@ class TakeJob:
         return part
 
     def _commit_all(self) -> None:
-        parts = commit_protocol.gather_parts(self.storage, self.take_id, self.world_size)
+        try:
+            parts = commit_protocol.gather_parts(self.storage, self.take_id, self.world_size)
+        except BaseException as e:
+            commit_protocol.abort(self.storage, self.take_id, f"rank 0 stopped waiting: {e!r}")
+            raise
         failed = [f"rank {p.rank}: {p.error}" for p in parts if p.error]
         if failed:
             reason = "; ".join(failed)
@@ -131,14 +138,22 @@ class TakeJob:
             raise
         commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
 
-    def _publish_failure(self, error: BaseException) -> None:
-        if self.world_size == 1:
-            return
-        try:
-            commit_protocol.publish_part(
-                self.storage, self.take_id, commit_protocol.RankPart(self.rank, error=repr(error)))
-        except Exception:  # the storage itself is failing; rank 0 times out instead
-            pass
+    def fail(self, error: BaseException) -> None:
+        """Tell the other ranks this rank cannot finish, so that none of them waits in vain."""
+        _announce_failure(self.storage, self.take_id, self.rank, self.world_size, error)
+
+
+def _announce_failure(storage: Storage, take_id: str, rank: int, world_size: int, error: BaseException) -> None:
+    """Rank 0 aborts the take at once; another rank publishes its error for rank 0 to abort with."""
+    if world_size == 1:
+        return
+    try:
+        if rank == 0:
+            commit_protocol.abort(storage, take_id, f"rank 0: {error!r}")
+        else:
+            commit_protocol.publish_part(storage, take_id, commit_protocol.RankPart(rank, error=repr(error)))
+    except Exception:  # the storage itself is failing; the others time out instead
+        pass
 
 
 @dataclass
@@ -154,14 +169,23 @@ class _Shape:
         return cls(data.dtype, tuple(data.shape))
 
 
-def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any,
-           local_error: BaseException | None) -> tuple[str, str]:
-    """Every rank learns rank 0's path and take id, and whether any rank cannot take part.
+@dataclass
+class _Agreement:
+    """What every rank learns from the others before writing."""
+    path: str
+    take_id: str
+    #: The ``replicated`` globs given by every rank (a glob given by some ranks only counts for none).
+    replicated: list[str]
+
+
+def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, replicated: list[str],
+           local_error: BaseException | None) -> _Agreement:
+    """Every rank learns rank 0's path and take id, the common globs, and whether any rank cannot take part.
 
     Rank 0 checks that no snapshot exists at the path. A rank whose flatten
     failed still joins this exchange, so the others raise instead of waiting.
     """
-    proposal: dict[str, Any] = {"path": path, "take_id": uuid.uuid4().hex[:16],
+    proposal: dict[str, Any] = {"path": path, "take_id": uuid.uuid4().hex[:16], "replicated": replicated,
                                 "error": repr(local_error) if local_error else None}
     if rank == 0 and local_error is None and storage.exists(MANIFEST_NAME):
         proposal["exists"] = f"a snapshot already exists at {path}; choose a new path or remove it first"
@@ -176,18 +200,32 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any,
     failed = [f"rank {r}: {p['error']}" for r, p in enumerate(proposals) if p["error"]]
     if failed:
         raise SnapshotError(f"snapshot {path} not taken: {'; '.join(failed)}")
-    return proposals[0]["path"], proposals[0]["take_id"]
+    common = [g for g in proposals[0]["replicated"] if all(g in p["replicated"] for p in proposals)]
+    return _Agreement(proposals[0]["path"], proposals[0]["take_id"], common)
 
 
-def _plan(app_state: dict[str, Any], replicated: Iterable[str] | None, allow_pickle: bool,
-          rank: int, world_size: int):
+def _globs(replicated: Iterable[str] | None) -> list[str]:
+    if replicated is None:
+        return []
+    globs = [] if isinstance(replicated, str) else list(replicated)
+    if isinstance(replicated, str) or not all(isinstance(g, str) for g in globs):
+        raise TypeError(f"replicated must be a list of glob strings, got {replicated!r}")
+    return globs
+
+
+def _flatten_all(app_state: dict[str, Any], allow_pickle: bool) -> dict[str, Any]:
     if not isinstance(app_state, dict):
         raise TypeError(f"app_state must be a dict of stateful objects, got {type(app_state).__name__}")
-    items = {}
-    for key, obj in app_state.items():
+    for key in app_state:
         if not isinstance(key, str) or not key:
             raise TypeError(f"app_state keys must be non-empty strings, got {key!r}")
-        items.update(flatten(key, state_of(key, obj), allow_pickle))
+    items = {}
+    for key, state in take_states(app_state).items():
+        items.update(flatten(key, state, allow_pickle))
+    return items
+
+
+def _plan(app_state: dict[str, Any], items: dict[str, Any], replicated: list[str], rank: int, world_size: int):
     mark_replicated(items, replicated_patterns(app_state, replicated) + sharded_state_patterns(items))
     return plan_rank(items, rank, world_size)
 
@@ -209,18 +247,24 @@ def _check_metadata(metadata: Any) -> None:
 def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
             storage_options: dict[str, Any] | None, allow_pickle: bool,
             metadata: dict[str, Any] | None) -> TakeJob:
-    """Flatten and plan this rank's share; agree with the other ranks on path and take id."""
+    """Flatten and plan this rank's share; agree with the other ranks on path, take id and globs."""
     rank, world_size = group_rank(pg)
-    plan, error = None, None
+    items, globs, error = {}, [], None
     try:
         _check_metadata(metadata)
-        plan = _plan(app_state, replicated, allow_pickle, rank, world_size)
+        globs = _globs(replicated)
+        items = _flatten_all(app_state, allow_pickle)
     except Exception as e:  # every rank must still reach the agreement below
         error = e
     storage = open_storage(str(path), storage_options)
-    path, take_id = _agree(str(path), storage, rank, world_size, pg, error)
-    if storage.url != path:
-        storage = open_storage(path, storage_options)
-    layout = lay_out(f"data/rank{rank}.bin", plan.payloads)
-    return TakeJob(storage, take_id, rank, world_size, layout, plan.entries, dict(metadata or {}),
+    agreed = _agree(str(path), storage, rank, world_size, pg, globs, error)
+    if storage.url != agreed.path:
+        storage = open_storage(agreed.path, storage_options)
+    try:
+        plan = _plan(app_state, items, agreed.replicated, rank, world_size)
+        layout = lay_out(f"data/rank{rank}.bin", plan.payloads)
+    except BaseException as e:  # the others are about to write: make them raise, not wait
+        _announce_failure(storage, agreed.take_id, rank, world_size, e)
+        raise
+    return TakeJob(storage, agreed.take_id, rank, world_size, layout, plan.entries, dict(metadata or {}),
                    sharded=plan.sharded)

@@ -1,13 +1,21 @@
 """Storage on any fsspec file system (``s3://``, ``gs://``, ``memory://``, ...)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+import uuid
+from typing import Any, Callable, Sequence, TypeVar
 
 import fsspec
 
 from ppe_snapshot.storage.base import BlobWriter, Storage
 
-_DIRECTORY_PROTOCOLS = {"file", "local", "sftp", "ssh", "smb", "hdfs", "arrow_hdfs", "webhdfs"}
+#: File systems of keys rather than directories: nothing to create, and there ``makedirs`` would create a
+#: missing bucket, hiding a mistyped name. Every other file system gets a file's parent directories created
+#: when opening the file fails for want of them (SFTP, HDFS, ``LocalFileSystem(auto_mkdir=False)``, ...).
+_OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "gcsfs", "az", "abfs", "abfss", "adl", "oss", "r2", "memory",
+                           "http", "https"}
+
+T = TypeVar("T")
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -62,22 +70,37 @@ class FsspecStorage(Storage):
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
-    def _make_parent(self, path: str) -> None:
-        # Only file systems with real directories need them; on object stores makedirs
-        # would create a missing bucket, hiding a mistyped name.
-        if set(_protocols(self.fs)) & _DIRECTORY_PROTOCOLS:
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    def _is_object_store(self) -> bool:
+        return bool(set(_protocols(self.fs)) & _OBJECT_STORE_PROTOCOLS)
+
+    def _with_parent(self, path: str, create: Callable[[], T]) -> T:
+        """``create()``; where it fails for a missing parent directory, make the directories and retry."""
+        try:
+            return create()
+        except FileNotFoundError:
+            if self._is_object_store():
+                raise
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        return create()
 
     def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:
         path = self._abs(rel)
-        self._make_parent(path)
-        return _FsspecBlobWriter(self.fs, path)
+        return self._with_parent(path, lambda: _FsspecBlobWriter(self.fs, path))
 
     def put_atomic(self, rel: str, data: bytes) -> None:
-        # One PUT on object stores: the object appears whole or not at all.
+        # One PUT on object stores: the object appears whole or not at all. Elsewhere a file is
+        # visible, empty, as soon as it is created: write it beside, then rename it into place.
         path = self._abs(rel)
-        self._make_parent(path)
-        self.fs.pipe_file(path, data)
+        if self._is_object_store():
+            self._with_parent(path, lambda: self.fs.pipe_file(path, data))
+        else:
+            temporary = f"{rel}.tmp-{uuid.uuid4().hex[:12]}"
+            self._with_parent(self._abs(temporary), lambda: self.fs.pipe_file(self._abs(temporary), data))
+            try:
+                self.fs.mv(self._abs(temporary), path)
+            except BaseException:
+                self.remove(temporary)
+                raise
         self.fs.invalidate_cache(path)
 
     def read_bytes(self, rel: str) -> bytes:
@@ -125,6 +148,29 @@ class FsspecStorage(Storage):
             pass
 
 
+#: The retry policy of every S3 request (data PUTs, each multipart part, the manifest PUT, reads), as botocore's
+#: ``retries`` config: up to 5 attempts per request, retrying throttling, timeouts, connection errors and HTTP
+#: 500 / 502 / 503 / 504, waiting a random 0..2**n s (at most 20 s) before retry n. A request that keeps
+#: failing thus gives up after 5 attempts and at most 1 + 2 + 4 + 8 = 15 s of waiting (plus the requests' own
+#: timeouts). Override it with ``storage_options={"config_kwargs": {"retries": {...}}}`` (botocore's keys:
+#: ``mode``, ``total_max_attempts`` / ``max_attempts``), or with botocore's ``AWS_RETRY_MODE`` /
+#: ``AWS_MAX_ATTEMPTS`` environment variables, which this default then leaves alone.
+S3_RETRIES: dict[str, Any] = {"mode": "standard", "total_max_attempts": 5}
+
+
+def with_retry_policy(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` with :data:`S3_RETRIES` for ``s3://`` URLs unless the caller chose a policy."""
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0] not in ("s3", "s3a") or "AWS_RETRY_MODE" in os.environ \
+            or "AWS_MAX_ATTEMPTS" in os.environ:
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", dict(S3_RETRIES))
+    options["config_kwargs"] = config
+    return options
+
+
 def fsspec_storage(url: str, storage_options: dict[str, Any] | None) -> FsspecStorage:
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    """The snapshot directory at ``url``; ``storage_options`` go to the fsspec file system (see :data:`S3_RETRIES`)."""
+    fs, root = fsspec.core.url_to_fs(url, **with_retry_policy(url, storage_options))
     return FsspecStorage(fs, root, url)
