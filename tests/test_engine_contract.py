@@ -12,7 +12,7 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from ppe_snapshot import RNGState, Snapshot, SnapshotNotFoundError, StateDict
+from ppe_snapshot import RNGState, Snapshot, SnapshotNotFoundError, StateDict, UnsupportedValueError
 
 
 class Noisy:
@@ -229,3 +229,31 @@ def test_fsspec_put_atomic_renames_into_place(tmp_path, no_parents_fs):
     storage.put_atomic("a/b/manifest.json", b"[1]")  # replaces
     assert storage.read_bytes("a/b/manifest.json") == b"[1]"
     assert os.listdir(tmp_path / "snap" / "a" / "b") == ["manifest.json"]  # no temporary left
+
+
+# -- _custom_tensor_prepare_func (the seed's take / async_take argument) ---------------------------------------
+
+def test_custom_tensor_prepare_func_chooses_what_is_stored(tmp_path):
+    seen = []
+
+    def to_half(path: str, tensor: torch.Tensor, tracing: bool) -> torch.Tensor:
+        seen.append((path, tracing))
+        return tensor.to(torch.float16)
+
+    state = StateDict(w=torch.arange(6, dtype=torch.float32).reshape(2, 3), step=3)
+    snap = Snapshot.take(str(tmp_path / "sync"), {"s": state}, None, None, None, to_half)
+    assert seen == [("s/w", False)]
+    stored = snap.read_object("0/s/w")
+    assert stored.dtype == torch.float16 and torch.equal(stored, state["w"].half())
+    assert snap.read_object("0/s/step") == 3
+
+    pending = Snapshot.async_take(str(tmp_path / "async"), {"s": state}, _custom_tensor_prepare_func=to_half)
+    assert pending.wait().read_object("0/s/w").dtype == torch.float16
+
+
+def test_custom_tensor_prepare_func_must_return_a_storable_tensor(tmp_path):
+    path = tmp_path / "s"
+    with pytest.raises(UnsupportedValueError, match=r"s/w: _custom_tensor_prepare_func returned a list"):
+        Snapshot.take(str(path), {"s": StateDict(w=torch.ones(2))},
+                      _custom_tensor_prepare_func=lambda p, t, tracing: [1, 2])
+    assert not path.exists()

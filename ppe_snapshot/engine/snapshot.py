@@ -12,7 +12,7 @@ from ppe_snapshot.engine.manifest import (
 )
 from ppe_snapshot.engine.sharded import is_sharded, load_sharded
 from ppe_snapshot.engine.stateful import check_restorable, restore_order, state_of
-from ppe_snapshot.engine.take import StagingProvider, TakeJob, group_rank, prepare
+from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, group_rank, prepare
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, StateMismatchError
 from ppe_snapshot.storage import Storage, open_storage
 
@@ -37,7 +37,8 @@ class Snapshot:
     # -- taking -------------------------------------------------------------
     @classmethod
     def take(cls, path: str, app_state: dict[str, Any], pg: Any = None, replicated: list[str] | None = None,
-             storage_options: dict[str, Any] | None = None, *, allow_pickle: bool = False,
+             storage_options: dict[str, Any] | None = None,
+             _custom_tensor_prepare_func: TensorPrepare | None = None, *, allow_pickle: bool = False,
              metadata: dict[str, Any] | None = None) -> "Snapshot":
         """Persist ``app_state`` at ``path``; returns once the snapshot is committed.
 
@@ -46,17 +47,21 @@ class Snapshot:
         written once in total, spread over the ranks; a glob counts only when
         every rank gives it. A manifest that would not restore (ranks that
         disagree on the replicated state) is never committed: every rank
-        raises. ``allow_pickle`` lets
+        raises. ``_custom_tensor_prepare_func(path, tensor, tracing)`` returns
+        the tensor to store in place of each plain tensor (e.g. a cast to a
+        smaller dtype; it must return a dense strided tensor). ``allow_pickle`` lets
         values that have no pickle-free encoding be pickled; ``metadata`` is a
         small JSON-able dict stored in the manifest (see :attr:`metadata`).
         """
-        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata)
+        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata,
+                      tensor_prepare=_custom_tensor_prepare_func)
         job.write_and_commit()
         return cls(job.storage.url, pg, storage_options)
 
     @classmethod
     def async_take(cls, path: str, app_state: dict[str, Any], pg: Any = None,
-                   replicated: list[str] | None = None, storage_options: dict[str, Any] | None = None, *,
+                   replicated: list[str] | None = None, storage_options: dict[str, Any] | None = None,
+                   _custom_tensor_prepare_func: TensorPrepare | None = None, *,
                    allow_pickle: bool = False, metadata: dict[str, Any] | None = None,
                    staging: StagingProvider | None = None) -> "PendingSnapshot":
         """Like :meth:`take`, but returns as soon as the state is copied to a staging buffer.
@@ -66,7 +71,8 @@ class Snapshot:
         supplies a reusable buffer (writers use it); by default a buffer is
         allocated and released when the write ends.
         """
-        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata)
+        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata,
+                      tensor_prepare=_custom_tensor_prepare_func)
         job.stage(staging)
         return PendingSnapshot(job, cls(job.storage.url, pg, storage_options))
 

@@ -17,14 +17,16 @@ from ppe_snapshot.engine.packing import (
     FileLayout, lay_out, new_staging_buffer, stage, write_from_sources, write_staged,
 )
 from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
-from ppe_snapshot.engine.serialization import dtype_name
+from ppe_snapshot.engine.serialization import can_store_raw, dtype_name, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
 from ppe_snapshot.engine.stateful import take_states
-from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
+from ppe_snapshot.errors import SnapshotError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 
 #: Gives a host buffer of at least the requested number of bytes (writers reuse theirs).
 StagingProvider = Callable[[int], torch.Tensor]
+#: ``(logical path, tensor, tracing) -> tensor to store``: the seed's ``_custom_tensor_prepare_func``.
+TensorPrepare = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 
 class LocalGroup:
@@ -213,7 +215,8 @@ def _globs(replicated: Iterable[str] | None) -> list[str]:
     return globs
 
 
-def _flatten_all(app_state: dict[str, Any], allow_pickle: bool) -> dict[str, Any]:
+def _flatten_all(app_state: dict[str, Any], allow_pickle: bool,
+                 tensor_prepare: TensorPrepare | None = None) -> dict[str, Any]:
     if not isinstance(app_state, dict):
         raise TypeError(f"app_state must be a dict of stateful objects, got {type(app_state).__name__}")
     for key in app_state:
@@ -222,7 +225,22 @@ def _flatten_all(app_state: dict[str, Any], allow_pickle: bool) -> dict[str, Any
     items = {}
     for key, state in take_states(app_state).items():
         items.update(flatten(key, state, allow_pickle))
+    if tensor_prepare is not None:
+        _apply_tensor_prepare(items, tensor_prepare)
     return items
+
+
+def _apply_tensor_prepare(items: dict[str, Any], tensor_prepare: TensorPrepare) -> None:
+    """Replace each plain tensor by what ``tensor_prepare(path, tensor, False)`` returns (e.g. a cast)."""
+    for path, item in items.items():
+        if isinstance(item, Payload) and item.kind == "tensor":
+            prepared = tensor_prepare(path, item.data, False)
+            if not isinstance(prepared, torch.Tensor) or not can_store_raw(prepared):
+                problem = (f"returned a {type(prepared).__name__}" if not isinstance(prepared, torch.Tensor)
+                           else f"returned a tensor that {raw_storage_problem(prepared)}")
+                raise UnsupportedValueError(f"{path}: _custom_tensor_prepare_func {problem}; it must return a "
+                                            "dense strided tensor")
+            items[path] = Payload("tensor", prepared.detach())
 
 
 def _plan(app_state: dict[str, Any], items: dict[str, Any], replicated: list[str], rank: int, world_size: int):
@@ -246,14 +264,18 @@ def _check_metadata(metadata: Any) -> None:
 @gc_paused()
 def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
             storage_options: dict[str, Any] | None, allow_pickle: bool,
-            metadata: dict[str, Any] | None) -> TakeJob:
-    """Flatten and plan this rank's share; agree with the other ranks on path, take id and globs."""
+            metadata: dict[str, Any] | None, *, tensor_prepare: TensorPrepare | None = None) -> TakeJob:
+    """Flatten and plan this rank's share; agree with the other ranks on path, take id and globs.
+
+    ``tensor_prepare(path, tensor, tracing)`` may replace each plain tensor by
+    the one to store (the seed's ``_custom_tensor_prepare_func``).
+    """
     rank, world_size = group_rank(pg)
     items, globs, error = {}, [], None
     try:
         _check_metadata(metadata)
         globs = _globs(replicated)
-        items = _flatten_all(app_state, allow_pickle)
+        items = _flatten_all(app_state, allow_pickle, tensor_prepare)
     except Exception as e:  # every rank must still reach the agreement below
         error = e
     storage = open_storage(str(path), storage_options)
