@@ -3,6 +3,10 @@
     ppe-snapshot inspect PATH            entries, sizes and metadata of one snapshot
     ppe-snapshot verify PATH [PATH ...]  check manifests, file sizes and every checksum
     ppe-snapshot convert SRC DST         a torch.save file <-> a ppe-snapshot snapshot
+
+Nothing is unpickled unless ``convert --allow-pickle`` is given: a snapshot's pickled entries and a
+torch.save file's pickled objects can run code chosen by whoever wrote them. ``inspect`` and ``verify``
+never unpickle.
 """
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ from typing import Any, Sequence
 import torch
 
 from ppe_snapshot.engine import Snapshot, StateDict
-from ppe_snapshot.engine.manifest import ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry
+from ppe_snapshot.engine.manifest import (
+    BytesEntry, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
+)
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import open_storage
 
@@ -32,6 +38,8 @@ def _describe(entry: Any) -> str:
         return f"{entry.kind} of {size}"
     if isinstance(entry, PickleEntry):
         return f"pickled {sum(c.nbytes for c in entry.chunks)} B"
+    if isinstance(entry, BytesEntry):
+        return f"bytes {sum(c.nbytes for c in entry.chunks)} B"
     assert isinstance(entry, ObjectEntry)
     return "value " + json.dumps(entry.value)[:60]
 
@@ -55,22 +63,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except (SnapshotError, OSError) as e:
             failed += 1
             print(f"DAMAGED {path}: {e}")
+        except Exception as e:  # whatever went wrong, the snapshot did not pass: report it, check the next
+            failed += 1
+            print(f"DAMAGED {path}: {type(e).__name__}: {e}")
     return 1 if failed else 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     source = open_storage(args.src, args.storage_options)
     if source.exists("manifest.json"):
-        snap = Snapshot(args.src, storage_options=args.storage_options)
+        snap = Snapshot(args.src, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
         state = snap.read_object(f"0/{STATE_KEY}")
         torch.save(state, args.dst)
         print(f"wrote torch.save file {args.dst}")
         return 0
     with open(args.src, "rb") as f:
-        state = torch.load(f, map_location="cpu", weights_only=not args.unsafe_pickle)
+        state = torch.load(f, map_location="cpu", weights_only=not args.allow_pickle)
     if not isinstance(state, dict):
         raise SystemExit(f"{args.src} holds a {type(state).__name__}, not a state dict; nothing to convert")
-    Snapshot.take(args.dst, {STATE_KEY: StateDict(state)}, storage_options=args.storage_options)
+    Snapshot.take(args.dst, {STATE_KEY: StateDict(state)}, storage_options=args.storage_options,
+                  allow_pickle=args.allow_pickle)
     print(f"wrote snapshot {args.dst}")
     return 0
 
@@ -91,8 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="torch.save file -> snapshot, or snapshot -> torch.save file")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--unsafe-pickle", action="store_true",
-                   help="load a torch.save file with full pickle (only for files you trust)")
+    p.add_argument("--allow-pickle", "--unsafe-pickle", dest="allow_pickle", action="store_true",
+                   help="unpickle what needs it: a snapshot's pickled entries, a torch.save file's objects "
+                        "beyond tensors and plain values (runs code from SRC: only for files you trust)")
     p.set_defaults(run=cmd_convert)
     return parser
 
