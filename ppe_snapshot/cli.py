@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from typing import Any, Sequence
 
@@ -78,7 +79,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote torch.save file {args.dst}")
         return 0
     with open(args.src, "rb") as f:
-        state = torch.load(f, map_location="cpu", weights_only=not args.allow_pickle)
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=not args.allow_pickle)
+        except pickle.UnpicklingError as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            reason = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+            print(f"ppe-snapshot: {args.src} holds objects beyond tensors and plain values ({reason}); reading "
+                  "them runs code from the file: pass --allow-pickle if you trust it", file=sys.stderr)
+            return 2
     if not isinstance(state, dict):
         raise SystemExit(f"{args.src} holds a {type(state).__name__}, not a state dict; nothing to convert")
     Snapshot.take(args.dst, {STATE_KEY: StateDict(state)}, storage_options=args.storage_options,

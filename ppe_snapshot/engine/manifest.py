@@ -159,6 +159,9 @@ def entries_from_json(data: dict[str, Any]) -> dict[str, Entry]:
     return {path: entry_from_json(e) for path, e in data.items()}
 
 
+_ABSENT = object()
+
+
 class EntryTable(Mapping[str, Entry]):
     """A section of a parsed manifest's entries by path, each checked and decoded when first looked up.
 
@@ -186,8 +189,8 @@ class EntryTable(Mapping[str, Entry]):
         entry = self._decoded.get(path)
         if entry is not None:
             return entry
-        data = self._raw.get(path)
-        if data is None:
+        data = self._raw.get(path, _ABSENT)
+        if data is _ABSENT:
             return default
         self._check(path, data)
         entry = self._decoded[path] = entry_from_json(data)
