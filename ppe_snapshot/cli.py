@@ -29,6 +29,13 @@ from ppe_snapshot.storage import open_storage
 STATE_KEY = "state"
 
 
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except RecursionError:  # parsed, but too deep for json to write back
+        return "<nested too deeply to show>"
+
+
 def _describe(entry: Any) -> str:
     if isinstance(entry, TensorEntry):
         return f"{entry.kind} {entry.dtype}{entry.shape} {entry.nbytes} B"
@@ -42,14 +49,14 @@ def _describe(entry: Any) -> str:
     if isinstance(entry, BytesEntry):
         return f"bytes {sum(c.nbytes for c in entry.chunks)} B"
     assert isinstance(entry, ObjectEntry)
-    return "value " + json.dumps(entry.value)[:60]
+    return "value " + _json(entry.value)[:60]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     snap = Snapshot(args.path, storage_options=args.storage_options)
     manifest = snap.get_manifest()
     print(f"snapshot {args.path}")
-    print(f"metadata {json.dumps(snap.metadata)}")
+    print(f"metadata {_json(snap.metadata)}")
     for key, entry in manifest.items():
         print(f"  {key}: {_describe(entry)}")
     return 0

@@ -88,14 +88,6 @@ def make_sharded(doc: dict[str, Any]) -> None:
     keys.remove("bottom")
 
 
-def nested(depth: int, leaf: Any = 0) -> Any:
-    """A JSON value ``depth`` lists deep (built without recursion)."""
-    value = leaf
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
 def write_deep_manifest(path: Path, where: str, depth: int, long_integer: bool) -> None:
     """Make the manifest nest ``depth`` levels deep in ``where`` ("metadata" or an object entry's value),
     written as text so no JSON library recurses; ``long_integer`` adds a 22-digit integer to the metadata,

@@ -14,6 +14,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from _crafted import (
     BOTTOM, DATA, TOP, WEIGHT, append_payload, craft, entry, make_sharded, read_doc, take_small, write_deep_manifest,
@@ -285,6 +287,23 @@ def test_nesting_within_the_parser_limits_is_corrupt_when_rebuilt(small):
     for read in (lambda: Snapshot(str(small)).read_object("0/m"), lambda: Snapshot(str(small)).restore({"m": StateDict()})):
         with pytest.raises(CorruptSnapshotError, match="nested too deeply"):
             read()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
+def test_values_nested_within_the_parser_limits(small, capsys):
+    """1,000 levels parse (orjson stops at 1,024) but are too deep to decode: refused, and inspect shows them."""
+    write_deep_manifest(small, "m/step", 1000, long_integer=False)
+    for read in (lambda: Snapshot(str(small)).read_object("0/m"), lambda: Snapshot(str(small)).restore({"m": StateDict()})):
+        with pytest.raises(CorruptSnapshotError, match="nested too deeply"):
+            read()
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"m": {"step": 0}}, storage_reader=SnapshotStorageReader(str(small)))
+    ((error, _trace),) = info.value.failures.values()
+    assert isinstance(error, CorruptSnapshotError) and "'m/step' is nested too deeply" in str(error)
+    other = take_small(small.parent / "other")
+    write_deep_manifest(other, "metadata", 1000, long_integer=False)
+    assert main(["inspect", str(other)]) == 0
+    assert "metadata <nested too deeply to show>" in capsys.readouterr().out
 
 
 def test_newer_version_stays_unsupported_format(small):

@@ -426,8 +426,13 @@ def _engine_view(manifest: Manifest, rank: int, where: str, allow_pickle: bool) 
 
     def value_bytes(path: str) -> Callable[[Storage], bytes]:
         def load(storage: Storage) -> bytes:
+            try:
+                value = inflate(path, lookup, _leaf_loader(storage, allow_pickle))
+            except RecursionError:
+                raise CorruptSnapshotError(f"{where}: the value at {path!r} is nested too deeply to read; the "
+                                           "snapshot is damaged") from None
             buffer = io.BytesIO()
-            torch.save(inflate(path, lookup, _leaf_loader(storage, allow_pickle)), buffer)
+            torch.save(value, buffer)
             return buffer.getvalue()
         return load
 
