@@ -192,23 +192,26 @@ class EntryTable(Mapping[str, Entry]):
         data = self._raw.get(path, _ABSENT)
         if data is _ABSENT:
             return default
-        self._check(path, data)
-        entry = self._decoded[path] = entry_from_json(data)
-        return entry
-
-    def _check(self, path: str, data: Any) -> None:
         try:
             check_entry(data, self._files, self._only)
         except CorruptSnapshotError as e:
-            raise CorruptSnapshotError(f"{self._where}: entry {path!r} is malformed: {e} (in {self._section}); "
-                                       "the snapshot is damaged") from None
+            raise self._malformed(path, e) from None
+        entry = self._decoded[path] = entry_from_json(data)
+        return entry
+
+    def _malformed(self, path: str, error: CorruptSnapshotError) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{self._where}: entry {path!r} is malformed: {error} (in {self._section}); "
+                                    "the snapshot is damaged")
 
     def check_all(self) -> None:
         """Check every entry not decoded yet (decoded ones passed already)."""
-        decoded = self._decoded
+        decoded, files, only = self._decoded, self._files, self._only
         for path, data in self._raw.items():
             if path not in decoded:
-                self._check(path, data)
+                try:
+                    check_entry(data, files, only)
+                except CorruptSnapshotError as e:
+                    raise self._malformed(path, e) from None
 
     def __contains__(self, path: object) -> bool:
         return path in self._raw
