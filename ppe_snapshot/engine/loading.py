@@ -285,9 +285,10 @@ def load_bytes(storage: Storage, path: str, entry: BytesEntry) -> bytes:
 def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTES) -> None:
     """Read every chunk of every entry through one buffer and check its checksum."""
     buffer = bytearray(budget)
-    seen: set[Chunk] = set()  # replicated and sharded entries are seen by every rank
-    for rank in range(manifest.world_size):
-        for path, entry in manifest.paths_for(rank).items():
+    seen: set[Chunk] = set()  # entries may share chunks
+    # Each section once, not each rank's view of them: a manifest of many ranks would make that quadratic.
+    for table in (*manifest.ranks, manifest.replicated, manifest.sharded):
+        for path, entry in table.items():
             for chunk in _chunks_of(entry):
                 if chunk in seen:
                     continue
