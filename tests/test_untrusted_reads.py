@@ -8,11 +8,14 @@ a test sees whether it ran.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
+import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 
@@ -189,3 +192,30 @@ def test_local_storage_refuses_names_outside_its_root(tmp_path):
     storage.read_into(DATA, 0, out)
     assert bytes(out) == WEIGHT.numpy().tobytes()[:8]
     storage.close()
+
+
+def test_object_store_snapshots_are_checked_the_same(tmp_path):
+    """On fsspec storage (here the real in-memory file system) names are refused by the manifest's checks,
+    and claimed sizes against the stored object's size before allocating."""
+    url = f"memory://untrusted-{uuid.uuid4().hex}/s"
+    Snapshot.take(url, {"m": StateDict(w=WEIGHT.clone())})
+    fs = fsspec.filesystem("memory")
+    manifest = f"{url}/manifest.json".removeprefix("memory://")
+    good = fs.cat_file(manifest)
+    try:
+        doc = json.loads(good)
+        doc["files"]["../other/data.bin"] = doc["files"][DATA]
+        entry(doc, "m/w")["chunks"][0]["file"] = "../other/data.bin"
+        fs.pipe_file(manifest, json.dumps(doc).encode())
+        with pytest.raises(CorruptSnapshotError, match="not a normalised relative path"):
+            Snapshot(url).read_object("0/m/w")
+
+        doc = json.loads(good)
+        entry(doc, "m/w")["shape"], entry(doc, "m/w")["chunks"][0]["nbytes"] = [1 << 40], 4 << 40
+        doc["files"][DATA] = (4 << 40) + 64
+        fs.pipe_file(manifest, json.dumps(doc).encode())
+        with pytest.raises(CorruptSnapshotError, match="missing or truncated") as info:
+            Snapshot(url).read_object("0/m/w")
+        assert "'m/w'" in str(info.value)
+    finally:
+        fs.rm(url.removeprefix("memory://"), recursive=True)
