@@ -284,7 +284,8 @@ def test_nesting_within_the_parser_limits_is_corrupt_when_rebuilt(small):
             ranks[path] = {"type": "container", "kind": "list", "keys": [], "length": 1}
         ranks[path + "/0"] = {"type": "object", "value": 1}
     craft(small, deepen)
-    for read in (lambda: Snapshot(str(small)).read_object("0/m"), lambda: Snapshot(str(small)).restore({"m": StateDict()})):
+    for read in (lambda: Snapshot(str(small)).read_object("0/m"),
+                 lambda: Snapshot(str(small)).restore({"m": StateDict()})):
         with pytest.raises(CorruptSnapshotError, match="nested too deeply"):
             read()
 
@@ -293,7 +294,8 @@ def test_nesting_within_the_parser_limits_is_corrupt_when_rebuilt(small):
 def test_values_nested_within_the_parser_limits(small, capsys):
     """1,000 levels parse (orjson stops at 1,024) but are too deep to decode: refused, and inspect shows them."""
     write_deep_manifest(small, "m/step", 1000, long_integer=False)
-    for read in (lambda: Snapshot(str(small)).read_object("0/m"), lambda: Snapshot(str(small)).restore({"m": StateDict()})):
+    for read in (lambda: Snapshot(str(small)).read_object("0/m"),
+                 lambda: Snapshot(str(small)).restore({"m": StateDict()})):
         with pytest.raises(CorruptSnapshotError, match="nested too deeply"):
             read()
     with pytest.raises(CheckpointException) as info:

@@ -145,7 +145,8 @@ def entry_from_json(data: dict[str, Any]) -> Entry:
     """The entry of well-formed JSON (a manifest's entries are checked first, see :class:`EntryTable`)."""
     if data["type"] == "tensor":  # most entries: the short way
         chunks = [_new_tuple(Chunk, _CHUNK_FIELDS(c)) for c in data["chunks"]]
-        return TensorEntry(data["dtype"], data["shape"], chunks, data.get("kind", "tensor"), data.get("replicated", False))
+        return TensorEntry(data["dtype"], data["shape"], chunks, data.get("kind", "tensor"),
+                           data.get("replicated", False))
     data = dict(data)
     cls = _TYPES.get(data.pop("type"))
     if cls is None:
