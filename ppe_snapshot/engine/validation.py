@@ -39,10 +39,6 @@ _TORCH_ITEMSIZES: dict[str, int] = {}
 _ARRAY_ITEMSIZES: dict[str, int] = {}
 
 
-def _bad(reason: str) -> CorruptSnapshotError:
-    return CorruptSnapshotError(reason)
-
-
 def _is_count(value: Any) -> bool:
     """A non-negative JSON integer (``true`` is not one, nor ``1.0``)."""
     return type(value) is int and value >= 0
@@ -53,11 +49,11 @@ def _is_count(value: Any) -> bool:
 def check_document(doc: Any, where: str) -> None:
     """Check a parsed manifest's top level: format, version and the type of every field."""
     if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
-        raise _bad(f"{where} is not a {FORMAT_NAME} manifest")
+        raise CorruptSnapshotError(f"{where} is not a {FORMAT_NAME} manifest")
     version = doc.get("version")
     if type(version) is not int or version < 1:
-        raise _bad(f"{where} is malformed: its version {version!r:.60} is not a positive integer; "
-                   "the snapshot is damaged")
+        raise CorruptSnapshotError(f"{where} is malformed: its version {version!r:.60} is not a positive "
+                                   "integer; the snapshot is damaged")
     if version > FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"{where} has format version {version!r}, newer than the {FORMAT_VERSION} this "
@@ -67,7 +63,7 @@ def check_document(doc: Any, where: str) -> None:
                                      f"this ppe-snapshot knows only {CHECKSUM_ALGORITHM!r}")
     problem = _document_problem(doc)
     if problem:
-        raise _bad(f"{where} is malformed: {problem}; the snapshot is damaged")
+        raise CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
 
 
 def _document_problem(doc: dict[str, Any]) -> str | None:
@@ -145,21 +141,21 @@ def _tensor_passes(data: dict[str, Any], files: dict[str, int]) -> bool:
 
 def _check_thoroughly(data: Any, files: dict[str, int], only: str | None) -> None:
     if type(data) is not dict:
-        raise _bad(f"it is a JSON {type(data).__name__}, not an object")
+        raise CorruptSnapshotError(f"it is a JSON {type(data).__name__}, not an object")
     kind = data.get("type")
     fields = _FIELDS.get(kind) if type(kind) is str else None
     if fields is None or (only is not None and kind != only):
-        raise _bad(f"its type {kind!r:.60} is not " + (repr(only) if only else "a known entry type"))
+        raise CorruptSnapshotError(f"its type {kind!r:.60} is not " + (repr(only) if only else "a known entry type"))
     if not data.keys() <= fields:
-        raise _bad(f"unknown fields {sorted(data.keys() - fields)!r:.200}")
+        raise CorruptSnapshotError(f"unknown fields {sorted(data.keys() - fields)!r:.200}")
     if type(data.get("replicated", False)) is not bool:
-        raise _bad("replicated is not a boolean")
+        raise CorruptSnapshotError("replicated is not a boolean")
     try:
         _CHECKS[kind](data, files)
     except KeyError as e:
-        raise _bad(f"field {e.args[0]!r} is missing") from None
+        raise CorruptSnapshotError(f"field {e.args[0]!r} is missing") from None
     except TypeError as e:  # a field of the wrong JSON type met an operation (an unhashable dtype, ...)
-        raise _bad(f"a field has the wrong type ({e})") from None
+        raise CorruptSnapshotError(f"a field has the wrong type ({e})") from None
 
 
 def _itemsize(kind: str, dtype: Any) -> int:
@@ -170,7 +166,7 @@ def _itemsize(kind: str, dtype: Any) -> int:
             size = _TORCH_ITEMSIZES[dtype] = torch_dtype(dtype).itemsize
         return size
     if kind != "ndarray":
-        raise _bad(f"kind {kind!r:.60} is neither 'tensor' nor 'ndarray'")
+        raise CorruptSnapshotError(f"kind {kind!r:.60} is neither 'tensor' nor 'ndarray'")
     size = _ARRAY_ITEMSIZES.get(dtype)
     if size is None:
         try:
@@ -178,18 +174,18 @@ def _itemsize(kind: str, dtype: Any) -> int:
         except (TypeError, ValueError, SyntaxError):
             np_dtype = None
         if np_dtype is None or np_dtype.hasobject:
-            raise _bad(f"dtype {dtype!r:.60} is not a numpy dtype of plain data")
+            raise CorruptSnapshotError(f"dtype {dtype!r:.60} is not a numpy dtype of plain data")
         size = _ARRAY_ITEMSIZES[dtype] = np_dtype.itemsize
     return size
 
 
 def _element_count(shape: Any, what: str = "shape") -> int:
     if type(shape) is not list:
-        raise _bad(f"{what} {shape!r:.60} is not a list of sizes")
+        raise CorruptSnapshotError(f"{what} {shape!r:.60} is not a list of sizes")
     count = 1
     for size in shape:
         if type(size) is not int or size < 0:
-            raise _bad(f"{what} {shape!r:.60} is not a list of non-negative integers")
+            raise CorruptSnapshotError(f"{what} {shape!r:.60} is not a list of non-negative integers")
         count *= size
     return count
 
@@ -197,13 +193,13 @@ def _element_count(shape: Any, what: str = "shape") -> int:
 def _chunk_bytes(chunks: Any, files: dict[str, int]) -> int:
     """The bytes the chunks hold, each checked: a data file the manifest lists, inside its recorded size."""
     if type(chunks) is not list:
-        raise _bad("chunks is not a list")
+        raise CorruptSnapshotError("chunks is not a list")
     total = 0
     for chunk in chunks:
         offset, nbytes = chunk["offset"], chunk["nbytes"]
         if (type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0
                 or offset + nbytes > files.get(chunk["file"], -1) or type(chunk["checksum"]) is not str):
-            raise _bad(_chunk_problem(chunk, files))
+            raise CorruptSnapshotError(_chunk_problem(chunk, files))
         total += nbytes
     return total
 
@@ -226,7 +222,8 @@ def _check_tensor(data: dict[str, Any], files: dict[str, int]) -> None:
     expected = _element_count(shape) * _itemsize(data.get("kind", "tensor"), data["dtype"])
     stored = _chunk_bytes(data["chunks"], files)
     if stored != expected:
-        raise _bad(f"its chunks hold {stored} bytes, but shape {shape} of {data['dtype']} needs {expected}")
+        raise CorruptSnapshotError(
+            f"its chunks hold {stored} bytes, but shape {shape} of {data['dtype']} needs {expected}")
 
 
 def _check_sharded(data: dict[str, Any], files: dict[str, int]) -> None:
@@ -234,7 +231,7 @@ def _check_sharded(data: dict[str, Any], files: dict[str, int]) -> None:
     total = _element_count(shape)
     itemsize = _itemsize("tensor", data["dtype"])
     if type(shards) is not list:
-        raise _bad("shards is not a list")
+        raise CorruptSnapshotError("shards is not a list")
     covered = 0
     for index, shard in enumerate(shards):
         offsets, sizes = shard["offsets"], shard["sizes"]
@@ -242,15 +239,15 @@ def _check_sharded(data: dict[str, Any], files: dict[str, int]) -> None:
         _element_count(offsets, f"shard {index}'s offsets")
         if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
                 o + s > n for o, s, n in zip(offsets, sizes, shape)):
-            raise _bad(f"shard {index} (offsets {offsets}, sizes {sizes}) does not lie within the global "
-                       f"shape {shape}")
+            raise CorruptSnapshotError(
+                f"shard {index} (offsets {offsets}, sizes {sizes}) does not lie within the global shape {shape}")
         stored = _chunk_bytes(shard["chunks"], files)
         if stored != count * itemsize:
-            raise _bad(f"shard {index}'s chunks hold {stored} bytes, but its sizes {sizes} of {data['dtype']} "
-                       f"need {count * itemsize}")
+            raise CorruptSnapshotError(f"shard {index}'s chunks hold {stored} bytes, but its sizes {sizes} of "
+                                       f"{data['dtype']} need {count * itemsize}")
         covered += count
     if covered != total:
-        raise _bad(f"its shards hold {covered} elements, but the global shape {shape} has {total}")
+        raise CorruptSnapshotError(f"its shards hold {covered} elements, but the global shape {shape} has {total}")
 
 
 def _check_chunks(data: dict[str, Any], files: dict[str, int]) -> None:
@@ -263,11 +260,11 @@ def _check_object(data: dict[str, Any], files: dict[str, int]) -> None:
 
 def _check_container(data: dict[str, Any], files: dict[str, int]) -> None:
     if data["kind"] not in _CONTAINER_KINDS:
-        raise _bad(f"container kind {data['kind']!r:.60} is not one of {sorted(_CONTAINER_KINDS)}")
+        raise CorruptSnapshotError(f"container kind {data['kind']!r:.60} is not one of {sorted(_CONTAINER_KINDS)}")
     if type(data.get("keys", [])) is not list:
-        raise _bad("keys is not a list")
+        raise CorruptSnapshotError("keys is not a list")
     if not _is_count(data.get("length", 0)):
-        raise _bad(f"length {data.get('length')!r:.60} is not a non-negative integer")
+        raise CorruptSnapshotError(f"length {data.get('length')!r:.60} is not a non-negative integer")
 
 
 _CHECKS: dict[str, Callable[[dict[str, Any], dict[str, int]], None]] = {
