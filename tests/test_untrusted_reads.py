@@ -219,3 +219,26 @@ def test_object_store_snapshots_are_checked_the_same(tmp_path):
         assert "'m/w'" in str(info.value)
     finally:
         fs.rm(url.removeprefix("memory://"), recursive=True)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_data_file_or_manifest_that_is_not_a_regular_file_is_refused(tmp_path, kind):
+    """A FIFO would block the reader's open forever, a directory fail its reads with an OSError."""
+    small = take_small(tmp_path / "s")
+    manifest = (small / "manifest.json").read_bytes()
+    os.remove(small / DATA)
+    os.mkfifo(small / DATA) if kind == "fifo" else os.mkdir(small / DATA)
+    for name, read in READS.items():
+        if name == "get_manifest":
+            continue  # reads no data file
+        with pytest.raises(CorruptSnapshotError) as info:  # its size, or opening it, refuses it
+            read(str(small))
+        assert DATA in str(info.value), name
+    with pytest.raises(CorruptSnapshotError, match="it is not a regular file"):
+        READS["restore_in_place"](str(small))  # no size asked: the open refuses it
+
+    os.remove(small / "manifest.json")
+    os.mkfifo(small / "manifest.json") if kind == "fifo" else os.mkdir(small / "manifest.json")
+    with pytest.raises(CorruptSnapshotError, match="'manifest.json': it is not a regular file"):
+        Snapshot(str(small)).get_manifest()
+    assert manifest  # the snapshot was readable before

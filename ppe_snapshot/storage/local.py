@@ -6,6 +6,7 @@ import mmap
 import os
 import queue
 import shutil
+import stat
 import threading
 from typing import Sequence
 
@@ -265,8 +266,17 @@ class LocalStorage(Storage):
         fsync_dir(os.path.dirname(path))
 
     def read_bytes(self, rel: str) -> bytes:
-        with open(self._abs(rel), "rb") as f:
+        with os.fdopen(self._open_regular(rel, self._abs(rel)), "rb") as f:
             return f.read()
+
+    def _open_regular(self, rel: str, path: str) -> int:
+        """Open a file to read, refusing anything but a regular file (a FIFO would block the open, a
+        directory fail the reads)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: it is not a regular file")
+        return fd
 
     def _data_path(self, rel: str) -> str:
         """The absolute path of a data file to read; refuses a name that would leave the snapshot."""
@@ -285,7 +295,7 @@ class LocalStorage(Storage):
 
     def _open_data(self, rel: str) -> int:
         path = self._data_path(rel)
-        fd = os.open(path, os.O_RDONLY)
+        fd = self._open_regular(rel, path)
         try:
             try:  # where the open file really is, immune to a link swapped after the open
                 real = os.readlink(f"/proc/self/fd/{fd}")
