@@ -185,7 +185,7 @@ def _itemsize(kind: str, dtype: Any) -> int:
     if size is None:
         try:
             np_dtype = np.dtype(dtype) if type(dtype) is str else None
-        except (TypeError, ValueError, SyntaxError):
+        except Exception:  # numpy parses the text its own way; anything it refuses is not a dtype here
             np_dtype = None
         if np_dtype is None or np_dtype.hasobject:
             raise CorruptSnapshotError(f"dtype {dtype!r:.60} is not a numpy dtype of plain data")
