@@ -330,7 +330,7 @@ def test_cli_verify_reports_each_malformed_snapshot_and_goes_on(tmp_path, capsys
         assert "Traceback" not in out
 
 
-def test_array_target_of_another_dtype_is_not_misread(small):
+def test_ndarray_entry_reads_back_as_saved(small):
     """An ndarray entry restores as saved (the checks do not change what a valid snapshot gives back)."""
     state = Snapshot(str(small)).read_object("0/m")
     assert state["n"].dtype == np.int32 and state["n"].tolist() == list(range(6))
