@@ -3,23 +3,37 @@
     ppe-snapshot inspect PATH            entries, sizes and metadata of one snapshot
     ppe-snapshot verify PATH [PATH ...]  check manifests, file sizes and every checksum
     ppe-snapshot convert SRC DST         a torch.save file <-> a ppe-snapshot snapshot
+
+Nothing is unpickled unless ``convert --allow-pickle`` is given: a snapshot's pickled entries and a
+torch.save file's pickled objects can run code chosen by whoever wrote them. ``inspect`` and ``verify``
+never unpickle.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from typing import Any, Sequence
 
 import torch
 
 from ppe_snapshot.engine import Snapshot, StateDict
-from ppe_snapshot.engine.manifest import ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry
+from ppe_snapshot.engine.manifest import (
+    BytesEntry, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
+)
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import open_storage
 
 #: The app state key under which writers store a target's state dict.
 STATE_KEY = "state"
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except RecursionError:  # parsed, but too deep for json to write back
+        return "<nested too deeply to show>"
 
 
 def _describe(entry: Any) -> str:
@@ -32,15 +46,17 @@ def _describe(entry: Any) -> str:
         return f"{entry.kind} of {size}"
     if isinstance(entry, PickleEntry):
         return f"pickled {sum(c.nbytes for c in entry.chunks)} B"
+    if isinstance(entry, BytesEntry):
+        return f"bytes {sum(c.nbytes for c in entry.chunks)} B"
     assert isinstance(entry, ObjectEntry)
-    return "value " + json.dumps(entry.value)[:60]
+    return "value " + _json(entry.value)[:60]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     snap = Snapshot(args.path, storage_options=args.storage_options)
     manifest = snap.get_manifest()
     print(f"snapshot {args.path}")
-    print(f"metadata {json.dumps(snap.metadata)}")
+    print(f"metadata {_json(snap.metadata)}")
     for key, entry in manifest.items():
         print(f"  {key}: {_describe(entry)}")
     return 0
@@ -55,22 +71,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except (SnapshotError, OSError) as e:
             failed += 1
             print(f"DAMAGED {path}: {e}")
+        except Exception as e:  # whatever went wrong, the snapshot did not pass: report it, check the next
+            failed += 1
+            print(f"DAMAGED {path}: {type(e).__name__}: {e}")
     return 1 if failed else 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     source = open_storage(args.src, args.storage_options)
     if source.exists("manifest.json"):
-        snap = Snapshot(args.src, storage_options=args.storage_options)
+        snap = Snapshot(args.src, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
         state = snap.read_object(f"0/{STATE_KEY}")
         torch.save(state, args.dst)
         print(f"wrote torch.save file {args.dst}")
         return 0
     with open(args.src, "rb") as f:
-        state = torch.load(f, map_location="cpu", weights_only=not args.unsafe_pickle)
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=not args.allow_pickle)
+        except pickle.UnpicklingError as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            reason = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+            print(f"ppe-snapshot: {args.src} holds objects beyond tensors and plain values ({reason}); reading "
+                  "them runs code from the file: pass --allow-pickle if you trust it", file=sys.stderr)
+            return 2
     if not isinstance(state, dict):
         raise SystemExit(f"{args.src} holds a {type(state).__name__}, not a state dict; nothing to convert")
-    Snapshot.take(args.dst, {STATE_KEY: StateDict(state)}, storage_options=args.storage_options)
+    Snapshot.take(args.dst, {STATE_KEY: StateDict(state)}, storage_options=args.storage_options,
+                  allow_pickle=args.allow_pickle)
     print(f"wrote snapshot {args.dst}")
     return 0
 
@@ -91,8 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="torch.save file -> snapshot, or snapshot -> torch.save file")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--unsafe-pickle", action="store_true",
-                   help="load a torch.save file with full pickle (only for files you trust)")
+    p.add_argument("--allow-pickle", "--unsafe-pickle", dest="allow_pickle", action="store_true",
+                   help="unpickle what needs it: a snapshot's pickled entries, a torch.save file's objects "
+                        "beyond tensors and plain values (runs code from SRC: only for files you trust)")
     p.set_defaults(run=cmd_convert)
     return parser
 

@@ -49,10 +49,15 @@ def dumps(doc: Any, free_form: Any = None) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    """The document in ``data``; raises ``json.JSONDecodeError`` (or ``UnicodeDecodeError``) when it is not JSON."""
+    """The document in ``data``; raises ``ValueError`` when it is not JSON (``json.JSONDecodeError``), not
+    UTF-8 (``UnicodeDecodeError``) or nested too deeply (orjson stops at 1,024 levels, ``json`` at the
+    interpreter's recursion limit; never a ``RecursionError``)."""
     if _LONG_DIGITS not in data.translate(_DIGITS_TO_NINES):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:  # NaN or Infinity, or not JSON at all: json says which
             pass
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("the JSON document is nested too deeply") from None

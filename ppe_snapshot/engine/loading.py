@@ -34,6 +34,26 @@ def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
         raise _truncated(storage, chunk.file, e) from e
 
 
+def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
+    """Before memory is allocated for ``chunks``: refuse any that ends beyond its data file as stored.
+
+    The manifest's checks bound every chunk by the file sizes the manifest
+    records, which a crafted manifest may inflate too; each file's real size
+    is asked once per storage object. Reads into an existing target need no
+    such check: a short file fails the read.
+    """
+    for chunk in chunks:
+        if chunk.nbytes:
+            try:
+                size = storage.known_size(chunk.file)
+            except FileNotFoundError as e:
+                raise _truncated(storage, chunk.file, e) from e
+            if chunk.offset + chunk.nbytes > size:
+                raise CorruptSnapshotError(
+                    f"data file {chunk.file} of {storage.url} is missing or truncated: it holds {size} bytes, and "
+                    f"entry {what!r} has bytes {chunk.offset}..{chunk.offset + chunk.nbytes} in it")
+
+
 def _mismatch(storage: Storage, chunk: Chunk, what: str) -> CorruptSnapshotError:
     return CorruptSnapshotError(
         f"checksum mismatch in {storage.url}/{chunk.file} at bytes {chunk.offset}..{chunk.offset + chunk.nbytes} "
@@ -221,6 +241,7 @@ def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
     if isinstance(target, torch.Tensor):
         check_tensor_target(path, entry, target)
     else:
+        check_stored(storage, entry.chunks, path)
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     if is_direct(target):
         fill(reads, storage, entry.chunks, tensor_bytes(target), path)
@@ -234,6 +255,8 @@ def _load_array(storage: Storage, path: str, entry: TensorEntry, target: Any,
     dtype = np.dtype(entry.dtype)
     fits = (isinstance(target, np.ndarray) and target.dtype == dtype and list(target.shape) == entry.shape
             and target.flags.c_contiguous and target.flags.writeable)
+    if not fits:
+        check_stored(storage, entry.chunks, path)
     out = target if fits else np.empty(entry.shape, dtype=dtype)
     fill(reads, storage, entry.chunks, memoryview(out.reshape(-1).view(np.uint8)), path)
     return out
@@ -245,6 +268,7 @@ def load_pickle(storage: Storage, path: str, entry: PickleEntry, allow_pickle: b
         raise UnsupportedValueError(
             f"{storage.url}: entry {path!r} was saved with pickle, and unpickling runs code chosen by whoever "
             "wrote the snapshot; pass allow_pickle=True to read it if you trust this snapshot")
+    check_stored(storage, entry.chunks, path)
     data = bytearray(sum(c.nbytes for c in entry.chunks))
     read_into(storage, entry.chunks, memoryview(data), path)
     return pickle.loads(data)
@@ -252,6 +276,7 @@ def load_pickle(storage: Storage, path: str, entry: PickleEntry, allow_pickle: b
 
 def load_bytes(storage: Storage, path: str, entry: BytesEntry) -> bytes:
     """The raw bytes of an opaque entry, verified; never unpickled."""
+    check_stored(storage, entry.chunks, path)
     data = bytearray(sum(c.nbytes for c in entry.chunks))
     read_into(storage, entry.chunks, memoryview(data), path)
     return bytes(data)
@@ -260,9 +285,10 @@ def load_bytes(storage: Storage, path: str, entry: BytesEntry) -> bytes:
 def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTES) -> None:
     """Read every chunk of every entry through one buffer and check its checksum."""
     buffer = bytearray(budget)
-    seen: set[Chunk] = set()  # replicated and sharded entries are seen by every rank
-    for rank in range(manifest.world_size):
-        for path, entry in manifest.paths_for(rank).items():
+    seen: set[Chunk] = set()  # entries may share chunks
+    # Each section once, not each rank's view of them: a manifest of many ranks would make that quadratic.
+    for table in (*manifest.ranks, manifest.replicated, manifest.sharded):
+        for path, entry in table.items():
             for chunk in _chunks_of(entry):
                 if chunk in seen:
                     continue

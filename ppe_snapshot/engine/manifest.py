@@ -8,19 +8,19 @@ every shard with its global offsets.
 """
 from __future__ import annotations
 
-import json
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.gcpause import gc_paused
-from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
+from ppe_snapshot.engine.validation import (
+    CHECKSUM_ALGORITHM, FORMAT_NAME, FORMAT_VERSION, check_document, check_entry, tensor_chunks,
+)
+from ppe_snapshot.errors import CorruptSnapshotError
 
-FORMAT_NAME = "ppe-snapshot"
-FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-CHECKSUM_ALGORITHM = "xxh3_64"
 
 
 class Chunk(NamedTuple):
@@ -105,8 +105,12 @@ _TYPES: dict[str, type] = {
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-def _chunk_from_json(c: dict[str, Any]) -> Chunk:
-    return Chunk(c["file"], c["offset"], c["nbytes"], c["checksum"])
+_CHUNK_FIELDS = operator.itemgetter(*Chunk._fields)
+_new_tuple = tuple.__new__  # skips the named tuple's Python-level __new__
+
+
+def _chunks_from_json(chunks: list[dict[str, Any]]) -> list[Chunk]:
+    return [_new_tuple(Chunk, _CHUNK_FIELDS(c)) for c in chunks]
 
 
 def _chunks_json(chunks: list[Chunk]) -> list[dict[str, Any]]:
@@ -135,21 +139,19 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
     return out
 
 
-_TENSOR_FIELDS = frozenset({"type", "dtype", "shape", "chunks", "kind", "replicated"})
-
-
 def entry_from_json(data: dict[str, Any]) -> Entry:
-    if data.get("type") == "tensor" and data.keys() <= _TENSOR_FIELDS:  # most entries: the short way
-        return TensorEntry(data["dtype"], data["shape"], [_chunk_from_json(c) for c in data["chunks"]],
+    """The entry of well-formed JSON (a manifest's entries are checked first, see :class:`EntryTable`)."""
+    if data["type"] == "tensor":  # most entries: the short way
+        return TensorEntry(data["dtype"], data["shape"], _chunks_from_json(data["chunks"]),
                            data.get("kind", "tensor"), data.get("replicated", False))
     data = dict(data)
-    cls = _TYPES.get(data.pop("type", None))
+    cls = _TYPES.get(data.pop("type"))
     if cls is None:
         raise CorruptSnapshotError(f"manifest entry of unknown type: {data!r:.200}")
     if "chunks" in data:
-        data["chunks"] = [_chunk_from_json(c) for c in data["chunks"]]
+        data["chunks"] = _chunks_from_json(data["chunks"])
     if "shards" in data:
-        data["shards"] = [Shard(s["offsets"], s["sizes"], [_chunk_from_json(c) for c in s["chunks"]])
+        data["shards"] = [Shard(s["offsets"], s["sizes"], _chunks_from_json(s["chunks"]))
                           for s in data["shards"]]
     return cls(**data)
 
@@ -162,20 +164,25 @@ def entries_from_json(data: dict[str, Any]) -> dict[str, Entry]:
     return {path: entry_from_json(e) for path, e in data.items()}
 
 
+_ABSENT = object()
+
+
 class EntryTable(Mapping[str, Entry]):
-    """A manifest's entries by path, each decoded from its JSON when first looked up.
+    """A section of a parsed manifest's entries by path, each checked and decoded when first looked up.
 
     Decoding 5,000 entries up front took 25 ms, in which a restore read
     nothing; decoded lazily, a restore starts reading while most of them are
-    still raw, and decodes each beside the reads. ``check_entries`` decodes all.
+    still raw, and decodes each beside the reads. Each entry is checked
+    (``validation.check_entry``) against ``files``, the manifest's data file
+    sizes, before it is decoded; ``check_all`` checks the rest without
+    decoding them.
     """
 
-    def __init__(self, raw: Any, where: str) -> None:
-        if not isinstance(raw, dict):
-            raise CorruptSnapshotError(f"{where} is malformed: entries are not a JSON object")
-        self._raw: dict[str, Any] = raw
+    def __init__(self, raw: dict[str, Any], where: str, files: dict[str, int], section: str,
+                 only: str | None = None) -> None:
+        self._raw = raw
         self._decoded: dict[str, Entry] = {}
-        self._where = where
+        self._where, self._files, self._section, self._only = where, files, section, only
 
     def __getitem__(self, path: str) -> Entry:
         entry = self.get(path)
@@ -187,14 +194,36 @@ class EntryTable(Mapping[str, Entry]):
         entry = self._decoded.get(path)
         if entry is not None:
             return entry
-        data = self._raw.get(path)
-        if data is None:
+        data = self._raw.get(path, _ABSENT)
+        if data is _ABSENT:
             return default
-        try:
-            entry = self._decoded[path] = entry_from_json(data)
-        except (KeyError, TypeError, AttributeError) as e:
-            raise CorruptSnapshotError(f"{self._where}: entry {path!r} is malformed ({e!r})") from e
+        # Most entries are tensors: checked and decoded in one pass; any other is checked, then decoded.
+        chunks = tensor_chunks(data, self._files, Chunk) if self._only is None else None
+        if chunks is not None:
+            entry = TensorEntry(data["dtype"], data["shape"], chunks, data.get("kind", "tensor"),
+                                data.get("replicated", False))
+        else:
+            try:
+                check_entry(data, self._files, self._only)
+            except CorruptSnapshotError as e:
+                raise self._malformed(path, e) from None
+            entry = entry_from_json(data)
+        self._decoded[path] = entry
         return entry
+
+    def _malformed(self, path: str, error: CorruptSnapshotError) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{self._where}: entry {path!r} is malformed: {error} (in {self._section}); "
+                                    "the snapshot is damaged")
+
+    def check_all(self) -> None:
+        """Check every entry not decoded yet (decoded ones passed already)."""
+        decoded, files, only = self._decoded, self._files, self._only
+        for path, data in self._raw.items():
+            if path not in decoded:
+                try:
+                    check_entry(data, files, only)
+                except CorruptSnapshotError as e:
+                    raise self._malformed(path, e) from None
 
     def __contains__(self, path: object) -> bool:
         return path in self._raw
@@ -226,10 +255,10 @@ class Manifest:
         return shared if shared is not None else self.sharded.get(path)
 
     def check_entries(self) -> None:
-        """Decode every entry now: raises :class:`CorruptSnapshotError` for a malformed one."""
+        """Check every entry now: raises :class:`CorruptSnapshotError` for a malformed one."""
         for table in (*self.ranks, self.replicated, self.sharded):
-            for path in table:
-                table[path]  # noqa: B018 - decoding is the check
+            if isinstance(table, EntryTable):  # a parsed manifest's; the entries of a new one are built by the take
+                table.check_all()
 
     def paths_for(self, rank: int) -> dict[str, Entry]:
         merged = {**self.sharded, **self.replicated}
@@ -256,29 +285,19 @@ class Manifest:
     @classmethod
     @gc_paused()
     def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        """Parse and check a manifest (its entries are checked when decoded, or by :meth:`check_entries`)."""
         try:
             doc = jsonio.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8, or nested too deeply
             raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise CorruptSnapshotError(f"{where} is not a {FORMAT_NAME} manifest")
-        version = doc.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise UnsupportedFormatError(
-                f"{where} has format version {version!r}, newer than the {FORMAT_VERSION} this "
-                "ppe-snapshot reads; upgrade ppe-snapshot to read it")
-        if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
-            raise UnsupportedFormatError(f"{where} uses checksum {doc.get('checksum_algorithm')!r}, "
-                                         f"this ppe-snapshot knows only {CHECKSUM_ALGORITHM!r}")
-        try:
-            return cls(
-                world_size=doc["world_size"],
-                ranks=[EntryTable(r, where) for r in doc["ranks"]],
-                replicated=EntryTable(doc["replicated"], where),
-                files=doc["files"],
-                take_id=doc.get("take_id", ""),
-                metadata=doc.get("metadata", {}),
-                sharded=EntryTable(doc.get("sharded", {}), where),
-            )
-        except (KeyError, TypeError) as e:
-            raise CorruptSnapshotError(f"{where} is incomplete or malformed ({e!r})") from e
+        check_document(doc, where)
+        files = doc["files"]
+        return cls(
+            world_size=doc["world_size"],
+            ranks=[EntryTable(r, where, files, f"ranks[{i}]") for i, r in enumerate(doc["ranks"])],
+            replicated=EntryTable(doc["replicated"], where, files, "replicated"),
+            files=files,
+            take_id=doc.get("take_id", ""),
+            metadata=doc.get("metadata", {}),
+            sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only="sharded"),
+        )

@@ -258,6 +258,8 @@ def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | Tensor
     if isinstance(entry, TensorEntry):
         entry = ShardedTensorEntry(entry.dtype, entry.shape, [Shard([0] * len(entry.shape), entry.shape, entry.chunks)])
     if not isinstance(target, torch.Tensor):
+        from ppe_snapshot.engine.loading import check_stored
+        check_stored(storage, [c for shard in entry.shards for c in shard.chunks], path)
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     _check_target(path, entry, target)
     regions = _target_regions(target)

@@ -148,6 +148,8 @@ class Snapshot:
                 try:
                     state = inflate(path, lambda p: manifest.lookup(rank, p), _leaf_loader(storage, allow_pickle, reads=reads),
                                     state_of(key, obj))
+                except RecursionError:
+                    raise _too_deep(self.path, path) from None
                 finally:
                     reads.join()
                 obj.load_state_dict(state)
@@ -175,6 +177,8 @@ class Snapshot:
             try:
                 return inflate(logical, lambda p: manifest.lookup(rank, p),
                                _leaf_loader(storage, allow_pickle, memory_budget_bytes, reads), obj_out)
+            except RecursionError:
+                raise _too_deep(self.path, logical) from None
             finally:
                 reads.join()
         finally:
@@ -197,6 +201,11 @@ class Snapshot:
                 f"read_object('<rank>/{path}').")
         saved = sorted({p.split("/", 1)[0] for r in range(manifest.world_size) for p in manifest.paths_for(r)})
         raise StateMismatchError(f"app_state[{key!r}] is not in snapshot {self.path}; it holds {saved}")
+
+
+def _too_deep(snapshot: str, path: str) -> CorruptSnapshotError:
+    return CorruptSnapshotError(f"{snapshot}: the state under {path!r} is nested too deeply to rebuild "
+                                "(containers or values within one another); the snapshot is damaged")
 
 
 def _leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None, reads: ReadBatch | None = None):

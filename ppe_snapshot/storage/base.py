@@ -6,7 +6,17 @@ stores); every path it takes is relative to that root and uses ``/``.
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Any, Sequence
+
+
+def is_safe_relative(name: Any) -> bool:
+    """Whether ``name`` is a normalised relative path that stays inside the storage's root.
+
+    Refused: anything but a non-empty string, absolute paths, backslashes, NUL, and empty,
+    ``.`` or ``..`` parts (``data//x``, ``./x``, ``../x``).
+    """
+    return (type(name) is str and name != "" and name[0] != "/" and "\\" not in name and "\0" not in name
+            and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
 class BlobWriter(abc.ABC):
@@ -84,6 +94,13 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove_all(self) -> None:
         """Remove the snapshot directory and everything in it."""
+
+    def known_size(self, rel: str) -> int:
+        """:meth:`size`, asked once per file for the life of this object (reads check allocations against it)."""
+        sizes: dict[str, int] = self.__dict__.setdefault("_known_sizes", {})
+        if rel not in sizes:
+            sizes[rel] = self.size(rel)
+        return sizes[rel]
 
     def close(self) -> None:
         """Release open handles (cached readers)."""

@@ -6,12 +6,14 @@ import mmap
 import os
 import queue
 import shutil
+import stat
 import threading
 from typing import Sequence
 
 import numpy as np
 
-from ppe_snapshot.storage.base import BlobWriter, Storage
+from ppe_snapshot.errors import CorruptSnapshotError
+from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
 
 # preadv takes at most this many buffers per call (IOV_MAX on Linux).
 _IOV_MAX = 1024
@@ -264,15 +266,52 @@ class LocalStorage(Storage):
         fsync_dir(os.path.dirname(path))
 
     def read_bytes(self, rel: str) -> bytes:
-        with open(self._abs(rel), "rb") as f:
+        with os.fdopen(self._open_regular(rel, self._abs(rel)), "rb") as f:
             return f.read()
+
+    def _open_regular(self, rel: str, path: str) -> int:
+        """Open a file to read, refusing anything but a regular file (a FIFO would block the open, a
+        directory fail the reads)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: it is not a regular file")
+        return fd
+
+    def _data_path(self, rel: str) -> str:
+        """The absolute path of a data file to read; refuses a name that would leave the snapshot."""
+        if not is_safe_relative(rel):
+            raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: a data file name must be a "
+                                       "normalised relative path inside the snapshot")
+        return self._abs(rel)
+
+    def _check_resolved(self, rel: str, real: str) -> None:
+        """Refuse a file that resolves (through a symbolic link, of the file or of a directory on the
+        way) to a place outside the snapshot directory."""
+        root = os.path.realpath(self.root)
+        if os.path.commonpath([root, real]) != root:
+            raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: it resolves to {real}, outside the "
+                                       "snapshot directory (a symbolic link?)")
+
+    def _open_data(self, rel: str) -> int:
+        path = self._data_path(rel)
+        fd = self._open_regular(rel, path)
+        try:
+            try:  # where the open file really is, immune to a link swapped after the open
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                real = os.path.realpath(path)
+            self._check_resolved(rel, real)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _reader_fd(self, rel: str) -> int:
         with self._lock:
             fd = self._readers.get(rel)
             if fd is None:
-                fd = os.open(self._abs(rel), os.O_RDONLY)
-                self._readers[rel] = fd
+                fd = self._readers[rel] = self._open_data(rel)
             return fd
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
@@ -299,7 +338,9 @@ class LocalStorage(Storage):
         return os.path.exists(self._abs(rel))
 
     def size(self, rel: str) -> int:
-        return os.path.getsize(self._abs(rel))
+        path = self._data_path(rel)
+        self._check_resolved(rel, os.path.realpath(path))
+        return os.path.getsize(path)
 
     def list(self, rel: str = "") -> list[str]:
         base = self._abs(rel)

@@ -387,7 +387,12 @@ def _dcp_view(manifest: Manifest, dcp_meta: dict[str, Any], where: str) -> _View
     if not isinstance(version, int) or version > ADAPTER_VERSION:
         raise UnsupportedFormatError(f"{where} was written through DCP with adapter version {version!r}, newer "
                                      f"than the {ADAPTER_VERSION} this ppe-snapshot reads; upgrade ppe-snapshot")
-    properties = dcp_meta.get("properties", {})
+    properties, dcp_version = dcp_meta.get("properties", {}), dcp_meta.get("version")
+    if type(properties) is not dict or any(type(p) is not dict for p in properties.values()):
+        raise CorruptSnapshotError(f"{where} is malformed: the DCP tensor properties are not an object of objects")
+    if dcp_version is not None and type(dcp_version) is not str:
+        raise CorruptSnapshotError(f"{where} is malformed: the DCP metadata version {dcp_version!r:.60} is not a "
+                                   "string")
     view = _View()
     for path, entry in manifest.paths_for(0).items():
         fqn = _unescape(path)
@@ -421,8 +426,13 @@ def _engine_view(manifest: Manifest, rank: int, where: str, allow_pickle: bool) 
 
     def value_bytes(path: str) -> Callable[[Storage], bytes]:
         def load(storage: Storage) -> bytes:
+            try:
+                value = inflate(path, lookup, _leaf_loader(storage, allow_pickle))
+            except RecursionError:
+                raise CorruptSnapshotError(f"{where}: the value at {path!r} is nested too deeply to read; the "
+                                           "snapshot is damaged") from None
             buffer = io.BytesIO()
-            torch.save(inflate(path, lookup, _leaf_loader(storage, allow_pickle)), buffer)
+            torch.save(value, buffer)
             return buffer.getvalue()
         return load
 
@@ -547,12 +557,17 @@ class SnapshotStorageReader(StorageReader):
             raise SnapshotNotFoundError(f"no snapshot at {self.path}: {MANIFEST_NAME} is missing (never taken, still "
                                         "being written, or its save crashed before the commit)") from None
         manifest = Manifest.from_bytes(data, where=where)
+        manifest.check_entries()
         dcp_meta = manifest.metadata.get(DCP_KEY)
-        if isinstance(dcp_meta, dict):
-            view, version = _dcp_view(manifest, dcp_meta, where), dcp_meta.get("version")
-        else:
-            view, version = _engine_view(manifest, 0 if manifest.world_size == 1 else _rank(), where,
-                                          self.allow_pickle), None
+        try:
+            if isinstance(dcp_meta, dict):
+                view, version = _dcp_view(manifest, dcp_meta, where), dcp_meta.get("version")
+            else:
+                view, version = _engine_view(manifest, 0 if manifest.world_size == 1 else _rank(), where,
+                                              self.allow_pickle), None
+        except RecursionError:
+            raise CorruptSnapshotError(f"{where}: the saved state is nested too deeply to read (containers "
+                                       "within one another); the snapshot is damaged") from None
         self._sources = view.sources
         return Metadata(
             state_dict_metadata=view.state_dict_metadata,
