@@ -231,7 +231,7 @@ def test_metadata_that_is_not_an_object_is_damaged(tmp_path):
     manifest = tmp_path / "snapshot_iter_2" / "manifest.json"
     manifest.write_text(_with_metadata(manifest.read_text(), [1, 2]))
     (c,) = list_snapshots(out, FMT)
-    assert c.kind == "damaged" and "metadata is a list" in c.problem
+    assert c.kind == "damaged" and "metadata is not an object" in c.problem
 
 
 def _with_metadata(text: str, metadata) -> str:

@@ -301,7 +301,7 @@ def test_values_nested_within_the_parser_limits(small, capsys):
     with pytest.raises(CheckpointException) as info:
         dcp.load({"m": {"step": 0}}, storage_reader=SnapshotStorageReader(str(small)))
     ((error, _trace),) = info.value.failures.values()
-    assert isinstance(error, CorruptSnapshotError) and "'m/step' is nested too deeply" in str(error)
+    assert isinstance(error, CorruptSnapshotError) and "'m/step'" in str(error) and "nested too deeply" in str(error)
     other = take_small(small.parent / "other")
     write_deep_manifest(other, "metadata", 1000, long_integer=False)
     assert main(["inspect", str(other)]) == 0

@@ -273,7 +273,7 @@ def test_malformed_values_raise_corrupt_snapshot_error(encoded):
 @pytest.mark.parametrize("wrap", [lambda v: [v], lambda v: {"$tuple": [v]}, lambda v: {"$dict": [[1, v]]},
                                   lambda v: {"$set": [{"$frozenset": [v]}]}], ids=["list", "tuple", "dict", "set"])
 def test_deep_nesting_is_corrupt_not_a_recursion_error(wrap):
-    with pytest.raises(CorruptSnapshotError, match="nested deeper than"):
+    with pytest.raises(CorruptSnapshotError, match="nested too deeply"):
         decode_value(_deep(100_000, wrap))
 
 
@@ -310,9 +310,9 @@ def test_deeply_nested_containers_in_a_manifest_are_corrupt(tmp_path):
         chain += "/0"
     entries[chain] = {"type": "object", "value": 1}
     (path / "manifest.json").write_text(json.dumps(doc))
-    with pytest.raises(CorruptSnapshotError, match="nested deeper than"):
+    with pytest.raises(CorruptSnapshotError, match="nested too deeply"):
         Snapshot(str(path)).restore({"s": StateDict()})
-    with pytest.raises(CorruptSnapshotError, match="nested deeper than"):
+    with pytest.raises(CorruptSnapshotError, match="nested too deeply"):
         Snapshot(str(path)).read_object("0/s/x")
 
 

@@ -151,8 +151,8 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
         raise CorruptSnapshotError(f"the manifest lists no entry for {path!r}, which its parent refers to")
     if isinstance(entry, ContainerEntry):
         if depth >= MAX_CONTAINER_DEPTH:
-            raise CorruptSnapshotError(f"{path[:200]!r}...: containers nested deeper than {MAX_CONTAINER_DEPTH} "
-                                       "levels in the manifest")
+            raise CorruptSnapshotError(f"{path[:200]!r}...: the state is nested too deeply (containers nested "
+                                       f"deeper than {MAX_CONTAINER_DEPTH} levels in the manifest)")
         child, depth = _template_children(template), depth + 1
         if entry.kind in ("dict", "OrderedDict"):
             out = collections.OrderedDict() if entry.kind == "OrderedDict" else {}
@@ -163,7 +163,10 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
         items = [inflate(join(path, i), lookup, load_leaf, child(i), depth) for i in range(entry.length)]
         return tuple(items) if entry.kind == "tuple" else items
     if isinstance(entry, ObjectEntry):
-        return decode_value(entry.value)
+        try:
+            return decode_value(entry.value)
+        except CorruptSnapshotError as e:
+            raise CorruptSnapshotError(f"entry {path!r}: {e}") from None
     return load_leaf(path, entry, template)
 
 

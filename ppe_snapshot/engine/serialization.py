@@ -323,11 +323,11 @@ def _decode_tagged(tag: str, body: Any, depth: int) -> Any:
 def _decode(encoded: Any, depth: int) -> Any:
     if isinstance(encoded, list):
         if depth >= MAX_DEPTH:
-            raise CorruptSnapshotError(f"a value in the manifest is nested deeper than {MAX_DEPTH} levels")
+            raise CorruptSnapshotError(f"a value nested too deeply (deeper than {MAX_DEPTH} levels)")
         return [_decode(v, depth + 1) for v in encoded]
     if isinstance(encoded, dict):
         if depth >= MAX_DEPTH:
-            raise CorruptSnapshotError(f"a value in the manifest is nested deeper than {MAX_DEPTH} levels")
+            raise CorruptSnapshotError(f"a value nested too deeply (deeper than {MAX_DEPTH} levels)")
         if len(encoded) != 1:
             raise CorruptSnapshotError(f"malformed value in manifest: {encoded!r:.200}")
         ((tag, body),) = encoded.items()
