@@ -14,6 +14,10 @@ class SnapshotNotFoundError(SnapshotError, FileNotFoundError):
     """No committed snapshot (no manifest) exists at the given path."""
 
 
+class SnapshotAbortedError(SnapshotError, RuntimeError):
+    """A snapshot taken by several ranks was not committed because a rank failed; the message names it and why."""
+
+
 class SnapshotExistsError(SnapshotError, FileExistsError):
     """A committed snapshot already exists where a new one was to be taken."""
 

@@ -22,7 +22,7 @@ from ppe_snapshot.engine.manifest import (
 )
 from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
-from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.storage import Storage
 
 PARTS_DIR = ".parts"
@@ -194,4 +194,4 @@ def wait_for_commit(storage: Storage, take_id: str, timeout: float = COMMIT_TIME
 
     reason = _poll(lambda: f"rank 0 to commit snapshot {storage.url}", ready, timeout)
     if reason:
-        raise SnapshotError(f"snapshot {storage.url} was not committed: {reason}")
+        raise SnapshotAbortedError(f"snapshot {storage.url} was not committed: {reason}")

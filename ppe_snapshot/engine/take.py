@@ -20,7 +20,7 @@ from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
 from ppe_snapshot.engine.serialization import can_store_raw, dtype_name, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
 from ppe_snapshot.engine.stateful import take_states
-from ppe_snapshot.errors import SnapshotError, SnapshotExistsError, UnsupportedValueError
+from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 
 #: Gives a host buffer of at least the requested number of bytes (writers reuse theirs).
@@ -132,7 +132,7 @@ class TakeJob:
         if failed:
             reason = "; ".join(failed)
             commit_protocol.abort(self.storage, self.take_id, reason)
-            raise SnapshotError(f"snapshot {self.storage.url} was not committed: {reason}")
+            raise SnapshotAbortedError(f"snapshot {self.storage.url} was not committed: {reason}")
         try:
             commit_protocol.commit(self.storage, commit_protocol.merge(parts, self.take_id, self.metadata))
         except BaseException as e:
@@ -201,7 +201,7 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, rep
         raise SnapshotExistsError(proposals[0]["exists"])
     failed = [f"rank {r}: {p['error']}" for r, p in enumerate(proposals) if p["error"]]
     if failed:
-        raise SnapshotError(f"snapshot {path} not taken: {'; '.join(failed)}")
+        raise SnapshotAbortedError(f"snapshot {path} not taken: {'; '.join(failed)}")
     common = [g for g in proposals[0]["replicated"] if all(g in p["replicated"] for p in proposals)]
     return _Agreement(proposals[0]["path"], proposals[0]["take_id"], common)
 
