@@ -18,9 +18,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ppe_snapshot.engine import Snapshot, StateDict
-from ppe_snapshot.engine.manifest import (
-    BytesEntry, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
+from ppe_snapshot.engine import (
+    BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, Snapshot, StateDict,
+    TensorEntry,
 )
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import open_storage
@@ -42,7 +42,7 @@ def _describe(entry: Any) -> str:
     if isinstance(entry, ShardedTensorEntry):
         return f"sharded {entry.dtype}{entry.shape} in {len(entry.shards)} shards"
     if isinstance(entry, ContainerEntry):
-        size = len(entry.keys) if entry.kind in ("dict", "OrderedDict") else entry.length
+        size = len(entry.keys) if entry.kind in Container.KEYED else entry.length
         return f"{entry.kind} of {size}"
     if isinstance(entry, PickleEntry):
         return f"pickled {sum(c.nbytes for c in entry.chunks)} B"

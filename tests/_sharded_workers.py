@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ppe_snapshot import Snapshot, StateDict
 from ppe_snapshot.engine import LOCAL, packing
-from ppe_snapshot.storage.protocol import SnapshotStorageWriter
+from ppe_snapshot.dcp import SnapshotStorageWriter
 
 #: Global shapes and dtypes of the DTensor snapshot's tensors.
 SHAPES = {"s0": (10, 3), "s1": (3, 7), "rep": (4, 5), "empty": (3, 2), "scalar": (), "ints": (6,),

@@ -5,9 +5,12 @@ import random
 import pytest
 import torch
 
-from ppe_snapshot.engine.packing import new_staging_buffer, tensor_bytes
+from ppe_snapshot.engine import new_staging_buffer, tensor_bytes
+from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import local
-from ppe_snapshot.storage.local import BOUNCE_BYTES, _BufferedBlobWriter, _DirectBlobWriter
+from ppe_snapshot.storage.local import _BufferedBlobWriter, _DirectBlobWriter
+
+BOUNCE_BYTES = SETTINGS.bounce_buffer_bytes
 
 
 def _random_pieces(rng: random.Random) -> list[memoryview]:
@@ -26,7 +29,7 @@ def _random_pieces(rng: random.Random) -> list[memoryview]:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_writer_output_is_byte_exact(tmp_path, monkeypatch, direct):
-    monkeypatch.setattr(local, "_DIRECT_IO", direct)
+    monkeypatch.setattr(SETTINGS, "direct_io", direct)
     rng = random.Random(1234)
     for case in range(12):
         pieces = _random_pieces(rng)

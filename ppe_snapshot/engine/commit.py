@@ -9,25 +9,26 @@ background saves can run it.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.flatten import join
+from ppe_snapshot.engine.flatten import child_path
+from ppe_snapshot.engine.format import MANIFEST_NAME, PARTS_DIR, Container, abort_name, part_name  # noqa: F401
 from ppe_snapshot.engine.manifest import (
-    MANIFEST_NAME, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, entries_from_json,
+    Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, entries_from_json,
     entries_to_json,
 )
 from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
-from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
+from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError, SnapshotExistsError
+from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage
 
-PARTS_DIR = ".parts"
-#: Seconds rank 0 waits for the other ranks' parts (and they for the commit).
-COMMIT_TIMEOUT = float(os.environ.get("PPE_SNAPSHOT_COMMIT_TIMEOUT", "1800"))
+#: Kept for ``writing/_replace.py`` (and ``retention`` for PARTS_DIR) until they read ``ppe_snapshot.settings`` /
+#: ``ppe_snapshot.engine`` (switched at merge); the engine reads ``SETTINGS.commit_timeout`` when it waits.
+COMMIT_TIMEOUT = SETTINGS.commit_timeout
 
 
 @dataclass
@@ -54,16 +55,8 @@ class RankPart:
                    doc["files"], doc["error"], entries_from_json(doc.get("sharded", {})))
 
 
-def _part_name(take_id: str, rank: int) -> str:
-    return f"{PARTS_DIR}/{take_id}.rank{rank}.json"
-
-
-def _abort_name(take_id: str) -> str:
-    return f"{PARTS_DIR}/{take_id}.abort"
-
-
 def publish_part(storage: Storage, take_id: str, part: RankPart) -> None:
-    storage.put_atomic(_part_name(take_id, part.rank), part.to_bytes())
+    storage.put_atomic(part_name(take_id, part.rank), part.to_bytes())
 
 
 def _poll(what: Callable[[], str], ready, timeout: float):
@@ -79,15 +72,15 @@ def _poll(what: Callable[[], str], ready, timeout: float):
         delay = min(delay * 2, 0.1)
 
 
-def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float = COMMIT_TIMEOUT) -> list[RankPart]:
-    """Rank 0: wait until every rank has published its part."""
+def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float | None = None) -> list[RankPart]:
+    """Rank 0: wait until every rank has published its part (at most ``timeout``, default the settings')."""
     parts: dict[int, RankPart] = {}
 
     def ready():
         for r in range(world_size):
-            if r not in parts and storage.exists(_part_name(take_id, r)):
+            if r not in parts and storage.exists(part_name(take_id, r)):
                 try:
-                    parts[r] = RankPart.from_bytes(storage.read_bytes(_part_name(take_id, r)))
+                    parts[r] = RankPart.from_bytes(storage.read_bytes(part_name(take_id, r)))
                 except (ValueError, KeyError, TypeError, OSError):  # still being written: read it again later
                     pass
         return [parts[r] for r in range(world_size)] if len(parts) == world_size else None
@@ -95,7 +88,7 @@ def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float
     def missing() -> str:
         return f"the parts of ranks {sorted(set(range(world_size)) - set(parts))} of snapshot {storage.url}"
 
-    return _poll(missing, ready, timeout)
+    return _poll(missing, ready, SETTINGS.commit_timeout if timeout is None else timeout)
 
 
 def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
@@ -109,10 +102,10 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
 
 
 def _children(path: str, entry: ContainerEntry) -> list[str]:
-    if entry.kind in ("dict", "OrderedDict"):  # string keys inline: a model's state has thousands
+    if entry.kind in Container.KEYED:  # string keys inline: a model's state has thousands
         return [f"{path}/{key.replace('%', '%25').replace('/', '%2F')}" if type(key) is str
-                else join(path, decode_value(key)) for key in entry.keys]
-    return [join(path, i) for i in range(entry.length)]
+                else child_path(path, decode_value(key)) for key in entry.keys]
+    return [child_path(path, i) for i in range(entry.length)]
 
 
 def _check_chunks(path: str, chunks: list[Chunk], files: dict[str, int]) -> None:
@@ -165,22 +158,28 @@ def commit(storage: Storage, manifest: Manifest) -> None:
     storage.put_atomic(MANIFEST_NAME, manifest.to_bytes())
 
 
+def refuse_overwrite(storage: Storage) -> None:
+    """Raise :class:`SnapshotExistsError` when a committed snapshot is at ``storage`` (a take never writes over one)."""
+    if storage.exists(MANIFEST_NAME):
+        raise SnapshotExistsError(f"a snapshot already exists at {storage.url}; choose a new path or remove it first")
+
+
 def abort(storage: Storage, take_id: str, reason: str) -> None:
-    storage.put_atomic(_abort_name(take_id), reason.encode())
+    storage.put_atomic(abort_name(take_id), reason.encode())
 
 
 def clean_parts(storage: Storage, take_id: str, world_size: int) -> None:
     for r in range(world_size):
-        storage.remove(_part_name(take_id, r))
-    storage.remove(_abort_name(take_id))
+        storage.remove(part_name(take_id, r))
+    storage.remove(abort_name(take_id))
 
 
-def wait_for_commit(storage: Storage, take_id: str, timeout: float = COMMIT_TIMEOUT) -> None:
+def wait_for_commit(storage: Storage, take_id: str, timeout: float | None = None) -> None:
     """Ranks other than 0: wait until rank 0 committed (or aborted) this take."""
     def ready():
-        if storage.exists(_abort_name(take_id)):  # aborted, whether or not its reason can be read yet
+        if storage.exists(abort_name(take_id)):  # aborted, whether or not its reason can be read yet
             try:
-                reason = storage.read_bytes(_abort_name(take_id)).decode(errors="replace")
+                reason = storage.read_bytes(abort_name(take_id)).decode(errors="replace")
             except OSError:
                 reason = ""
             return reason or "rank 0 aborted the take"
@@ -192,6 +191,7 @@ def wait_for_commit(storage: Storage, take_id: str, timeout: float = COMMIT_TIME
                 return None
         return None
 
-    reason = _poll(lambda: f"rank 0 to commit snapshot {storage.url}", ready, timeout)
+    reason = _poll(lambda: f"rank 0 to commit snapshot {storage.url}", ready,
+                   SETTINGS.commit_timeout if timeout is None else timeout)
     if reason:
         raise SnapshotAbortedError(f"snapshot {storage.url} was not committed: {reason}")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
+from ppe_snapshot.engine.format import Container, Raw
 from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
 from ppe_snapshot.engine.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.engine.serialization import (
@@ -28,16 +29,16 @@ from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, Unsupp
 
 @dataclass
 class Payload:
-    """A leaf whose bytes go to a data file: ``kind`` is "tensor", "ndarray" or "pickle"."""
+    """A leaf whose bytes go to a data file: ``kind`` is one of :class:`~ppe_snapshot.engine.format.Raw`."""
     kind: str
     data: Any
     replicated: bool = False
 
     @property
     def nbytes(self) -> int:
-        if self.kind == "tensor":
+        if self.kind == Raw.TENSOR:
             return self.data.numel() * self.data.element_size()
-        return len(self.data) if self.kind == "pickle" else self.data.nbytes
+        return self.data.nbytes if self.kind == Raw.NDARRAY else len(self.data)
 
 
 FlatItem = ContainerEntry | ObjectEntry | Payload | ShardedPayload
@@ -48,7 +49,8 @@ def escape(key: Any) -> str:
     return str(key).replace("%", "%25").replace("/", "%2F")
 
 
-def join(prefix: str, key: Any) -> str:
+def child_path(prefix: str, key: Any) -> str:
+    """The logical path of a container's child (``prefix`` empty: a top-level key)."""
     return f"{prefix}/{escape(key)}" if prefix else escape(key)
 
 
@@ -63,7 +65,7 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
             out[path] = sharded_payload(path, value)
             return
         if can_store_raw(value):
-            out[path] = Payload("tensor", value.detach())
+            out[path] = Payload(Raw.TENSOR, value.detach())
             return
         problem = raw_storage_problem(value)
         if value.is_meta or not allow_pickle:
@@ -71,14 +73,14 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
                 "; pass allow_pickle=True to save it with pickle, or convert it to a dense strided tensor")
             raise UnsupportedValueError(f"{path}: the tensor {problem} and cannot be stored as raw bytes{hint}")
     elif is_raw_array(value):
-        out[path] = Payload("ndarray", value)
+        out[path] = Payload(Raw.NDARRAY, value)
         return
     elif isinstance(value, dict):
-        kind = "OrderedDict" if isinstance(value, collections.OrderedDict) else "dict"
+        kind = Container.ORDERED_DICT if isinstance(value, collections.OrderedDict) else Container.DICT
         out[path] = ContainerEntry(kind, keys=[encode_value(k) for k in value])
         seen: dict[str, Any] = {}
         for k, v in value.items():
-            child = join(path, k)
+            child = child_path(path, k)
             if child in seen:
                 raise UnsupportedValueError(
                     f"keys {seen[child]!r} and {k!r} of {path or 'the state'} map to the same path {child!r}")
@@ -88,7 +90,7 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
     elif type(value) in (list, tuple) and not all(_is_plain(v) for v in value):
         out[path] = ContainerEntry(type(value).__name__, length=len(value))
         for i, v in enumerate(value):
-            _flatten(join(path, i), v, out, allow_pickle)
+            _flatten(child_path(path, i), v, out, allow_pickle)
         return
     try:
         out[path] = ObjectEntry(encode_value(value))
@@ -97,7 +99,7 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         if not allow_pickle:
             raise UnsupportedValueError(f"{path}: {e}") from None
     try:
-        out[path] = Payload("pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        out[path] = Payload(Raw.PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as e:  # a local class, a lock, an open file, ...
         raise UnsupportedValueError(
             f"{path}: a value of type {type(value).__module__}.{type(value).__qualname__} cannot be pickled "
@@ -154,14 +156,14 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
             raise CorruptSnapshotError(f"{path[:200]!r}...: the state is nested too deeply (containers nested "
                                        f"deeper than {MAX_CONTAINER_DEPTH} levels in the manifest)")
         child, depth = _template_children(template), depth + 1
-        if entry.kind in ("dict", "OrderedDict"):
-            out = collections.OrderedDict() if entry.kind == "OrderedDict" else {}
+        if entry.kind in Container.KEYED:
+            out = collections.OrderedDict() if entry.kind == Container.ORDERED_DICT else {}
             for key in entry.keys:  # a loop, not a generator: thousands of children in a model's state
                 key = decode_value(key)
-                out[key] = inflate(join(path, key), lookup, load_leaf, child(key), depth)
+                out[key] = inflate(child_path(path, key), lookup, load_leaf, child(key), depth)
             return out
-        items = [inflate(join(path, i), lookup, load_leaf, child(i), depth) for i in range(entry.length)]
-        return tuple(items) if entry.kind == "tuple" else items
+        items = [inflate(child_path(path, i), lookup, load_leaf, child(i), depth) for i in range(entry.length)]
+        return tuple(items) if entry.kind == Container.TUPLE else items
     if isinstance(entry, ObjectEntry):
         try:
             return decode_value(entry.value)

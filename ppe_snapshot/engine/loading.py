@@ -1,233 +1,99 @@
-"""Reading payloads back: straight into the target's memory, checksum-verified."""
+"""Restore, in one room: the loader of each stored kind, and the walk that rebuilds app state from a manifest.
+
+``leaf_loader`` picks the loader of one stored value by its kind (tensor or
+array, sharded tensor, pickle, raw bytes); ``Snapshot`` and the DCP reader
+both use it. Reads go straight into the target's memory where they can (see
+:mod:`~ppe_snapshot.engine.reads`), checksums verified.
+
+Sharded tensors: the target decides what to read: its local shard for a
+DTensor or ShardedTensor, the whole tensor for a plain tensor (or
+``read_object``). The overlap between saved shards and the target's regions
+comes from DCP's resharding planner (``create_read_items_for_chunk_list``);
+each rank reads only what it needs, with no collective. A saved shard that
+lands whole in a contiguous region is read straight into it; otherwise the
+checksummed chunks that hold the needed rows are streamed through a buffer
+bounded by the memory budget, so every byte used is verified with its whole
+chunk.
+"""
 from __future__ import annotations
 
+import math
 import pickle
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from ppe_snapshot.engine.flatten import check_tensor_target
+from ppe_snapshot.engine.flatten import LoadLeaf, check_tensor_target, escape, inflate
+from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.manifest import (
-    BytesEntry, Chunk, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
+    BytesEntry, Entry, Manifest, PickleEntry, Shard, ShardedTensorEntry, TensorEntry,
 )
-from ppe_snapshot.engine.packing import CHUNK_BYTES, checksum, is_direct, row_major_blocks, tensor_bytes
+from ppe_snapshot.engine import packing
+from ppe_snapshot.engine.packing import is_direct, tensor_bytes
+from ppe_snapshot.engine.reads import ChunkReader, ReadBatch, check_stored, fill, read_into, read_through_host
 from ppe_snapshot.engine.serialization import torch_dtype
-from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedValueError
+from ppe_snapshot.engine.sharded import dtensor_class, is_sharded, sharded_tensor_class
+from ppe_snapshot.engine.stateful import state_of
+from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 from ppe_snapshot.storage import Storage
 
-# Smallest host buffer used when a read must go through one (device or dtype change).
-ALIGN_STEP = 1 << 16
+
+def load_state(storage: Storage, manifest: Manifest, rank: int, key: str, obj: Any, allow_pickle: bool) -> Any:
+    """The saved state of app state entry ``key`` as ``rank`` sees it, loaded into ``obj``'s tensors in place."""
+    path = escape(key)
+    _check_present(storage, manifest, rank, key, path)
+    return read_value(storage, manifest, rank, path, state_of(key, obj), allow_pickle)
 
 
-def _truncated(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
-    return CorruptSnapshotError(f"data file {file} of {storage.url} is missing or truncated: {error}")
-
-
-def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
+def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_out: Any, allow_pickle: bool,
+               budget: int | None = None) -> Any:
+    """The value stored at logical ``path`` (and everything under it), into ``obj_out`` where it fits."""
+    reads = ReadBatch()
     try:
-        storage.read_into(chunk.file, chunk.offset + offset, out)
-    except (EOFError, FileNotFoundError) as e:
-        raise _truncated(storage, chunk.file, e) from e
+        return inflate(path, lambda p: manifest.lookup(rank, p), leaf_loader(storage, allow_pickle, budget, reads),
+                       obj_out)
+    except RecursionError:
+        raise _too_deep(storage, path) from None
+    finally:
+        reads.join()
 
 
-def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
-    """Before memory is allocated for ``chunks``: refuse any that ends beyond its data file as stored.
+def _check_present(storage: Storage, manifest: Manifest, rank: int, key: str, path: str) -> None:
+    if manifest.lookup(rank, path) is not None:
+        return
+    owners = [r for r, entries in enumerate(manifest.ranks) if path in entries]
+    if owners:
+        raise StateMismatchError(
+            f"app_state[{key!r}] was saved per rank by ranks {owners} of a world of {manifest.world_size}; "
+            f"this process is rank {rank} and has no state there. Read another rank's state with "
+            f"read_object('<rank>/{path}').")
+    saved = sorted({p.split("/", 1)[0] for r in range(manifest.world_size) for p in manifest.paths_for(r)})
+    raise StateMismatchError(f"app_state[{key!r}] is not in snapshot {storage.url}; it holds {saved}")
 
-    The manifest's checks bound every chunk by the file sizes the manifest
-    records, which a crafted manifest may inflate too; each file's real size
-    is asked once per storage object. Reads into an existing target need no
-    such check: a short file fails the read.
+
+def _too_deep(storage: Storage, path: str) -> CorruptSnapshotError:
+    return CorruptSnapshotError(f"{storage.url}: the state under {path!r} is nested too deeply to rebuild "
+                                "(containers or values within one another); the snapshot is damaged")
+
+
+def leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None,
+                reads: ReadBatch | None = None) -> LoadLeaf:
+    """The loader of one stored value, chosen by its kind (``inflate`` handles containers and inline objects).
+
+    Tensors go into the template's tensor when it fits (reads may be left to ``reads``: complete after its
+    ``join()``); host buffers for device targets stay under ``budget``; pickles load only with ``allow_pickle``.
     """
-    for chunk in chunks:
-        if chunk.nbytes:
-            try:
-                size = storage.known_size(chunk.file)
-            except FileNotFoundError as e:
-                raise _truncated(storage, chunk.file, e) from e
-            if chunk.offset + chunk.nbytes > size:
-                raise CorruptSnapshotError(
-                    f"data file {chunk.file} of {storage.url} is missing or truncated: it holds {size} bytes, and "
-                    f"entry {what!r} has bytes {chunk.offset}..{chunk.offset + chunk.nbytes} in it")
-
-
-def _mismatch(storage: Storage, chunk: Chunk, what: str) -> CorruptSnapshotError:
-    return CorruptSnapshotError(
-        f"checksum mismatch in {storage.url}/{chunk.file} at bytes {chunk.offset}..{chunk.offset + chunk.nbytes} "
-        f"({what}): the snapshot is damaged")
-
-
-def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
-    """Fill ``out`` with the chunks' bytes, verifying each chunk."""
-    position = 0
-    for chunk in chunks:
-        view = out[position:position + chunk.nbytes]
-        _read(storage, chunk, 0, view)
-        if checksum(view) != chunk.checksum:
-            raise _mismatch(storage, chunk, what)
-        position += chunk.nbytes
-
-
-class ReadBatch:
-    """Reads into their final destinations, started while more are added; complete at ``join()``.
-
-    Pending reads are sorted and coalesced: neighbouring chunks of a file
-    become one vectored read (the alignment gaps land in a scratch buffer),
-    so thousands of small tensors cost a few syscalls. Each time another
-    ``MAX_RUN`` bytes are pending, the runs of at least half that size go to
-    a small thread pool, in file order, and are read while the caller goes on
-    walking the manifest (for 5,000 small tensors that walk costs about as
-    long as the reads); shorter runs wait for neighbours (a resharding restore
-    reads a little of many files in turn), and ``join()`` starts the rest: a
-    cold disk delivers about twice the bandwidth with two reads in flight
-    instead of one (measured here), and page-cache copies use both cores;
-    preadv and xxhash release the GIL. A destination must not be touched
-    before ``join()``, which waits for every read and raises the first
-    failure. Without a batch, reads happen at once.
-    """
-
-    #: Reads in flight. Two is this machine's best for a cold disk: one reader left it half idle,
-    #: and four per process (eight for two ranks) made the 4 -> 2 FSDP restore 1.5x slower.
-    WORKERS = 2
-    #: Neighbouring chunks at most this far apart share one vectored read ...
-    MAX_GAP = 4096
-    #: ... of at most this many bytes.
-    MAX_RUN = 32 << 20
-    _pool: ThreadPoolExecutor | None = None
-    _pool_lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self._reads: list[tuple[Storage, Chunk, memoryview, str]] = []
-        self._pending_bytes = 0
-        self._next_start = self.MAX_RUN
-        self._futures: list[Future[None]] = []
-
-    @classmethod
-    def _executor(cls) -> ThreadPoolExecutor:
-        with cls._pool_lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(cls.WORKERS, thread_name_prefix="ppe-snapshot-read")
-            return cls._pool
-
-    def read_into(self, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
-        position = 0
-        for chunk in chunks:
-            self._reads.append((storage, chunk, out[position:position + chunk.nbytes], what))
-            position += chunk.nbytes
-        self._pending_bytes += position
-        if self._pending_bytes >= self._next_start:
-            self._start(only_long=True)
-
-    def _start(self, only_long: bool = False) -> None:
-        """Hand pending reads to the pool, as runs in file order: all of them, or the long runs only."""
-        runs, self._reads = self._runs(), []
-        if only_long:
-            short = [r for r in runs if _span(r) < self.MAX_RUN // 2]
-            runs = [r for r in runs if _span(r) >= self.MAX_RUN // 2]
-            self._reads = [read for run in short for read in run]
-        self._pending_bytes = sum(read[1].nbytes for read in self._reads)
-        self._next_start = self._pending_bytes + self.MAX_RUN
-        self._futures.extend(self._executor().submit(_read_run, run) for run in runs)
-
-    def join(self) -> None:
-        if not self._futures and len(runs := self._runs()) == 1:  # one read: no thread hand-off
-            self._reads, self._pending_bytes, self._next_start = [], 0, self.MAX_RUN
-            _read_run(runs[0])
-            return
-        self._start()
-        futures, self._futures = self._futures, []
-        errors = [e for e in (f.exception() for f in futures) if e is not None]
-        if errors:
-            raise errors[0]
-
-    def _runs(self) -> list[list[tuple[Storage, Chunk, memoryview, str]]]:
-        """The reads grouped into runs of neighbouring chunks of one file, in file order."""
-        ordered = sorted(self._reads, key=lambda r: (id(r[0]), r[1].file, r[1].offset))
-        runs: list[list[tuple[Storage, Chunk, memoryview, str]]] = []
-        for read in ordered:
-            storage, chunk = read[0], read[1]
-            if runs:
-                last = runs[-1][-1]
-                end = last[1].offset + last[1].nbytes
-                if (last[0] is storage and last[1].file == chunk.file and 0 <= chunk.offset - end <= self.MAX_GAP
-                        and chunk.offset + chunk.nbytes - runs[-1][0][1].offset <= self.MAX_RUN):
-                    runs[-1].append(read)
-                    continue
-            runs.append([read])
-        return runs
-
-
-def _span(run: list[tuple[Storage, Chunk, memoryview, str]]) -> int:
-    return run[-1][1].offset + run[-1][1].nbytes - run[0][1].offset
-
-
-def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
-    """One vectored read for neighbouring chunks of one file, then each chunk's checksum."""
-    storage, first = run[0][0], run[0][1]
-    scratch = memoryview(bytearray(ReadBatch.MAX_GAP))
-    views, position = [], first.offset
-    for _, chunk, view, _ in run:
-        if chunk.offset > position:
-            views.append(scratch[: chunk.offset - position])
-        views.append(view)
-        position = chunk.offset + chunk.nbytes
-    try:
-        storage.read_vectored(first.file, first.offset, views)
-    except (EOFError, FileNotFoundError) as e:
-        raise _truncated(storage, first.file, e) from e
-    for _, chunk, view, what in run:
-        if checksum(view) != chunk.checksum:
-            raise _mismatch(storage, chunk, what)
-
-
-def fill(reads: ReadBatch | None, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
-    """Read into a final destination: through ``reads`` when given, else now."""
-    if reads is None:
-        read_into(storage, chunks, out, what)
-    else:
-        reads.read_into(storage, chunks, out, what)
-
-
-class _ChunkReader:
-    """Reads chunks front to back in pieces of any size, verifying each chunk when its last byte is read."""
-
-    def __init__(self, storage: Storage, chunks: list[Chunk], what: str) -> None:
-        self._storage, self._what = storage, what
-        self._chunks = [c for c in chunks if c.nbytes]
-        self._index, self._done, self._digest = 0, 0, xxhash.xxh3_64()
-
-    def read(self, out: memoryview) -> None:
-        filled = 0
-        while filled < out.nbytes:
-            chunk = self._chunks[self._index]
-            n = min(out.nbytes - filled, chunk.nbytes - self._done)
-            view = out[filled:filled + n]
-            _read(self._storage, chunk, self._done, view)
-            self._digest.update(view)
-            filled, self._done = filled + n, self._done + n
-            if self._done == chunk.nbytes:
-                if self._digest.hexdigest() != chunk.checksum:
-                    raise _mismatch(self._storage, chunk, self._what)
-                self._index, self._done, self._digest = self._index + 1, 0, xxhash.xxh3_64()
-
-
-def read_through_host(storage: Storage, chunks: list[Chunk], target: torch.Tensor, what: str,
-                      budget: int | None) -> None:
-    """Fill a tensor that cannot be read into directly (on a device, or not contiguous), in row-major
-    pieces through a host buffer of at most ``budget`` bytes (pinned for CUDA)."""
-    size = target.element_size()
-    step = max(ALIGN_STEP, min(budget or CHUNK_BYTES, CHUNK_BYTES))
-    bounce = torch.empty(min(step, target.numel() * size), dtype=torch.uint8,
-                         pin_memory=target.device.type == "cuda")
-    reader = _ChunkReader(storage, chunks, what)
-    with torch.no_grad():
-        for block in row_major_blocks(target.detach(), step // size):
-            host = bounce[: block.numel() * size]
-            reader.read(tensor_bytes(host))
-            block.copy_(host.view(target.dtype).view(block.shape))
+    def load(path: str, entry: Entry, template: Any) -> Any:
+        if isinstance(entry, TensorEntry) and not is_sharded(template):  # most leaves; checked first
+            return load_tensor(storage, path, entry, template, budget, reads)
+        if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded entry, or a sharded target
+            return load_sharded(storage, path, entry, template, budget, reads)
+        if isinstance(entry, PickleEntry):
+            return load_pickle(storage, path, entry, allow_pickle)
+        return load_bytes(storage, path, entry)  # the last kind of leaf
+    return load
 
 
 def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
@@ -236,7 +102,7 @@ def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
 
     Reads straight into the result may be left to ``reads``; the result is complete after its ``join()``.
     """
-    if entry.kind == "ndarray":
+    if entry.kind == Raw.NDARRAY:
         return _load_array(storage, path, entry, target, reads)
     if isinstance(target, torch.Tensor):
         check_tensor_target(path, entry, target)
@@ -282,27 +148,142 @@ def load_bytes(storage: Storage, path: str, entry: BytesEntry) -> bytes:
     return bytes(data)
 
 
-def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTES) -> None:
-    """Read every chunk of every entry through one buffer and check its checksum."""
-    buffer = bytearray(budget)
-    seen: set[Chunk] = set()  # entries may share chunks
-    # Each section once, not each rank's view of them: a manifest of many ranks would make that quadratic.
-    for table in (*manifest.ranks, manifest.replicated, manifest.sharded):
-        for path, entry in table.items():
-            for chunk in _chunks_of(entry):
-                if chunk in seen:
-                    continue
-                seen.add(chunk)
-                digest = xxhash.xxh3_64()
-                for start in range(0, chunk.nbytes, budget):
-                    view = memoryview(buffer)[: min(budget, chunk.nbytes - start)]
-                    _read(storage, chunk, start, view)
-                    digest.update(view)
-                if digest.hexdigest() != chunk.checksum:
-                    raise _mismatch(storage, chunk, path)
+# -- sharded tensors -----------------------------------------------------------
+
+def _target_regions(target: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
+    """(global chunk, local tensor) for every non-empty block of the target held by this rank."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata  # slow imports: only sharded restores
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+
+    dtensor, sharded_tensor = dtensor_class(), sharded_tensor_class()
+    if dtensor is not None and isinstance(target, dtensor):
+        if target.device_mesh.get_coordinate() is None:
+            return []
+        locals_ = [target.to_local()]
+    elif sharded_tensor is not None and isinstance(target, sharded_tensor):
+        locals_ = [s.tensor for s in target.local_shards()]
+    else:
+        return [(ChunkStorageMetadata(torch.Size([0] * target.dim()), target.shape), target)] if target.numel() else []
+    return [(chunk, local.detach()) for chunk, local in zip(_create_chunk_list(target), locals_) if local.numel()]
 
 
-def _chunks_of(entry: Entry) -> list[Chunk]:
-    if isinstance(entry, ShardedTensorEntry):
-        return [c for shard in entry.shards for c in shard.chunks]
-    return list(getattr(entry, "chunks", []))
+def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) -> None:
+    found = (list(target.shape), str(target.dtype).removeprefix("torch."))  # the manifest's dtype names
+    if found != (entry.shape, entry.dtype):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds a sharded tensor of global shape {entry.shape} and dtype {entry.dtype}, "
+            f"but the restore target has global shape {found[0]} and dtype {found[1]}")
+
+
+def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,
+                 budget: int | None = None, batch: ReadBatch | None = None) -> Any:
+    """Load the saved sharded tensor into ``target`` in place (a DTensor, ShardedTensor or
+    full-size tensor); without a tensor target, into a new full tensor.
+
+    A whole saved tensor (``TensorEntry``) loads as one shard, e.g. into a DTensor.
+    """
+    if isinstance(entry, TensorEntry):
+        entry = ShardedTensorEntry(entry.dtype, entry.shape, [Shard([0] * len(entry.shape), entry.shape, entry.chunks)])
+    if not isinstance(target, torch.Tensor):
+        check_stored(storage, [c for shard in entry.shards for c in shard.chunks], path)
+        target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+    _check_target(path, entry, target)
+    regions = _target_regions(target)
+    if not regions:
+        return target
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    saved = TensorStorageMetadata(
+        TensorProperties(dtype=target.dtype), torch.Size(entry.shape),
+        [ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.sizes)) for s in entry.shards])
+    reads = create_read_items_for_chunk_list(path, saved, [chunk for chunk, _ in regions])
+    _check_covered(path, reads, regions)
+    by_shard: dict[int, list[Any]] = defaultdict(list)
+    for item in reads:
+        by_shard[item.storage_index.index].append(item)
+    dests = [local for _, local in regions]
+    with torch.no_grad():
+        for index, items in sorted(by_shard.items()):
+            _read_shard(storage, path, entry.shards[index], items, dests, budget, batch)
+    return target
+
+
+def _check_covered(path: str, reads: list[Any], regions: list[tuple[Any, torch.Tensor]]) -> None:
+    got: dict[int, int] = defaultdict(int)
+    for item in reads:
+        got[item.dest_index.index] += math.prod(item.lengths)
+    for index, (chunk, local) in enumerate(regions):
+        if got[index] != local.numel():
+            raise CorruptSnapshotError(
+                f"{path}: the saved shards cover {got[index]} of the {local.numel()} elements at global offsets "
+                f"{list(chunk.offsets)} (sizes {list(chunk.sizes)}); the snapshot is incomplete")
+
+
+def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], dests: list[torch.Tensor],
+                budget: int | None, batch: ReadBatch | None) -> None:
+    """Copy the parts ``items`` of one saved shard into their destinations (whole-shard reads via ``batch``)."""
+    item = items[0]
+    if len(items) == 1 and not any(item.storage_offsets) and list(item.lengths) == shard.sizes:
+        dest = _region(dests[item.dest_index.index], item.dest_offsets, item.lengths)
+        if is_direct(dest):
+            fill(batch, storage, shard.chunks, tensor_bytes(dest), path)
+            return
+        if dest.is_contiguous():
+            read_through_host(storage, shard.chunks, dest, path, budget)
+            return
+    _stream_shard(storage, path, shard, items, dests, budget)
+
+
+def _stream_shard(storage: Storage, path: str, shard: Shard, items: list[Any], dests: list[torch.Tensor],
+                  budget: int | None) -> None:
+    """Read the chunks holding the rows ``items`` need, in slabs of whole rows, and copy out the overlaps.
+
+    Only whole chunks are read, so each is verified against its checksum.
+    """
+    dtype, sizes = dests[0].dtype, shard.sizes  # not 0-d: those always land whole in their target
+    row = math.prod(sizes[1:]) * dests[0].element_size()
+    if sum(c.nbytes for c in shard.chunks) != sizes[0] * row:
+        raise CorruptSnapshotError(f"{path}: a saved shard's chunks do not hold its {sizes} elements")
+    need = (min(i.storage_offsets[0] for i in items) * row,
+            max(i.storage_offsets[0] + i.lengths[0] for i in items) * row)
+    starts, position = [], 0
+    for chunk in shard.chunks:
+        starts.append(position)
+        position += chunk.nbytes
+    span = [i for i, (s, c) in enumerate(zip(starts, shard.chunks)) if s < need[1] and s + c.nbytes > need[0]]
+    begin, end = starts[span[0]], starts[span[-1]] + shard.chunks[span[-1]].nbytes
+    reader = ChunkReader(storage, shard.chunks[span[0]:span[-1] + 1], path)
+    rows = max(1, (budget or packing.CHUNK_BYTES) // row)  # read at call time: tests shrink it
+    buffer = torch.empty(max(rows * row, 1), dtype=torch.uint8)
+    position = begin
+    while position < end:
+        if position < need[0] or position >= need[1]:  # bytes of a needed chunk outside the needed rows
+            stop = min(need[0] if position < need[0] else end, position + buffer.numel())
+            reader.read(tensor_bytes(buffer[: stop - position]))
+        else:
+            stop = min(need[1], position + rows * row)
+            reader.read(tensor_bytes(buffer[: stop - position]))
+            slab = buffer[: stop - position].view(dtype).view([(stop - position) // row] + sizes[1:])
+            _copy_overlaps(slab, position // row, items, dests)
+        position = stop
+
+
+def _copy_overlaps(slab: torch.Tensor, slab_start: int, items: list[Any], dests: list[torch.Tensor]) -> None:
+    """Copy the rows ``slab_start..`` of a saved shard into every destination that needs them."""
+    slab_stop = slab_start + slab.shape[0]
+    for item in items:
+        src_off, dst_off, lengths = list(item.storage_offsets), list(item.dest_offsets), list(item.lengths)
+        lo, hi = max(src_off[0], slab_start), min(src_off[0] + lengths[0], slab_stop)
+        if lo >= hi:
+            continue
+        src = _region(slab, [lo - slab_start] + src_off[1:], [hi - lo] + lengths[1:])
+        dst = _region(dests[item.dest_index.index], [dst_off[0] + lo - src_off[0]] + dst_off[1:],
+                      [hi - lo] + lengths[1:])
+        dst.copy_(src)

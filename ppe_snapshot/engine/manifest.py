@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
 from ppe_snapshot.engine import jsonio
+from ppe_snapshot.engine.format import MANIFEST_NAME, Kind, Raw
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.validation import (
     CHECKSUM_ALGORITHM, FORMAT_NAME, FORMAT_VERSION, check_document, check_entry, tensor_chunks,
 )
-from ppe_snapshot.errors import CorruptSnapshotError
-
-MANIFEST_NAME = "manifest.json"
+from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
+from ppe_snapshot.storage import Storage
 
 
 class Chunk(NamedTuple):
@@ -40,7 +40,7 @@ class TensorEntry:
     dtype: str
     shape: list[int]
     chunks: list[Chunk]
-    kind: str = "tensor"
+    kind: str = Raw.TENSOR
     replicated: bool = False
 
     @property
@@ -99,8 +99,8 @@ class ContainerEntry:
 Entry = Union[TensorEntry, ShardedTensorEntry, ObjectEntry, PickleEntry, BytesEntry, ContainerEntry]
 
 _TYPES: dict[str, type] = {
-    "tensor": TensorEntry, "sharded": ShardedTensorEntry, "object": ObjectEntry,
-    "pickle": PickleEntry, "bytes": BytesEntry, "container": ContainerEntry,
+    Kind.TENSOR: TensorEntry, Kind.SHARDED: ShardedTensorEntry, Kind.OBJECT: ObjectEntry,
+    Kind.PICKLE: PickleEntry, Kind.BYTES: BytesEntry, Kind.CONTAINER: ContainerEntry,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
@@ -141,9 +141,9 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
 
 def entry_from_json(data: dict[str, Any]) -> Entry:
     """The entry of well-formed JSON (a manifest's entries are checked first, see :class:`EntryTable`)."""
-    if data["type"] == "tensor":  # most entries: the short way
+    if data["type"] == Kind.TENSOR:  # most entries: the short way
         return TensorEntry(data["dtype"], data["shape"], _chunks_from_json(data["chunks"]),
-                           data.get("kind", "tensor"), data.get("replicated", False))
+                           data.get("kind", Raw.TENSOR), data.get("replicated", False))
     data = dict(data)
     cls = _TYPES.get(data.pop("type"))
     if cls is None:
@@ -200,7 +200,7 @@ class EntryTable(Mapping[str, Entry]):
         # Most entries are tensors: checked and decoded in one pass; any other is checked, then decoded.
         chunks = tensor_chunks(data, self._files, Chunk) if self._only is None else None
         if chunks is not None:
-            entry = TensorEntry(data["dtype"], data["shape"], chunks, data.get("kind", "tensor"),
+            entry = TensorEntry(data["dtype"], data["shape"], chunks, data.get("kind", Raw.TENSOR),
                                 data.get("replicated", False))
         else:
             try:
@@ -299,5 +299,18 @@ class Manifest:
             files=files,
             take_id=doc.get("take_id", ""),
             metadata=doc.get("metadata", {}),
-            sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only="sharded"),
+            sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only=Kind.SHARDED),
         )
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest of the snapshot at ``storage`` (entries checked when decoded).
+
+    Raises :class:`SnapshotNotFoundError` when there is none (never taken, being written, or crashed).
+    """
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(f"no snapshot at {storage.url}: {MANIFEST_NAME} is missing (never taken, still "
+                                    "being written, or its save crashed before the commit)") from None
+    return Manifest.from_bytes(data, where=f"{storage.url}/{MANIFEST_NAME}")

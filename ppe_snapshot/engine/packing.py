@@ -20,13 +20,14 @@ import torch
 import xxhash
 
 from ppe_snapshot.engine.flatten import Payload
+from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.manifest import Chunk
 from ppe_snapshot.storage import BlobWriter, Storage
 
 ALIGNMENT = 64
 CHUNK_BYTES = 64 << 20
-# Largest piece of a non-CPU or non-contiguous tensor copied to host at once in a sync take.
-BOUNCE_BYTES = 64 << 20
+#: Largest piece of a non-CPU or non-contiguous tensor copied to host memory at once to be written.
+HOST_COPY_BYTES = 64 << 20
 PAGE = 4096
 #: A sync take hands the bytes of small payloads to the storage writer in batches of about this size.
 WRITE_BATCH_BYTES = 4 << 20
@@ -76,7 +77,7 @@ class FileLayout:
 
     def on_cuda(self) -> bool:
         """Whether any payload is a CUDA tensor (staging then wants pinned memory and a synchronize)."""
-        return any(p.payload.kind == "tensor" and p.payload.data.device.type == "cuda" for p in self.placements)
+        return any(p.payload.kind == Raw.TENSOR and p.payload.data.device.type == "cuda" for p in self.placements)
 
 
 def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
@@ -90,7 +91,7 @@ def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
 
 def needs_bounce(payload: Payload) -> bool:
     """Whether a payload is a tensor that must be copied to host memory to be written (see :func:`is_direct`)."""
-    return payload.kind == "tensor" and not is_direct(payload.data)
+    return payload.kind == Raw.TENSOR and not is_direct(payload.data)
 
 
 def _payload_views(payload: Payload, bounce: torch.Tensor | None, bounced: bool) -> Iterator[memoryview]:
@@ -99,12 +100,12 @@ def _payload_views(payload: Payload, bounce: torch.Tensor | None, bounced: bool)
     if bounced:
         yield from _bounced_views(payload.data, bounce)
         return
-    if payload.kind == "pickle":
-        data = memoryview(payload.data)
-    elif payload.kind == "ndarray":
-        data = memoryview(np.ascontiguousarray(payload.data).reshape(-1).view(np.uint8))
-    else:
+    if payload.kind == Raw.TENSOR:
         data = tensor_bytes(payload.data)
+    elif payload.kind == Raw.NDARRAY:
+        data = memoryview(np.ascontiguousarray(payload.data).reshape(-1).view(np.uint8))
+    else:  # pickled or raw bytes
+        data = memoryview(payload.data)
     for start in range(0, data.nbytes, CHUNK_BYTES):
         yield data[start:start + CHUNK_BYTES]
 
@@ -142,8 +143,16 @@ def new_bounce(layout: FileLayout) -> torch.Tensor | None:
     device = [p.payload.data for p in layout.placements if needs_bounce(p.payload)]
     if not device:
         return None
-    size = min(BOUNCE_BYTES, max(t.numel() * t.element_size() for t in device))
-    return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return host_copy_buffer(max(t.numel() * t.element_size() for t in device))
+
+
+def host_copy_buffer(nbytes: int, reuse: torch.Tensor | None = None) -> torch.Tensor:
+    """A host buffer (pinned when CUDA is there) for the pieces of a tensor of ``nbytes`` that must be copied to host
+    memory to be written: ``reuse`` when it is big enough, else a new one of at most ``HOST_COPY_BYTES``."""
+    need = min(HOST_COPY_BYTES, nbytes)
+    if reuse is not None and reuse.numel() >= need:
+        return reuse
+    return torch.empty(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 class PayloadAppender:
@@ -227,10 +236,10 @@ def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
     for p in layout.placements:
         region = buffer[p.offset:p.offset + p.nbytes]
         data = p.payload.data
-        if p.payload.kind == "tensor":
+        if p.payload.kind == Raw.TENSOR:
             if p.nbytes:
                 region.view(data.dtype).view(data.shape).copy_(data, non_blocking=data.device.type == "cuda")
-        elif p.payload.kind == "ndarray":
+        elif p.payload.kind == Raw.NDARRAY:
             np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
         else:
             region.numpy()[:] = np.frombuffer(data, dtype=np.uint8)

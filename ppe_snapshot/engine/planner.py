@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from torch.nn.parallel import DistributedDataParallel
 
 from ppe_snapshot.engine.flatten import FlatItem, Payload, escape
+from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.sharded import ShardedPayload, ShardPlan, plan_sharded
 
 
@@ -54,7 +55,7 @@ def plan_rank(items: dict[str, FlatItem], rank: int, world_size: int) -> RankPla
     for path, item in items.items():
         if isinstance(item, ShardedPayload):  # each shard once in total, by a rank holding it
             plan.sharded[path], tensors = plan_sharded(path, item, dedupe=world_size > 1)
-            plan.payloads += [(name, Payload("tensor", tensor)) for name, tensor in tensors]
+            plan.payloads += [(name, Payload(Raw.TENSOR, tensor)) for name, tensor in tensors]
         elif isinstance(item, Payload):
             if not item.replicated or owner[path] == rank:
                 plan.payloads.append((path, item))

@@ -1,4 +1,4 @@
-"""Tensors split over ranks: DTensor (any placement, FSDP2 ``fully_shard``) and ShardedTensor.
+"""Tensors split over ranks (DTensor of any placement, FSDP2 ``fully_shard``, ShardedTensor): the take side.
 
 Take: ``flatten`` turns such a tensor into a :class:`ShardedPayload` (this
 rank's local shards with their global offsets, computed by
@@ -9,32 +9,21 @@ tensors. Each rank's part lists the shards it wrote; ``merge_sharded`` joins
 them into one :class:`ShardedTensorEntry` per tensor, in the manifest's
 ``sharded`` section, which every rank of any world size sees.
 
-Restore: the target decides what to read: its local shard for a DTensor or
-ShardedTensor, the whole tensor for a plain tensor (or ``read_object``). The
-overlap between saved shards and the target's regions comes from DCP's
-resharding planner (``create_read_items_for_chunk_list``); each rank reads
-only what it needs, with no collective. A saved shard that lands whole in a
-contiguous region is read straight into it; otherwise the checksummed chunks
-that hold the needed rows are streamed through a buffer bounded by the memory
-budget, so every byte used is verified with its whole chunk.
+Restore: see :mod:`~ppe_snapshot.engine.loading` (``load_sharded``).
 """
 from __future__ import annotations
 
 import math
 import sys
 import zlib
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ppe_snapshot.engine.manifest import Chunk, Shard, ShardedTensorEntry, TensorEntry
-from ppe_snapshot.engine.serialization import dtype_name, torch_dtype
-from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, StateMismatchError, UnsupportedValueError
-from ppe_snapshot.storage import Storage
-
-# flatten imports this module, and loading / packing import flatten: the readers below import them when called.
+from ppe_snapshot.engine.manifest import Chunk, Shard, ShardedTensorEntry
+from ppe_snapshot.engine.serialization import dtype_name
+from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 
 #: Separates a sharded tensor's path from a shard's number in a rank's file layout; ``%``
 #: followed by ``#`` never occurs in a logical path (``%`` is always escaped as ``%25``).
@@ -51,11 +40,11 @@ def _loaded_class(module: str, name: str) -> type | None:
     return getattr(mod, name, None) if mod is not None else None
 
 
-def _dtensor_class() -> type | None:
+def dtensor_class() -> type | None:
     return _loaded_class("torch.distributed.tensor", "DTensor")
 
 
-def _sharded_tensor_class() -> type | None:
+def sharded_tensor_class() -> type | None:
     return _loaded_class("torch.distributed._shard.sharded_tensor", "ShardedTensor")
 
 
@@ -63,7 +52,7 @@ def is_sharded(value: Any) -> bool:
     """Whether ``value`` is a DTensor or a ShardedTensor."""
     if type(value) in _PLAIN_TENSORS:  # the common case, asked once per tensor of the state
         return False
-    classes = tuple(c for c in (_dtensor_class(), _sharded_tensor_class()) if c is not None)
+    classes = tuple(c for c in (dtensor_class(), sharded_tensor_class()) if c is not None)
     return bool(classes) and isinstance(value, classes)
 
 
@@ -144,7 +133,7 @@ def _dtype(path: str, value: Any) -> str:
 
 def sharded_payload(path: str, value: Any) -> ShardedPayload:
     """The flatten item of a DTensor or ShardedTensor (see :func:`is_sharded`)."""
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     if dtensor is not None and isinstance(value, dtensor):
         return _dtensor_payload(path, value)
     shards = [LocalShard(list(s.metadata.shard_offsets), s.tensor.detach()) for s in value.local_shards()]
@@ -219,152 +208,3 @@ def merge_sharded(parts: list[dict[str, ShardedTensorEntry]]) -> dict[str, Shard
                 f"{path}: the shards written cover {covered} of the {total} elements of the sharded tensor; "
                 "take the snapshot on every rank of its device mesh (pg=None or a group holding all of them)")
     return merged
-
-
-# -- restore ------------------------------------------------------------------
-
-def _target_regions(target: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
-    """(global chunk, local tensor) for every non-empty block of the target held by this rank."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
-
-    dtensor, sharded_tensor = _dtensor_class(), _sharded_tensor_class()
-    if dtensor is not None and isinstance(target, dtensor):
-        if target.device_mesh.get_coordinate() is None:
-            return []
-        locals_ = [target.to_local()]
-    elif sharded_tensor is not None and isinstance(target, sharded_tensor):
-        locals_ = [s.tensor for s in target.local_shards()]
-    else:
-        return [(ChunkStorageMetadata(torch.Size([0] * target.dim()), target.shape), target)] if target.numel() else []
-    return [(chunk, local.detach()) for chunk, local in zip(_create_chunk_list(target), locals_) if local.numel()]
-
-
-def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) -> None:
-    found = (list(target.shape), str(target.dtype).removeprefix("torch."))  # the manifest's dtype names
-    if found != (entry.shape, entry.dtype):
-        raise StateMismatchError(
-            f"{path}: the snapshot holds a sharded tensor of global shape {entry.shape} and dtype {entry.dtype}, "
-            f"but the restore target has global shape {found[0]} and dtype {found[1]}")
-
-
-def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,
-                 budget: int | None = None, batch: Any = None) -> Any:
-    """Load the saved sharded tensor into ``target`` in place (a DTensor, ShardedTensor or
-    full-size tensor); without a tensor target, into a new full tensor.
-
-    A whole saved tensor (``TensorEntry``) loads as one shard, e.g. into a DTensor.
-    """
-    if isinstance(entry, TensorEntry):
-        entry = ShardedTensorEntry(entry.dtype, entry.shape, [Shard([0] * len(entry.shape), entry.shape, entry.chunks)])
-    if not isinstance(target, torch.Tensor):
-        from ppe_snapshot.engine.loading import check_stored
-        check_stored(storage, [c for shard in entry.shards for c in shard.chunks], path)
-        target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-    _check_target(path, entry, target)
-    regions = _target_regions(target)
-    if not regions:
-        return target
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    saved = TensorStorageMetadata(
-        TensorProperties(dtype=target.dtype), torch.Size(entry.shape),
-        [ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.sizes)) for s in entry.shards])
-    reads = create_read_items_for_chunk_list(path, saved, [chunk for chunk, _ in regions])
-    _check_covered(path, reads, regions)
-    by_shard: dict[int, list[Any]] = defaultdict(list)
-    for item in reads:
-        by_shard[item.storage_index.index].append(item)
-    dests = [local for _, local in regions]
-    with torch.no_grad():
-        for index, items in sorted(by_shard.items()):
-            _read_shard(storage, path, entry.shards[index], items, dests, budget, batch)
-    return target
-
-
-def _check_covered(path: str, reads: list[Any], regions: list[tuple[Any, torch.Tensor]]) -> None:
-    got: dict[int, int] = defaultdict(int)
-    for item in reads:
-        got[item.dest_index.index] += math.prod(item.lengths)
-    for index, (chunk, local) in enumerate(regions):
-        if got[index] != local.numel():
-            raise CorruptSnapshotError(
-                f"{path}: the saved shards cover {got[index]} of the {local.numel()} elements at global offsets "
-                f"{list(chunk.offsets)} (sizes {list(chunk.sizes)}); the snapshot is incomplete")
-
-
-def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor
-
-
-def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], dests: list[torch.Tensor],
-                budget: int | None, batch: Any) -> None:
-    """Copy the parts ``items`` of one saved shard into their destinations (whole-shard reads via ``batch``,
-    a ``loading.ReadBatch``)."""
-    from ppe_snapshot.engine.loading import fill, read_through_host
-    from ppe_snapshot.engine.packing import is_direct, tensor_bytes
-
-    item = items[0]
-    if len(items) == 1 and not any(item.storage_offsets) and list(item.lengths) == shard.sizes:
-        dest = _region(dests[item.dest_index.index], item.dest_offsets, item.lengths)
-        if is_direct(dest):
-            fill(batch, storage, shard.chunks, tensor_bytes(dest), path)
-            return
-        if dest.is_contiguous():
-            read_through_host(storage, shard.chunks, dest, path, budget)
-            return
-    _stream_shard(storage, path, shard, items, dests, budget)
-
-
-def _stream_shard(storage: Storage, path: str, shard: Shard, items: list[Any], dests: list[torch.Tensor],
-                  budget: int | None) -> None:
-    """Read the chunks holding the rows ``items`` need, in slabs of whole rows, and copy out the overlaps.
-
-    Only whole chunks are read, so each is verified against its checksum.
-    """
-    from ppe_snapshot.engine.loading import _ChunkReader
-    from ppe_snapshot.engine.packing import CHUNK_BYTES, tensor_bytes
-
-    dtype, sizes = dests[0].dtype, shard.sizes  # not 0-d: those always land whole in their target
-    row = math.prod(sizes[1:]) * dests[0].element_size()
-    if sum(c.nbytes for c in shard.chunks) != sizes[0] * row:
-        raise CorruptSnapshotError(f"{path}: a saved shard's chunks do not hold its {sizes} elements")
-    need = (min(i.storage_offsets[0] for i in items) * row,
-            max(i.storage_offsets[0] + i.lengths[0] for i in items) * row)
-    starts, position = [], 0
-    for chunk in shard.chunks:
-        starts.append(position)
-        position += chunk.nbytes
-    span = [i for i, (s, c) in enumerate(zip(starts, shard.chunks)) if s < need[1] and s + c.nbytes > need[0]]
-    begin, end = starts[span[0]], starts[span[-1]] + shard.chunks[span[-1]].nbytes
-    reader = _ChunkReader(storage, shard.chunks[span[0]:span[-1] + 1], path)
-    rows = max(1, (budget or CHUNK_BYTES) // row)
-    buffer = torch.empty(max(rows * row, 1), dtype=torch.uint8)
-    position = begin
-    while position < end:
-        if position < need[0] or position >= need[1]:  # bytes of a needed chunk outside the needed rows
-            stop = min(need[0] if position < need[0] else end, position + buffer.numel())
-            reader.read(tensor_bytes(buffer[: stop - position]))
-        else:
-            stop = min(need[1], position + rows * row)
-            reader.read(tensor_bytes(buffer[: stop - position]))
-            slab = buffer[: stop - position].view(dtype).view([(stop - position) // row] + sizes[1:])
-            _copy_overlaps(slab, position // row, items, dests)
-        position = stop
-
-
-def _copy_overlaps(slab: torch.Tensor, slab_start: int, items: list[Any], dests: list[torch.Tensor]) -> None:
-    """Copy the rows ``slab_start..`` of a saved shard into every destination that needs them."""
-    slab_stop = slab_start + slab.shape[0]
-    for item in items:
-        src_off, dst_off, lengths = list(item.storage_offsets), list(item.dest_offsets), list(item.lengths)
-        lo, hi = max(src_off[0], slab_start), min(src_off[0] + lengths[0], slab_stop)
-        if lo >= hi:
-            continue
-        src = _region(slab, [lo - slab_start] + src_off[1:], [hi - lo] + lengths[1:])
-        dst = _region(dests[item.dest_index.index], [dst_off[0] + lo - src_off[0]] + dst_off[1:],
-                      [hi - lo] + lengths[1:])
-        dst.copy_(src)

@@ -4,16 +4,14 @@ from __future__ import annotations
 import threading
 from typing import Any, TypeVar
 
-from ppe_snapshot.engine.flatten import escape, inflate
 from ppe_snapshot.engine.gcpause import gc_paused
-from ppe_snapshot.engine.loading import ReadBatch, load_bytes, load_pickle, load_tensor, verify_chunks
-from ppe_snapshot.engine.manifest import (
-    MANIFEST_NAME, Entry, Manifest, PickleEntry, ShardedTensorEntry, TensorEntry,
-)
-from ppe_snapshot.engine.sharded import is_sharded, load_sharded
-from ppe_snapshot.engine.stateful import check_restorable, restore_order, state_of
-from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, group_rank, prepare
-from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, StateMismatchError
+from ppe_snapshot.engine.loading import load_state, read_value
+from ppe_snapshot.engine.manifest import Entry, Manifest, read_manifest
+from ppe_snapshot.engine.ranks import group_rank
+from ppe_snapshot.engine.reads import verify_chunks
+from ppe_snapshot.engine.stateful import check_restorable, restore_order
+from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, prepare_take
+from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage, open_storage
 
 T = TypeVar("T")
@@ -53,8 +51,8 @@ class Snapshot:
         values that have no pickle-free encoding be pickled; ``metadata`` is a
         small JSON-able dict stored in the manifest (see :attr:`metadata`).
         """
-        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata,
-                      tensor_prepare=_custom_tensor_prepare_func)
+        job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
+                           allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func)
         job.write_and_commit()
         return cls(job.storage.url, pg, storage_options)
 
@@ -71,8 +69,8 @@ class Snapshot:
         supplies a reusable buffer (writers use it); by default a buffer is
         allocated and released when the write ends.
         """
-        job = prepare(path, app_state, pg, replicated, storage_options, allow_pickle, metadata,
-                      tensor_prepare=_custom_tensor_prepare_func)
+        job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
+                           allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func)
         job.stage(staging)
         return PendingSnapshot(job, cls(job.storage.url, pg, storage_options))
 
@@ -82,13 +80,7 @@ class Snapshot:
 
     def _read_manifest(self, storage: Storage) -> Manifest:
         if self._manifest is None:
-            try:
-                data = storage.read_bytes(MANIFEST_NAME)
-            except FileNotFoundError:
-                raise SnapshotNotFoundError(
-                    f"no snapshot at {self.path}: {MANIFEST_NAME} is missing (never taken, still being "
-                    "written, or its save crashed before the commit)") from None
-            self._manifest = Manifest.from_bytes(data, where=f"{self.path}/{MANIFEST_NAME}")
+            self._manifest = read_manifest(storage)
         return self._manifest
 
     @property
@@ -141,18 +133,8 @@ class Snapshot:
         try:
             manifest = self._read_manifest(storage)
             rank, _ = group_rank(self.pg)
-            reads = ReadBatch()
             for key, obj in app_state.items():
-                path = escape(key)
-                self._check_present(manifest, rank, key, path)
-                try:
-                    state = inflate(path, lambda p: manifest.lookup(rank, p), _leaf_loader(storage, allow_pickle, reads=reads),
-                                    state_of(key, obj))
-                except RecursionError:
-                    raise _too_deep(self.path, path) from None
-                finally:
-                    reads.join()
-                obj.load_state_dict(state)
+                obj.load_state_dict(load_state(storage, manifest, rank, key, obj, allow_pickle))
         finally:
             storage.close()
 
@@ -173,14 +155,7 @@ class Snapshot:
             rank, logical = self._split(manifest, path)
             if manifest.lookup(rank, logical) is None:
                 raise KeyError(f"{path!r} is not in snapshot {self.path}; get_manifest() lists its entries")
-            reads = ReadBatch()
-            try:
-                return inflate(logical, lambda p: manifest.lookup(rank, p),
-                               _leaf_loader(storage, allow_pickle, memory_budget_bytes, reads), obj_out)
-            except RecursionError:
-                raise _too_deep(self.path, logical) from None
-            finally:
-                reads.join()
+            return read_value(storage, manifest, rank, logical, obj_out, allow_pickle, memory_budget_bytes)
         finally:
             storage.close()
 
@@ -189,35 +164,6 @@ class Snapshot:
         if head.isdigit() and rest and int(head) < manifest.world_size:
             return int(head), rest
         return group_rank(self.pg)[0], path
-
-    def _check_present(self, manifest: Manifest, rank: int, key: str, path: str) -> None:
-        if manifest.lookup(rank, path) is not None:
-            return
-        owners = [r for r, entries in enumerate(manifest.ranks) if path in entries]
-        if owners:
-            raise StateMismatchError(
-                f"app_state[{key!r}] was saved per rank by ranks {owners} of a world of {manifest.world_size}; "
-                f"this process is rank {rank} and has no state there. Read another rank's state with "
-                f"read_object('<rank>/{path}').")
-        saved = sorted({p.split("/", 1)[0] for r in range(manifest.world_size) for p in manifest.paths_for(r)})
-        raise StateMismatchError(f"app_state[{key!r}] is not in snapshot {self.path}; it holds {saved}")
-
-
-def _too_deep(snapshot: str, path: str) -> CorruptSnapshotError:
-    return CorruptSnapshotError(f"{snapshot}: the state under {path!r} is nested too deeply to rebuild "
-                                "(containers or values within one another); the snapshot is damaged")
-
-
-def _leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None, reads: ReadBatch | None = None):
-    def load(path: str, entry: Entry, template: Any) -> Any:
-        if isinstance(entry, TensorEntry) and not is_sharded(template):  # most leaves; checked first
-            return load_tensor(storage, path, entry, template, budget, reads)
-        if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded entry, or a sharded target
-            return load_sharded(storage, path, entry, template, budget, reads)
-        if isinstance(entry, PickleEntry):
-            return load_pickle(storage, path, entry, allow_pickle)
-        return load_bytes(storage, path, entry)  # the last kind of leaf (inflate handles the others)
-    return load
 
 
 class PendingSnapshot:

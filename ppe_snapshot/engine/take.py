@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -11,16 +10,18 @@ import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
+from ppe_snapshot.engine.format import Raw, data_file, new_take_id
 from ppe_snapshot.engine.gcpause import gc_paused
-from ppe_snapshot.engine.manifest import MANIFEST_NAME, Chunk, Entry, PickleEntry, TensorEntry
+from ppe_snapshot.engine.manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine.packing import (
     FileLayout, lay_out, new_staging_buffer, stage, write_from_sources, write_staged,
 )
 from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
+from ppe_snapshot.engine.ranks import group_rank
 from ppe_snapshot.engine.serialization import can_store_raw, dtype_name, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
 from ppe_snapshot.engine.stateful import take_states
-from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError, SnapshotExistsError, UnsupportedValueError
+from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 
 #: Gives a host buffer of at least the requested number of bytes (writers reuse theirs).
@@ -29,35 +30,19 @@ StagingProvider = Callable[[int], torch.Tensor]
 TensorPrepare = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 
-class LocalGroup:
-    """Pass ``pg=LOCAL`` for a snapshot taken or restored by this process alone,
-    even when torch.distributed is initialized (one saver rank, any reader)."""
-
-    def __repr__(self) -> str:
-        return "LOCAL"
-
-
-LOCAL = LocalGroup()
-
-
-def group_rank(pg: Any) -> tuple[int, int]:
-    """(rank, world size) in ``pg``; (0, 1) for ``LOCAL`` or without torch.distributed."""
-    if pg is not LOCAL and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(pg), dist.get_world_size(pg)
-    return 0, 1
-
-
 def _entry(payload: Payload, chunks: list[Chunk]) -> Entry:
-    if payload.kind == "pickle":
+    if payload.kind == Raw.PICKLED:
         return PickleEntry(chunks, payload.replicated)
     data = payload.data
-    dtype = dtype_name(data.dtype) if payload.kind == "tensor" else data.dtype.str
+    dtype = dtype_name(data.dtype) if payload.kind == Raw.TENSOR else data.dtype.str
     return TensorEntry(dtype, list(data.shape), chunks, payload.kind, payload.replicated)
 
 
 @dataclass
 class TakeJob:
-    """One rank's share of a take, from planning to commit."""
+    """One rank's share of a take, from planning to commit: made by :func:`prepare_take`, then
+    :meth:`stage` (optional: copy the state so the caller may go on), then :meth:`write_and_commit`
+    (may run in a thread or another process: the job pickles)."""
     storage: Storage
     take_id: str
     rank: int
@@ -82,6 +67,14 @@ class TakeJob:
         self.staged = buffer
         for p in self.layout.placements:  # the job must not keep the live state alive
             p.payload = Payload(p.payload.kind, _Shape.of(p.payload.data), p.payload.replicated)
+
+    def release_staging(self) -> None:
+        """Let go of the staging buffer, e.g. before the job is sent to a process that maps the same buffer."""
+        self.staged = None
+
+    def use_staged(self, buffer: torch.Tensor) -> None:
+        """Write from ``buffer``, which holds this job's staged file image (another process's :meth:`stage`)."""
+        self.staged = buffer
 
     def write_and_commit(self) -> None:
         try:
@@ -187,10 +180,13 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, rep
     Rank 0 checks that no snapshot exists at the path. A rank whose flatten
     failed still joins this exchange, so the others raise instead of waiting.
     """
-    proposal: dict[str, Any] = {"path": path, "take_id": uuid.uuid4().hex[:16], "replicated": replicated,
+    proposal: dict[str, Any] = {"path": path, "take_id": new_take_id(), "replicated": replicated,
                                 "error": repr(local_error) if local_error else None}
-    if rank == 0 and local_error is None and storage.exists(MANIFEST_NAME):
-        proposal["exists"] = f"a snapshot already exists at {path}; choose a new path or remove it first"
+    if rank == 0 and local_error is None:
+        try:
+            commit_protocol.refuse_overwrite(storage)
+        except SnapshotExistsError as e:  # raised on every rank, after the exchange
+            proposal["exists"] = str(e)
     proposals = [proposal]
     if world_size > 1:
         proposals = [None] * world_size
@@ -233,14 +229,14 @@ def _flatten_all(app_state: dict[str, Any], allow_pickle: bool,
 def _apply_tensor_prepare(items: dict[str, Any], tensor_prepare: TensorPrepare) -> None:
     """Replace each plain tensor by what ``tensor_prepare(path, tensor, False)`` returns (e.g. a cast)."""
     for path, item in items.items():
-        if isinstance(item, Payload) and item.kind == "tensor":
+        if isinstance(item, Payload) and item.kind == Raw.TENSOR:
             prepared = tensor_prepare(path, item.data, False)
             if not isinstance(prepared, torch.Tensor) or not can_store_raw(prepared):
                 problem = (f"returned a {type(prepared).__name__}" if not isinstance(prepared, torch.Tensor)
                            else f"returned a tensor that {raw_storage_problem(prepared)}")
                 raise UnsupportedValueError(f"{path}: _custom_tensor_prepare_func {problem}; it must return a "
                                             "dense strided tensor")
-            items[path] = Payload("tensor", prepared.detach())
+            items[path] = Payload(Raw.TENSOR, prepared.detach())
 
 
 def _plan(app_state: dict[str, Any], items: dict[str, Any], replicated: list[str], rank: int, world_size: int):
@@ -262,13 +258,15 @@ def _check_metadata(metadata: Any) -> None:
 
 
 @gc_paused()
-def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[str] | None,
-            storage_options: dict[str, Any] | None, allow_pickle: bool,
-            metadata: dict[str, Any] | None, *, tensor_prepare: TensorPrepare | None = None) -> TakeJob:
-    """Flatten and plan this rank's share; agree with the other ranks on path, take id and globs.
+def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replicated: Iterable[str] | None = None,
+                 storage_options: dict[str, Any] | None = None, allow_pickle: bool = False,
+                 metadata: dict[str, Any] | None = None, tensor_prepare: TensorPrepare | None = None) -> TakeJob:
+    """Flatten and plan this rank's share; agree with the other ranks of ``pg`` on path, take id and globs.
 
-    ``tensor_prepare(path, tensor, tracing)`` may replace each plain tensor by
-    the one to store (the seed's ``_custom_tensor_prepare_func``).
+    Every rank of ``pg`` calls it (the only collective of a take); ``pg=LOCAL``
+    for a take by this process alone. ``tensor_prepare(path, tensor, tracing)``
+    may replace each plain tensor by the one to store (the seed's
+    ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot.
     """
     rank, world_size = group_rank(pg)
     items, globs, error = {}, [], None
@@ -284,7 +282,7 @@ def prepare(path: str, app_state: dict[str, Any], pg: Any, replicated: Iterable[
         storage = open_storage(agreed.path, storage_options)
     try:
         plan = _plan(app_state, items, agreed.replicated, rank, world_size)
-        layout = lay_out(f"data/rank{rank}.bin", plan.payloads)
+        layout = lay_out(data_file(rank), plan.payloads)
     except BaseException as e:  # the others are about to write: make them raise, not wait
         _announce_failure(storage, agreed.take_id, rank, world_size, e)
         raise

@@ -18,22 +18,23 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from ppe_snapshot.engine.format import Container, Kind, Raw
 from ppe_snapshot.engine.serialization import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
-from ppe_snapshot.storage.base import is_safe_relative
+from ppe_snapshot.storage import is_safe_relative
 
 FORMAT_NAME = "ppe-snapshot"
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3_64"
 
-_CONTAINER_KINDS = frozenset({"dict", "OrderedDict", "list", "tuple"})
+_CONTAINER_KINDS = frozenset({Container.DICT, Container.ORDERED_DICT, Container.LIST, Container.TUPLE})
 _FIELDS = {
-    "tensor": frozenset({"type", "dtype", "shape", "chunks", "kind", "replicated"}),
-    "sharded": frozenset({"type", "dtype", "shape", "shards", "replicated"}),
-    "object": frozenset({"type", "value", "replicated"}),
-    "pickle": frozenset({"type", "chunks", "replicated"}),
-    "bytes": frozenset({"type", "chunks", "replicated"}),
-    "container": frozenset({"type", "kind", "keys", "length", "replicated"}),
+    Kind.TENSOR: frozenset({"type", "dtype", "shape", "chunks", "kind", "replicated"}),
+    Kind.SHARDED: frozenset({"type", "dtype", "shape", "shards", "replicated"}),
+    Kind.OBJECT: frozenset({"type", "value", "replicated"}),
+    Kind.PICKLE: frozenset({"type", "chunks", "replicated"}),
+    Kind.BYTES: frozenset({"type", "chunks", "replicated"}),
+    Kind.CONTAINER: frozenset({"type", "kind", "keys", "length", "replicated"}),
 }
 T = TypeVar("T", bound=tuple)
 # A chunk's fields in the order of manifest.Chunk, fetched at once; tuple.__new__ builds the named tuple
@@ -121,7 +122,7 @@ def tensor_chunks(data: Any, files: dict[str, int], chunk_type: type[T]) -> list
     Every check of :func:`_check_thoroughly` on a tensor entry, in one pass that also builds its chunks:
     a manifest holds thousands, and a restore checks and decodes each as it goes.
     """
-    if type(data) is not dict or data.get("type") != "tensor":
+    if type(data) is not dict or data.get("type") != Kind.TENSOR:
         return None
     try:
         kind, replicated = data.get("kind"), data.get("replicated")
@@ -129,8 +130,8 @@ def tensor_chunks(data: Any, files: dict[str, int], chunk_type: type[T]) -> list
         if len(data) != 4 + (kind is not None) + (replicated is not None) or (
                 replicated is not None and type(replicated) is not bool):
             return None
-        itemsizes = (_TORCH_ITEMSIZES if kind is None or kind == "tensor"
-                     else _ARRAY_ITEMSIZES if kind == "ndarray" else {})
+        itemsizes = (_TORCH_ITEMSIZES if kind is None or kind == Raw.TENSOR
+                     else _ARRAY_ITEMSIZES if kind == Raw.NDARRAY else {})
         missing = itemsizes.get(data["dtype"])  # a dtype seen before; the thorough check adds new ones
         shape, chunks = data["shape"], data["chunks"]
         if missing is None or type(shape) is not list or type(chunks) is not list:
@@ -174,12 +175,12 @@ def _check_thoroughly(data: Any, files: dict[str, int], only: str | None) -> Non
 
 def _itemsize(kind: str, dtype: Any) -> int:
     """The element size of a tensor's (torch name) or array's (numpy ``dtype.str``) dtype."""
-    if kind == "tensor":
+    if kind == Raw.TENSOR:
         size = _TORCH_ITEMSIZES.get(dtype)
         if size is None:
             size = _TORCH_ITEMSIZES[dtype] = torch_dtype(dtype).itemsize
         return size
-    if kind != "ndarray":
+    if kind != Raw.NDARRAY:
         raise CorruptSnapshotError(f"kind {kind!r:.60} is neither 'tensor' nor 'ndarray'")
     size = _ARRAY_ITEMSIZES.get(dtype)
     if size is None:
@@ -233,7 +234,7 @@ def _chunk_problem(chunk: dict[str, Any], files: dict[str, int]) -> str:
 
 def _check_tensor(data: dict[str, Any], files: dict[str, int]) -> None:
     shape = data["shape"]
-    expected = _element_count(shape) * _itemsize(data.get("kind", "tensor"), data["dtype"])
+    expected = _element_count(shape) * _itemsize(data.get("kind", Raw.TENSOR), data["dtype"])
     stored = _chunk_bytes(data["chunks"], files)
     if stored != expected:
         raise CorruptSnapshotError(
@@ -243,7 +244,7 @@ def _check_tensor(data: dict[str, Any], files: dict[str, int]) -> None:
 def _check_sharded(data: dict[str, Any], files: dict[str, int]) -> None:
     shape, shards = data["shape"], data["shards"]
     total = _element_count(shape)
-    itemsize = _itemsize("tensor", data["dtype"])
+    itemsize = _itemsize(Raw.TENSOR, data["dtype"])
     if type(shards) is not list:
         raise CorruptSnapshotError("shards is not a list")
     covered = 0
@@ -282,7 +283,7 @@ def _check_container(data: dict[str, Any], files: dict[str, int]) -> None:
 
 
 _CHECKS: dict[str, Callable[[dict[str, Any], dict[str, int]], None]] = {
-    "tensor": _check_tensor, "sharded": _check_sharded, "object": _check_object, "pickle": _check_chunks,
-    "bytes": _check_chunks, "container": _check_container,
+    Kind.TENSOR: _check_tensor, Kind.SHARDED: _check_sharded, Kind.OBJECT: _check_object, Kind.PICKLE: _check_chunks,
+    Kind.BYTES: _check_chunks, Kind.CONTAINER: _check_container,
 }
 

@@ -1,15 +1,22 @@
-"""Where snapshot bytes go: a local fast path and fsspec for everything else.
+"""The ground floor: where snapshot bytes go (a local fast path, fsspec for everything else).
 
-``open_storage`` picks the backend from the path; the DCP adapters in
-:mod:`ppe_snapshot.storage.protocol` build on the same classes.
+Imports nothing of ours but :mod:`ppe_snapshot.errors` and :mod:`ppe_snapshot.settings`.
+``open_storage`` picks the backend from the path. Floors above use only the names exported here.
+
+Compatibility: ``ppe_snapshot.storage.SnapshotStorageWriter`` / ``SnapshotStorageReader`` are aliases
+of the DCP adapters, whose home is :mod:`ppe_snapshot.dcp`. They are resolved on first use through
+``importlib`` (see ``__getattr__`` below): the one allowed upward reference out of this floor, kept so
+that code written against the old import path works.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from ppe_snapshot.storage.base import BlobWriter, Storage
+from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage
 from ppe_snapshot.storage.local import LocalStorage
+from ppe_snapshot.storage.swap import exchange, sync_directory
 
 
 def is_local(path: str) -> bool:
@@ -30,13 +37,17 @@ def join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if base else name
 
 
+#: Names kept here for compatibility; their home is ppe_snapshot.dcp.
+COMPATIBILITY_ALIASES = ("SnapshotStorageReader", "SnapshotStorageWriter")
+
+
 def __getattr__(name: str) -> Any:
-    # The DCP adapters import the engine, which imports this package: load them on first use.
-    if name in ("SnapshotStorageReader", "SnapshotStorageWriter"):
-        from ppe_snapshot.storage import protocol
-        return getattr(protocol, name)
+    # The documented exception to the layering rule (tests/test_layers.py names it): resolved on first use,
+    # so that importing storage never imports the floors above it.
+    if name in COMPATIBILITY_ALIASES:
+        return getattr(importlib.import_module("ppe_snapshot.dcp"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
-           "is_local", "join", "open_storage"]
+           "exchange", "is_local", "is_safe_relative", "join", "open_storage", "sync_directory"]

@@ -84,16 +84,8 @@ class Storage(abc.ABC):
         """Size of the file at ``rel`` in bytes."""
 
     @abc.abstractmethod
-    def list(self, rel: str = "") -> list[str]:
-        """Relative paths of the files under ``rel`` (recursively)."""
-
-    @abc.abstractmethod
     def remove(self, rel: str) -> None:
         """Remove one file; no error when it is already gone."""
-
-    @abc.abstractmethod
-    def remove_all(self) -> None:
-        """Remove the snapshot directory and everything in it."""
 
     def known_size(self, rel: str) -> int:
         """:meth:`size`, asked once per file for the life of this object (reads check allocations against it)."""

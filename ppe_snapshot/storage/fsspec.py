@@ -126,24 +126,10 @@ class FsspecStorage(Storage):
     def size(self, rel: str) -> int:
         return self.fs.size(self._abs(rel))
 
-    def list(self, rel: str = "") -> list[str]:
-        base = self._abs(rel)
-        try:
-            found = self.fs.find(base)
-        except FileNotFoundError:
-            return []
-        prefix = self.root.lstrip("/") + "/"
-        return sorted(p.lstrip("/")[len(prefix):] for p in found if p.lstrip("/").startswith(prefix))
 
     def remove(self, rel: str) -> None:
         try:
             self.fs.rm_file(self._abs(rel))
-        except FileNotFoundError:
-            pass
-
-    def remove_all(self) -> None:
-        try:
-            self.fs.rm(self.root, recursive=True)
         except FileNotFoundError:
             pass
 

@@ -5,7 +5,6 @@ import errno
 import mmap
 import os
 import queue
-import shutil
 import stat
 import threading
 from typing import Sequence
@@ -13,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ppe_snapshot.errors import CorruptSnapshotError
+from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
 
 # preadv takes at most this many buffers per call (IOV_MAX on Linux).
@@ -21,14 +21,8 @@ _IOV_MAX = 1024
 _MAX_WRITE = 1 << 30
 # O_DIRECT needs buffers, lengths and offsets aligned to the logical block size; a page covers all disks.
 _BLOCK = 4096
-#: Size and number of the bounce buffers of an O_DIRECT writer, and threads writing them out.
-BOUNCE_BYTES = int(os.environ.get("PPE_SNAPSHOT_BOUNCE_MB", "4")) << 20
-BOUNCE_BUFFERS = int(os.environ.get("PPE_SNAPSHOT_BOUNCE_N", "2"))
-DRAIN_THREADS = int(os.environ.get("PPE_SNAPSHOT_DRAIN_THREADS", "1"))
 # Copies at least this large go through numpy, which releases the GIL.
 _GIL_FREE_COPY = 64 << 10
-# PPE_SNAPSHOT_DIRECT_IO=0 writes through the page cache instead.
-_DIRECT_IO = os.environ.get("PPE_SNAPSHOT_DIRECT_IO", "1") != "0"
 
 
 def fsync_dir(path: str) -> None:
@@ -84,15 +78,17 @@ class _DirectBlobWriter(BlobWriter):
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._size = 0  # bytes accepted so far = the file offset of the next byte
+        # Size and number of the bounce buffers, and threads writing them out: see ppe_snapshot.settings.
+        self._bounce_bytes = SETTINGS.bounce_buffer_bytes
         self._free: queue.Queue[mmap.mmap] = queue.Queue()
-        for _ in range(BOUNCE_BUFFERS):
-            self._free.put(mmap.mmap(-1, BOUNCE_BYTES))
+        for _ in range(SETTINGS.bounce_buffers):
+            self._free.put(mmap.mmap(-1, self._bounce_bytes))
         self._full: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
         self._current: mmap.mmap | None = None
         self._fill = 0  # bytes in the current bounce buffer
         self._error: BaseException | None = None
         self._threads = [threading.Thread(target=self._drain, name="ppe-snapshot-direct-io", daemon=True)
-                         for _ in range(DRAIN_THREADS)]
+                         for _ in range(SETTINGS.drain_threads)]
         for thread in self._threads:
             thread.start()
 
@@ -134,12 +130,12 @@ class _DirectBlobWriter(BlobWriter):
                 if self._current is None:
                     self._current = self._free.get()
                     self._check()
-                take = min(BOUNCE_BYTES - self._fill, view.nbytes)
+                take = min(self._bounce_bytes - self._fill, view.nbytes)
                 _copy(self._current, self._fill, view[:take])
                 self._fill += take
                 self._size += take
                 view = view[take:]
-                if self._fill == BOUNCE_BYTES:
+                if self._fill == self._bounce_bytes:
                     self._flush_bounce()
 
     def _stop(self) -> None:
@@ -193,7 +189,7 @@ def open_blob_writer(path: str, size: int | None = None) -> BlobWriter:
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     fd = -1
-    if _DIRECT_IO and hasattr(os, "O_DIRECT"):
+    if SETTINGS.direct_io and hasattr(os, "O_DIRECT"):
         try:
             fd = os.open(path, flags | os.O_DIRECT, 0o644)
         except OSError as e:
@@ -342,23 +338,11 @@ class LocalStorage(Storage):
         self._check_resolved(rel, os.path.realpath(path))
         return os.path.getsize(path)
 
-    def list(self, rel: str = "") -> list[str]:
-        base = self._abs(rel)
-        found = []
-        for dirpath, _, files in os.walk(base):
-            for name in files:
-                found.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
-        return sorted(found)
-
     def remove(self, rel: str) -> None:
         try:
             os.remove(self._abs(rel))
         except FileNotFoundError:
             pass
-
-    def remove_all(self) -> None:
-        self.close()
-        shutil.rmtree(self.root, ignore_errors=True)
 
     def close(self) -> None:
         with self._lock:
@@ -366,10 +350,3 @@ class LocalStorage(Storage):
                 os.close(fd)
             self._readers.clear()
 
-    def drop_cache(self, rel: str) -> None:
-        """Ask the kernel to drop the cached pages of a file (benchmarks use this)."""
-        fd = os.open(self._abs(rel), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)

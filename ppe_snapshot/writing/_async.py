@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppe_snapshot.engine.packing import new_staging_buffer
-from ppe_snapshot.engine.take import TakeJob
+from ppe_snapshot.engine import TakeJob, new_staging_buffer
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._base import WriterBase, add_note, logger
 from ppe_snapshot.writing._files import FileSave, stage_object

@@ -11,8 +11,7 @@ from typing import Any, Callable
 from pytorch_pfn_extras.writing import Writer
 from pytorch_pfn_extras.writing._writer_base import _PosixFileSystem
 
-from ppe_snapshot.engine import LOCAL, StateDict
-from ppe_snapshot.engine.take import TakeJob, group_rank, prepare
+from ppe_snapshot.engine import LOCAL, StateDict, TakeJob, group_rank, prepare_take
 from ppe_snapshot.storage import is_local, join
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._files import FileSave
@@ -149,12 +148,13 @@ class WriterBase(Writer):
         """The take job, and the step after its commit that gives the snapshot its name when it replaces one.
 
         Rank 0 of ``pg`` decides where the take goes (every rank follows it in
-        ``prepare``) and is the one that moves the committed snapshot.
+        ``prepare_take``) and is the one that moves the committed snapshot.
         """
         requested, replacement = path, None
         if group_rank(pg)[0] == 0:
             path, replacement = _replace.plan(path, self._storage_options)
-        job = prepare(path, app_state, pg, None, self._storage_options, allow_pickle, metadata)
+        job = prepare_take(path, app_state, pg=pg, storage_options=self._storage_options, allow_pickle=allow_pickle,
+                           metadata=metadata)
         return job, _replace.after_commit(job, requested, replacement, self._storage_options)
 
     def _new_stats(self, path: str, start: float, nbytes: int | None) -> dict[str, Any]:

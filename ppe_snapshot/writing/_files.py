@@ -16,7 +16,7 @@ from typing import Any, Callable
 import fsspec
 import torch
 
-from ppe_snapshot.engine.packing import align
+from ppe_snapshot.engine import align
 from ppe_snapshot.storage import is_local
 
 #: Gives a host buffer of at least ``nbytes``, pinned when asked (``provider(nbytes, pin)``).

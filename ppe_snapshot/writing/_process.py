@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing
 from pytorch_pfn_extras.writing import QueueWriter, StandardWriter
 
-from ppe_snapshot.engine.take import TakeJob
+from ppe_snapshot.engine import TakeJob
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._async import AsyncWriter, Ticket
 from ppe_snapshot.writing._base import SimpleWriter, add_note, logger
@@ -197,7 +197,7 @@ class _ProcessBase(AsyncWriter):
         self._live_worker().send_buffer(slot, buffer)
 
     def _submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit) -> None:
-        job.staged = None  # the worker holds the slot's buffer already
+        job.release_staging()  # the worker holds the slot's buffer already
         self._send(ticket, ("take", ticket.slot, job, step))
 
     def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from pytorch_pfn_extras.writing import QueueWriter, StandardWriter
 
-from ppe_snapshot.engine.take import TakeJob
+from ppe_snapshot.engine import TakeJob
 from ppe_snapshot.writing._async import AsyncWriter, Ticket
 from ppe_snapshot.writing._base import SimpleWriter
 from ppe_snapshot.writing._files import FileSave, materialize

@@ -81,7 +81,7 @@ def _run(kind: str, work: list[Any], buffer: torch.Tensor) -> tuple[Any, int | N
     try:
         if kind == "take":
             job, step = work
-            job.staged = buffer
+            job.use_staged(buffer)
             commit_in_place(job, step)
             return None, None
         save, skeleton = work

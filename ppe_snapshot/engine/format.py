@@ -1,0 +1,94 @@
+"""Facts of the on-disk format, in one place: file names, take ids, entry kinds.
+
+Everything here is a name or a string written to disk; changing one breaks
+reading old snapshots. ``docs/format.md`` describes the layout and what a
+reader does with each kind.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Final, NamedTuple
+
+#: The manifest, written last: its presence commits the snapshot.
+MANIFEST_NAME: Final = "manifest.json"
+#: Where the ranks of a take being committed publish their parts (and rank 0 an abort marker).
+PARTS_DIR: Final = ".parts"
+
+
+def data_file(rank: int) -> str:
+    """The data file rank ``rank`` writes."""
+    return f"data/rank{rank}.bin"
+
+
+def new_take_id() -> str:
+    """A fresh take id (16 hex digits): names a take's parts and is recorded in its manifest."""
+    return uuid.uuid4().hex[:16]
+
+
+def part_name(take_id: str, rank: int) -> str:
+    """The part a rank publishes once its data is durable."""
+    return f"{PARTS_DIR}/{take_id}.rank{rank}.json"
+
+
+def abort_name(take_id: str) -> str:
+    """The marker rank 0 writes instead of the manifest when a take fails."""
+    return f"{PARTS_DIR}/{take_id}.abort"
+
+
+class InProgress(NamedTuple):
+    """What a file name under ``.parts/`` says: the take it belongs to and whether it marks an abort."""
+    take_id: str
+    aborted: bool
+
+
+def parse_parts_name(name: str) -> InProgress | None:
+    """The meaning of a file name (its base name) found under ``.parts/``; None for anything else."""
+    take_id, dot, rest = name.partition(".")
+    if not take_id or not dot:
+        return None
+    if rest == "abort":
+        return InProgress(take_id, True)
+    if rest.startswith("rank") and rest.endswith(".json"):
+        return InProgress(take_id, False)
+    return None
+
+
+def takes_in_progress(names: list[str]) -> set[str]:
+    """The take ids with a published part and no abort marker among the ``.parts/`` file names ``names``."""
+    parsed = [p for p in map(parse_parts_name, names) if p is not None]
+    aborted = {p.take_id for p in parsed if p.aborted}
+    return {p.take_id for p in parsed if not p.aborted and p.take_id not in aborted}
+
+
+class Kind:
+    """Entry type tags of the manifest (``"type"`` of each entry)."""
+    TENSOR: Final = "tensor"
+    SHARDED: Final = "sharded"
+    OBJECT: Final = "object"
+    PICKLE: Final = "pickle"
+    BYTES: Final = "bytes"
+    CONTAINER: Final = "container"
+
+
+class Raw:
+    """What a data file holds for one leaf: the ``kind`` of a payload, and of a tensor entry (tensor / ndarray)."""
+    TENSOR: Final = "tensor"
+    NDARRAY: Final = "ndarray"
+    #: ``pickle.dumps`` of a value (only with ``allow_pickle``); stored as a ``pickle`` entry.
+    PICKLED: Final = "pickle"
+    #: Opaque bytes stored as they are (DCP's ``BYTE_IO`` items); stored as a ``bytes`` entry, never unpickled.
+    BYTES: Final = "bytes"
+
+
+class Container:
+    """``kind`` of a container entry."""
+    DICT: Final = "dict"
+    ORDERED_DICT: Final = "OrderedDict"
+    LIST: Final = "list"
+    TUPLE: Final = "tuple"
+    #: The kinds whose children are named by keys (the others by index).
+    KEYED: Final = (DICT, ORDERED_DICT)
+
+
+__all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "Raw", "abort_name", "data_file",
+           "new_take_id", "parse_parts_name", "part_name", "takes_in_progress"]

@@ -1,0 +1,49 @@
+"""Tuning settings, read once from the environment at import.
+
+A leaf module like :mod:`ppe_snapshot.errors`: it imports nothing of ours, so
+every floor (storage included) may read it. The environment variables are
+the interface; :data:`SETTINGS` is what the code reads, at the moment it needs
+a value (tests may change its attributes).
+
+==================================  =======  ====================================================
+variable                            default  meaning
+==================================  =======  ====================================================
+``PPE_SNAPSHOT_DIRECT_IO``          ``1``    ``0``: local data files are written through the page
+                                             cache instead of with O_DIRECT
+``PPE_SNAPSHOT_BOUNCE_MB``          ``4``    size in MiB of each page-aligned bounce buffer of an
+                                             O_DIRECT writer (for bytes not page-aligned in memory)
+``PPE_SNAPSHOT_BOUNCE_N``           ``2``    number of those bounce buffers per writer
+``PPE_SNAPSHOT_DRAIN_THREADS``      ``1``    threads writing full bounce buffers out
+``PPE_SNAPSHOT_COMMIT_TIMEOUT``     ``1800`` seconds rank 0 waits for the other ranks' parts, and
+                                             they for its commit (also a replacing writer's wait)
+==================================  =======  ====================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass
+class Settings:
+    """The tuning values in effect (see the module docstring for their variables)."""
+    direct_io: bool = True
+    bounce_buffer_bytes: int = 4 << 20
+    bounce_buffers: int = 2
+    drain_threads: int = 1
+    commit_timeout: float = 1800.0
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] = os.environ) -> "Settings":
+        return cls(
+            direct_io=env.get("PPE_SNAPSHOT_DIRECT_IO", "1") != "0",
+            bounce_buffer_bytes=int(env.get("PPE_SNAPSHOT_BOUNCE_MB", "4")) << 20,
+            bounce_buffers=int(env.get("PPE_SNAPSHOT_BOUNCE_N", "2")),
+            drain_threads=int(env.get("PPE_SNAPSHOT_DRAIN_THREADS", "1")),
+            commit_timeout=float(env.get("PPE_SNAPSHOT_COMMIT_TIMEOUT", "1800")),
+        )
+
+
+#: The settings of this process, read once from the environment.
+SETTINGS = Settings.from_environment()
