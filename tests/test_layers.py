@@ -1,0 +1,179 @@
+"""The floors of docs/architecture.md, checked on the code's own imports.
+
+Every ``import`` / ``from ... import`` of every module under ``ppe_snapshot/`` counts, function-level and
+``TYPE_CHECKING`` ones included, and so does ``importlib.import_module("ppe_snapshot...")`` with a literal name.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ppe_snapshot"
+
+#: Floors, bottom up: a module imports only modules of its own floor or below (and never in a cycle).
+FLOORS = {
+    "ppe_snapshot.errors": 0, "ppe_snapshot.settings": 0,  # leaves: they import nothing of ours
+    "ppe_snapshot.storage": 1,
+    "ppe_snapshot.engine": 2,
+    "ppe_snapshot.writing": 3, "ppe_snapshot.dcp": 3,
+    "ppe_snapshot.retention": 4, "ppe_snapshot.cli": 4,
+    "ppe_snapshot.resume": 5, "ppe_snapshot.ppe_glue": 5, "ppe_snapshot.extension": 5,
+    "ppe_snapshot.extension_distributed": 5,
+    "ppe_snapshot": 6,  # the public API
+}
+#: Packages whose submodules are private to them: other modules import only the package itself.
+PACKAGES = ("ppe_snapshot.storage", "ppe_snapshot.engine", "ppe_snapshot.writing", "ppe_snapshot.dcp")
+#: The one allowed upward reference: storage's compatibility aliases of the DCP adapters (resolved by importlib).
+ALLOWED_UPWARD = {("ppe_snapshot.storage", "ppe_snapshot.dcp")}
+#: Imports in modules another branch is rewriting (issue 11, the part above the engine): switched at merge.
+#: Each is (importer, imported); the list must only shrink.
+SWITCHED_AT_MERGE = {
+    ("ppe_snapshot.extension", "ppe_snapshot.writing._base"),
+    ("ppe_snapshot.ppe_glue", "ppe_snapshot.writing._base"),
+    ("ppe_snapshot.retention", "ppe_snapshot.engine.commit"),
+    ("ppe_snapshot.retention", "ppe_snapshot.engine.manifest"),
+    ("ppe_snapshot.retention", "ppe_snapshot.writing._replace"),
+    ("ppe_snapshot.writing._replace", "ppe_snapshot.engine.commit"),
+    ("ppe_snapshot.writing._replace", "ppe_snapshot.engine.manifest"),
+    ("ppe_snapshot.writing._replace", "ppe_snapshot.storage.swap"),
+}
+#: Cycles in those modules, as the set of modules in the cycle: switched at merge too.
+CYCLES_SWITCHED_AT_MERGE = [{"ppe_snapshot.extension", "ppe_snapshot.extension_distributed"}]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The modules of ours that module ``name`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.add(node.args[0].value)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _floor(module: str) -> int:
+    owner = max((prefix for prefix in FLOORS if module == prefix or module.startswith(prefix + ".")), key=len)
+    return FLOORS[owner]
+
+
+def _package(module: str) -> str | None:
+    return next((p for p in PACKAGES if module == p or module.startswith(p + ".")), None)
+
+
+def test_every_module_has_a_floor():
+    for module in MODULES:
+        assert any(module == p or module.startswith(p + ".") for p in FLOORS), f"{module} has no floor in FLOORS"
+
+
+def test_no_upward_import():
+    upward = [(a, b) for a, targets in GRAPH.items() for b in targets
+              if _floor(b) > _floor(a) and (_package(a) or a, _package(b) or b) not in ALLOWED_UPWARD]
+    assert upward == []
+
+
+def test_storage_imports_only_the_leaves():
+    for module, targets in GRAPH.items():
+        if _package(module) == "ppe_snapshot.storage":
+            outside = {t for t in targets if _package(t) != "ppe_snapshot.storage"}
+            assert outside <= {"ppe_snapshot.errors", "ppe_snapshot.settings"} | (
+                {"ppe_snapshot.dcp"} if module == "ppe_snapshot.storage" else set()), module
+
+
+def test_the_alias_is_the_one_upward_reference():
+    assert "ppe_snapshot.dcp" in GRAPH["ppe_snapshot.storage"]  # the documented compatibility aliases
+    assert not any("ppe_snapshot.dcp" in GRAPH[m] for m in MODULES if m.startswith("ppe_snapshot.storage."))
+
+
+def test_engine_imports_storage_and_errors_publicly():
+    for module, targets in GRAPH.items():
+        if _package(module) == "ppe_snapshot.engine":
+            outside = {t for t in targets if _package(t) != "ppe_snapshot.engine"}
+            assert outside <= {"ppe_snapshot.storage", "ppe_snapshot.errors", "ppe_snapshot.settings"}, module
+
+
+def test_packages_are_entered_through_their_init():
+    reaches = {(a, b) for a, targets in GRAPH.items() for b in targets
+               if _package(b) and b != _package(b) and _package(a) != _package(b)}
+    assert reaches - SWITCHED_AT_MERGE == set()
+
+
+def test_switched_at_merge_lists_only_real_exceptions():
+    """An exception that no longer occurs must leave the list."""
+    present = {(a, b) for a, targets in GRAPH.items() for b in targets}
+    assert SWITCHED_AT_MERGE - present == set()
+
+
+def _cycles() -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan), leaving out the allowed upward
+    reference (storage's aliases are resolved on first use, never while storage is imported)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(t for t in GRAPH[node] if (_package(node) or node, t) not in ALLOWED_UPWARD):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for node in sorted(GRAPH):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle():
+    cycles = [c for c in _cycles() if c not in CYCLES_SWITCHED_AT_MERGE]
+    assert cycles == []
+
+
+def test_the_check_sees_imports_inside_functions():
+    """The checker itself: a function-level import and a literal importlib call are edges."""
+    assert "ppe_snapshot.extension" in GRAPH["ppe_snapshot"]  # imported inside __getattr__
+    assert "ppe_snapshot.dcp" in GRAPH["ppe_snapshot.storage"]  # importlib.import_module("ppe_snapshot.dcp")
+    graph_of = defaultdict(set)
+    for a, targets in GRAPH.items():
+        for b in targets:
+            graph_of[_floor(a)].add(_floor(b))
+    assert graph_of[2] <= {0, 1, 2}
