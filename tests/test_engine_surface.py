@@ -1,0 +1,86 @@
+"""The engine's public surface: taking in stages, the format facts, the settings, the DCP aliases."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ppe_snapshot.dcp
+import ppe_snapshot.storage
+from ppe_snapshot import SnapshotExistsError, SnapshotNotFoundError, StateDict
+from ppe_snapshot.engine import (
+    LOCAL, MANIFEST_NAME, Snapshot, abort_name, data_file, new_take_id, parse_parts_name, part_name, prepare_take,
+    read_manifest, takes_in_progress,
+)
+from ppe_snapshot.settings import Settings
+from ppe_snapshot.storage import open_storage
+
+
+def test_take_in_stages(tmp_path):
+    """plan -> stage -> (the caller changes its state) -> write and commit: the staged state is what is stored."""
+    weight = torch.arange(6, dtype=torch.float32)
+    job = prepare_take(str(tmp_path / "s"), {"m": StateDict({"w": weight})}, pg=LOCAL, metadata={"step": 3})
+    job.stage()
+    weight.zero_()
+    job.write_and_commit()
+    out = {"m": StateDict({"w": torch.empty(6)})}
+    Snapshot(str(tmp_path / "s")).restore(out)
+    assert torch.equal(out["m"]["w"], torch.arange(6, dtype=torch.float32))
+    assert read_manifest(open_storage(str(tmp_path / "s"))).metadata == {"step": 3}
+
+
+def test_staged_image_handed_over(tmp_path):
+    """What a worker process does: the job travels without its buffer and gets the shared image back."""
+    job = prepare_take(str(tmp_path / "s"), {"m": StateDict({"w": torch.ones(4)})}, pg=LOCAL)
+    job.stage()
+    image = job.staged
+    job.release_staging()
+    assert job.staged is None
+    job.use_staged(image)
+    job.write_and_commit()
+    assert Snapshot(str(tmp_path / "s")).read_object("0/m/w").tolist() == [1.0] * 4
+
+
+def test_prepare_take_options_are_keyword_only(tmp_path):
+    with pytest.raises(TypeError, match="positional argument"):
+        prepare_take(str(tmp_path / "s"), {"m": StateDict({})}, LOCAL, None, None, False, None)  # type: ignore[misc]
+    assert not (tmp_path / "s").exists()
+
+
+def test_prepare_take_refuses_to_overwrite(tmp_path):
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict({"x": 1})})
+    with pytest.raises(SnapshotExistsError, match="already exists"):
+        prepare_take(str(tmp_path / "s"), {"m": StateDict({"x": 2})}, pg=LOCAL)
+
+
+def test_read_manifest_not_found(tmp_path):
+    with pytest.raises(SnapshotNotFoundError, match=f"{MANIFEST_NAME} is missing"):
+        read_manifest(open_storage(str(tmp_path / "nothing")))
+
+
+def test_format_names():
+    assert data_file(3) == "data/rank3.bin"
+    take_id = new_take_id()
+    assert len(take_id) == 16 and int(take_id, 16) >= 0 and take_id != new_take_id()
+    assert part_name("abc", 2) == ".parts/abc.rank2.json" and abort_name("abc") == ".parts/abc.abort"
+
+
+def test_parts_names_parse_back():
+    assert parse_parts_name("abc.rank2.json") == ("abc", False)
+    assert parse_parts_name("abc.abort") == ("abc", True)
+    assert parse_parts_name("abc") is None and parse_parts_name("abc.tmp") is None
+    names = ["a.rank0.json", "a.rank1.json", "b.rank0.json", "b.abort", "c.abort", "junk"]
+    assert takes_in_progress(names) == {"a"}
+
+
+def test_settings_from_environment():
+    assert Settings.from_environment({}) == Settings()
+    env = {"PPE_SNAPSHOT_DIRECT_IO": "0", "PPE_SNAPSHOT_BOUNCE_MB": "8", "PPE_SNAPSHOT_BOUNCE_N": "3",
+           "PPE_SNAPSHOT_DRAIN_THREADS": "2", "PPE_SNAPSHOT_COMMIT_TIMEOUT": "5"}
+    assert Settings.from_environment(env) == Settings(False, 8 << 20, 3, 2, 5.0)
+
+
+def test_storage_keeps_the_dcp_aliases():
+    assert ppe_snapshot.storage.SnapshotStorageWriter is ppe_snapshot.dcp.SnapshotStorageWriter
+    assert ppe_snapshot.storage.SnapshotStorageReader is ppe_snapshot.dcp.SnapshotStorageReader
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        ppe_snapshot.storage.Nope  # noqa: B018
