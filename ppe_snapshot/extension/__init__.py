@@ -12,6 +12,13 @@ target's state, and autoload restores them, so training that draws random
 numbers (dropout, shuffling) resumes bit-exactly. Single-file snapshots
 (``savefun=torch.save``) keep ppe's format, which has no RNG state: there,
 put ``ppe_snapshot.RNGState()`` in the manager's ``state_objects``.
+
+The modules: ``ppe_extension`` (ppe's Extension protocol, one process),
+``rank_agreement`` (DISTRIBUTED and SHARDED modes), ``saved_state`` (what a
+snapshot holds and restoring it), ``ppe_compat`` (ppe's arguments and
+writers). Listing, pruning and choosing what to resume from are
+:mod:`ppe_snapshot.run_dir`'s; writers meet the extension through
+:class:`ppe_snapshot.writing.SnapshotWriter`.
 """
 from __future__ import annotations
 
