@@ -35,6 +35,7 @@ from typing import Any, Optional, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ppe_snapshot.engine import LOCAL, Snapshot
 from ppe_snapshot.engine.commit import COMMIT_TIMEOUT
 from ppe_snapshot.engine.manifest import MANIFEST_NAME
 from ppe_snapshot.errors import SnapshotError
@@ -216,7 +217,6 @@ def _move(fs: fsspec.AbstractFileSystem, source: str, dest: str) -> None:
 def _checked(path: str, storage_options: dict[str, Any] | None) -> tuple[bool, tuple[float, float]]:
     """Whether ``path`` holds a committed snapshot that passes the quick check, and the training
     position in its metadata ((-1, -1) when it records none)."""
-    from ppe_snapshot.engine import LOCAL, Snapshot
     snapshot = Snapshot(path, pg=LOCAL, storage_options=storage_options)
     try:
         snapshot.verify(deep=False)
