@@ -7,8 +7,9 @@ training position first), :func:`select_prunable` / :func:`prune`
 (retention), :func:`remove` and :class:`FilenameFormat`.
 """
 from ppe_snapshot.run_dir import (
-    COMPLETE_KINDS, Candidate, FilenameFormat, filesystem, list_snapshots, prune, remove, select_prunable,
+    COMPLETE_KINDS, Candidate, CandidateKind, FilenameFormat, filesystem, list_snapshots, prune, remove,
+    select_prunable,
 )
 
-__all__ = ["COMPLETE_KINDS", "Candidate", "FilenameFormat", "filesystem", "list_snapshots", "prune", "remove",
-           "select_prunable"]
+__all__ = ["COMPLETE_KINDS", "Candidate", "CandidateKind", "FilenameFormat", "filesystem", "list_snapshots", "prune",
+           "remove", "select_prunable"]

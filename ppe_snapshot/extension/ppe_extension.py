@@ -23,7 +23,7 @@ from ppe_snapshot import run_dir, writing
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_of
-from ppe_snapshot.run_dir import Candidate, FilenameFormat, holds_iteration, restore_newest, skip
+from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat, holds_iteration, restore_newest, skip
 from ppe_snapshot.storage import join
 from ppe_snapshot.writing import SnapshotWriter
 
@@ -212,7 +212,7 @@ class _Snapshot(extension.Extension):
         if stale is not None and self._savefun is None:
             writing.remove_snapshot(stale.url, self._storage_options)
             logger.warning("ppe_snapshot: removed %s, which autoload skipped as %s, to save this position again",
-                           stale.url, stale.kind if stale.kind != "snapshot" else "damaged")
+                           stale.url, stale.kind if stale.kind != CandidateKind.SNAPSHOT else CandidateKind.DAMAGED)
         self._rejected.discard(name)
         previous = writer.last_stats
         rng = self._rng_states() if rng is None else rng

@@ -18,7 +18,7 @@ from ppe_snapshot.engine import LOCAL, RNGState
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.extension.ppe_extension import _Snapshot
 from ppe_snapshot.extension.saved_state import state_of
-from ppe_snapshot.run_dir import Candidate, attempt, cannot_start_fresh
+from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -162,9 +162,9 @@ class ShardedSnapshot(_DistributedExtension):
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             problem = f"rank {self._rank}: {type(e).__name__}: {e}"
         for c in listed:
-            if c.kind != "snapshot":
+            if c.kind != CandidateKind.SNAPSHOT:
                 self._skip(c, c.problem or "a single-file snapshot cannot hold the state of every rank")
-        mine = [c for c in listed if c.kind == "snapshot"]
+        mine = [c for c in listed if c.kind == CandidateKind.SNAPSHOT]
         seen: list[Any] = [None] * self._size
         dist.all_gather_object(seen, problem or [c.name for c in mine])
         problems = [p for p in seen if isinstance(p, str)]

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot
-from ppe_snapshot.run_dir import Candidate, Unusable, load_file, opened
+from ppe_snapshot.run_dir import Candidate, CandidateKind, Unusable, load_file, opened
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -71,7 +71,7 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
     """
     if not candidate.complete:
         raise Unusable(candidate.problem or f"it is {candidate.kind}")
-    if candidate.kind == "file":
+    if candidate.kind == CandidateKind.FILE:
         try:
             state = load_file(candidate.url, storage_options)
         except Exception as e:  # noqa: BLE001 - nothing was loaded yet

@@ -14,7 +14,7 @@ with :func:`ppe_snapshot.writing.remove_snapshot`; it does not import
 pytorch_pfn_extras (``import ppe_snapshot`` loads it through
 :mod:`ppe_snapshot.retention`).
 """
-from ppe_snapshot.run_dir.listing import COMPLETE_KINDS, Candidate, filesystem, list_snapshots
+from ppe_snapshot.run_dir.listing import COMPLETE_KINDS, Candidate, CandidateKind, filesystem, list_snapshots
 from ppe_snapshot.run_dir.names import FilenameFormat
 from ppe_snapshot.run_dir.pruning import prune, remove, select_prunable
 from ppe_snapshot.run_dir.resume import (
@@ -22,6 +22,6 @@ from ppe_snapshot.run_dir.resume import (
 )
 from ppe_snapshot.run_dir.single_files import load_file
 
-__all__ = ["COMPLETE_KINDS", "Candidate", "Failure", "FilenameFormat", "Unusable", "attempt", "cannot_start_fresh",
-           "filesystem", "holds_iteration", "list_snapshots", "load_file", "opened", "prune", "remove",
-           "restore_newest", "select_prunable", "skip"]
+__all__ = ["COMPLETE_KINDS", "Candidate", "CandidateKind", "Failure", "FilenameFormat", "Unusable", "attempt",
+           "cannot_start_fresh", "filesystem", "holds_iteration", "list_snapshots", "load_file", "opened", "prune",
+           "remove", "restore_newest", "select_prunable", "skip"]

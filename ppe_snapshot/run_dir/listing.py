@@ -32,7 +32,16 @@ from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
 from ppe_snapshot.storage import join
 from ppe_snapshot.writing import replaced_name
 
-COMPLETE_KINDS = ("snapshot", "file")
+class CandidateKind:
+    """``Candidate.kind``: what a name under the output directory holds (see the module's docstring)."""
+    SNAPSHOT = "snapshot"
+    FILE = "file"
+    INCOMPLETE = "incomplete"
+    DAMAGED = "damaged"
+
+
+#: The kinds autoload can restore and retention keeps.
+COMPLETE_KINDS = (CandidateKind.SNAPSHOT, CandidateKind.FILE)
 
 
 @dataclass(frozen=True)
@@ -118,11 +127,11 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
     if not is_dir:
         problem = file_problem(fs, path)
         if problem is not None:
-            return Candidate(rel, url, "damaged", iteration, epoch_detail, problem=problem)
+            return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=problem)
         stored = recorded_iteration(fs, path)
-        return Candidate(rel, url, "file", stored if stored is not None else iteration, epoch_detail)
+        return Candidate(rel, url, CandidateKind.FILE, stored if stored is not None else iteration, epoch_detail)
     if not fs.exists(f"{path}/{MANIFEST_NAME}"):
-        return Candidate(rel, url, "incomplete", iteration, epoch_detail,
+        return Candidate(rel, url, CandidateKind.INCOMPLETE, iteration, epoch_detail,
                          problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed)",
                          busy=_take_in_progress(fs, path))
     snapshot = Snapshot(url, pg=LOCAL, storage_options=storage_options)
@@ -130,15 +139,15 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
         snapshot.verify(deep=False)
         metadata = snapshot.metadata
     except Exception as e:  # noqa: BLE001 - any failure to read it makes it unusable
-        return Candidate(rel, url, "damaged", iteration, epoch_detail, problem=f"{type(e).__name__}: {e}")
+        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=f"{type(e).__name__}: {e}")
     if not isinstance(metadata, dict):
-        return Candidate(rel, url, "damaged", iteration, epoch_detail,
+        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail,
                          problem=f"its manifest's metadata is a {type(metadata).__name__}, not an object")
     if isinstance(metadata.get("iteration"), int):
         iteration = metadata["iteration"]
     if isinstance(metadata.get("epoch_detail"), (int, float)):
         epoch_detail = float(metadata["epoch_detail"])
-    return Candidate(rel, url, "snapshot", iteration, epoch_detail)
+    return Candidate(rel, url, CandidateKind.SNAPSHOT, iteration, epoch_detail)
 
 
 def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:
