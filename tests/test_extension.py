@@ -146,7 +146,7 @@ def test_resume_restores_global_rng_without_rng_in_the_target(tmp_path, writer, 
     assert_same(resumed.state(), reference.state())
 
     # The same resume without restoring the RNG state diverges: the check above can fail.
-    monkeypatch.setattr(ppe_snapshot.extension._Snapshot, "_restore_rng", lambda self, snap, pg: None)
+    monkeypatch.setattr(ppe_snapshot.extension.saved_state, "restore_rng", lambda snap, pg, rng_rank: None)
     diverged = Run(control, ITERS, {"writer": make_writer(writer), "autoload": True}, seed=1, rng_in_state=False)
     diverged.train()
     assert diverged.snapshot.resumed_from == join(control, "snapshot_iter_6")

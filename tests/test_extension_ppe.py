@@ -437,6 +437,40 @@ def test_snapshot_on_error_replaces_an_older_snapshot_under_a_fixed_name(tmp_pat
     assert Snapshot(str(tmp_path / "latest")).metadata["iteration"] == 5  # not the one of iteration 4
 
 
+def test_the_writer_contract_decides_what_a_writer_is_given(tmp_path):
+    """Our writers are SnapshotWriters and get the engine keywords; ppe's are not; a writer of one's own that
+    declares the contract (SnapshotWriter.register) gets them too and is read back for its stats."""
+    ours = [getattr(writing, name)() for name in ("SimpleWriter", "ThreadWriter", "ThreadQueueWriter",
+                                                    "ProcessWriter", "ProcessQueueWriter")]
+    assert all(isinstance(w, writing.SnapshotWriter) for w in ours)
+    for w in ours:
+        w.finalize()
+    assert not isinstance(ppe.writing.SimpleWriter(), writing.SnapshotWriter)
+
+    class Recording(ppe.writing.Writer):
+        allow_pickle, storage_options = False, None
+
+        def __init__(self) -> None:
+            super().__init__(out_dir=str(tmp_path))
+            self.calls: list[dict] = []
+            self.last_stats: dict = {}
+
+        def __call__(self, filename, out_dir, target, **kwargs) -> None:
+            self.calls.append(kwargs)
+            self.last_stats = {"path": filename, "bytes": 7, "blocking_s": 0.5, "write_s": 0.25}
+
+        def wait(self) -> None:
+            pass
+
+    writing.SnapshotWriter.register(Recording)
+    manager, _ = make_manager(str(tmp_path))
+    ext = snapshot(writer=Recording(), filename="snap_{.iteration}")
+    ext(manager)
+    (kwargs,) = ext.writer.calls
+    assert sorted(kwargs) == ["allow_pickle", "extra_state", "metadata", "pg", "savefun"]
+    assert kwargs["metadata"]["ppe_snapshot_target"] == "manager" and list(kwargs["extra_state"]) == ["rng"]
+
+
 def test_condition_and_any_callable_writer_as_in_ppe():
     """ppe's contract: ``condition()`` at every call, the writer called when it returns True, and the
     writer finalized with the extension; any writer object of ppe's protocol will do."""

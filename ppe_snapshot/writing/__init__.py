@@ -3,7 +3,14 @@
 ``SimpleWriter`` saves in the caller. ``ThreadWriter`` / ``ThreadQueueWriter``
 and ``ProcessWriter`` / ``ProcessQueueWriter`` block the caller only while
 the state is staged into host buffers they own and reuse, then write and
-commit in the background. All of them are ``pytorch_pfn_extras`` writers.
+commit in the background. All of them are ``pytorch_pfn_extras`` writers,
+and each is a :class:`SnapshotWriter`, the contract the snapshot extension
+relies on (:mod:`ppe_snapshot.writing.contract`).
+
+A name that already holds a snapshot is saved again beside it
+(:func:`side_name`) and the new snapshot then takes the name;
+:func:`remove_snapshot` removes one the way every part of the package does
+(its manifest first).
 
 The classes are imported on first use: the ProcessWriter's worker imports
 ``ppe_snapshot.writing._worker``, and keeping this package lazy spares it the
@@ -21,14 +28,22 @@ _HOMES = {
     "ProcessWriter": "_process",
     "ProcessQueueWriter": "_process",
     "BackgroundSaveError": "_async",
+    "SaveStats": "contract",
+    "SnapshotWriter": "contract",
+    "remove_snapshot": "_replace",
+    "replaced_name": "_replace",
+    "side_name": "_replace",
 }
 
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
+    from ppe_snapshot.writing._async import BackgroundSaveError
     from ppe_snapshot.writing._base import SimpleWriter
     from ppe_snapshot.writing._process import ProcessQueueWriter, ProcessWriter
+    from ppe_snapshot.writing._replace import remove_snapshot, replaced_name, side_name
     from ppe_snapshot.writing._thread import ThreadQueueWriter, ThreadWriter
+    from ppe_snapshot.writing.contract import SaveStats, SnapshotWriter
 
 
 def __getattr__(name: str) -> Any:

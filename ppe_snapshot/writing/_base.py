@@ -16,6 +16,7 @@ from ppe_snapshot.storage import is_local, join
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._replace import AfterCommit
+from ppe_snapshot.writing.contract import SnapshotWriter
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -28,7 +29,7 @@ def add_note(error: BaseException, note: str) -> None:
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
-class WriterBase(Writer):
+class WriterBase(Writer, SnapshotWriter):
     """A ppe writer whose saves are engine snapshots, or single files with an explicit ``savefun``.
 
     Args:

@@ -35,6 +35,7 @@ from typing import Any, Optional, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ppe_snapshot.engine import LOCAL, Snapshot
 from ppe_snapshot.engine.commit import COMMIT_TIMEOUT
 from ppe_snapshot.engine.manifest import MANIFEST_NAME
 from ppe_snapshot.errors import SnapshotError
@@ -47,8 +48,50 @@ SIDE_SUFFIX = ".ppe-snapshot-next"
 ACKS_SUFFIX = ".ppe-snapshot-acks"
 
 
+def side_name(name: str) -> str:
+    """Where a snapshot replacing the one at ``name`` (a name, path or URL) is written until it takes the name."""
+    return name + SIDE_SUFFIX
+
+
+def replaced_name(name: str) -> str | None:
+    """The name that a snapshot written at side name ``name`` is to take; None when ``name`` is no side name."""
+    return name[:-len(SIDE_SUFFIX)] if name.endswith(SIDE_SUFFIX) else None
+
+
 def _local_path(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
+
+
+def remove_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Remove the snapshot at ``location`` (a path or URL): a directory loses its manifest first, so it is
+    never seen half-removed, then the rest; a file (a single-file snapshot) is removed. Nothing there: nothing
+    to do."""
+    if is_local(location) and not storage_options:
+        local = _local_path(location)
+        if os.path.isdir(local) and not os.path.islink(local):
+            try:
+                os.unlink(os.path.join(local, MANIFEST_NAME))
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(local, ignore_errors=False)
+        elif os.path.lexists(local):
+            os.unlink(local)
+        return
+    fs, target = fsspec.core.url_to_fs(location, **(storage_options or {}))
+    target = target.rstrip("/")
+    if not fs.exists(target):
+        return
+    if fs.isdir(target):
+        try:
+            fs.rm_file(f"{target}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
+        try:
+            fs.rm(target, recursive=True)
+        except FileNotFoundError:  # an object store drops the "directory" with its last object
+            pass
+    else:
+        fs.rm_file(target)
 
 
 @dataclass
@@ -62,7 +105,7 @@ class Replacement:
 
     @property
     def side(self) -> str:
-        return self.final + SIDE_SUFFIX
+        return side_name(self.final)
 
     @property
     def _local(self) -> bool:
@@ -91,33 +134,8 @@ class Replacement:
         return fs.exists(f"{target}/{MANIFEST_NAME}") or fs.isfile(target)
 
     def remove(self, path: str) -> None:
-        """Remove a snapshot directory (its manifest first, so it is never seen half-removed) or a file."""
-        if self._local:
-            local = _local_path(path)
-            if os.path.isdir(local) and not os.path.islink(local):
-                try:
-                    os.unlink(os.path.join(local, MANIFEST_NAME))
-                except FileNotFoundError:
-                    pass
-                shutil.rmtree(local, ignore_errors=False)
-            elif os.path.lexists(local):
-                os.unlink(local)
-            return
-        fs, _ = self._fs()
-        target = fsspec.core.url_to_fs(path, **(self.storage_options or {}))[1].rstrip("/")
-        if not fs.exists(target):
-            return
-        if fs.isdir(target):
-            try:
-                fs.rm_file(f"{target}/{MANIFEST_NAME}")
-            except FileNotFoundError:
-                pass
-            try:
-                fs.rm(target, recursive=True)
-            except FileNotFoundError:  # an object store drops the "directory" with its last object
-                pass
-        else:
-            fs.rm_file(target)
+        """Remove the snapshot or file at ``path`` (see :func:`remove_snapshot`)."""
+        remove_snapshot(path, self.storage_options)
 
     def promote(self) -> None:
         """Give the committed snapshot beside the name the name; the one it replaces is removed."""
@@ -126,7 +144,7 @@ class Replacement:
         if not self._local:
             self.remove(self.final)
             fs, final = self._fs()
-            _move(fs, final + SIDE_SUFFIX, final)
+            _move(fs, side_name(final), final)
             return
         final, side = _local_path(self.final), _local_path(self.side)
         if os.path.lexists(final) and exchange(side, final):
@@ -199,7 +217,6 @@ def _move(fs: fsspec.AbstractFileSystem, source: str, dest: str) -> None:
 def _checked(path: str, storage_options: dict[str, Any] | None) -> tuple[bool, tuple[float, float]]:
     """Whether ``path`` holds a committed snapshot that passes the quick check, and the training
     position in its metadata ((-1, -1) when it records none)."""
-    from ppe_snapshot.engine import LOCAL, Snapshot
     snapshot = Snapshot(path, pg=LOCAL, storage_options=storage_options)
     try:
         snapshot.verify(deep=False)
@@ -248,7 +265,7 @@ def after_commit(job: Any, requested: str, replacement: Replacement | None,
         if replacement is not None:
             replacement.take_id, replacement.world_size = job.take_id, job.world_size
         return replacement
-    if job.storage.url == requested + SIDE_SUFFIX:
+    if job.storage.url == side_name(requested):
         return Ack(requested, job.take_id, job.rank, storage_options)
     return None
 

@@ -16,9 +16,13 @@ from typing import Any
 
 import torch
 from pytorch_pfn_extras import writing as ppe_writing
-from pytorch_pfn_extras.writing._writer_base import _PosixFileSystem
 
-from ppe_snapshot.writing._base import WriterBase
+from ppe_snapshot import writing
+from ppe_snapshot.writing import SnapshotWriter
+
+#: The class of ppe's default file system (POSIX paths). ppe keeps the class private
+#: (``writing._writer_base._PosixFileSystem``); a writer made without ``fs`` holds one.
+_PPE_DEFAULT_FS = type(ppe_writing.Writer().fs)
 
 #: ppe's built-in writers, and the ppe_snapshot writer that stands in for each.
 _COUNTERPARTS = {
@@ -62,7 +66,7 @@ def check_inside(name: str, what: str = "filename") -> None:
 
 def _plain_ppe_settings(writer: Any) -> bool:
     """Whether a ppe writer saves with ppe's defaults: ``torch.save``, no savefun keywords, the POSIX fs."""
-    if type(writer.fs) is not _PosixFileSystem:
+    if type(writer.fs) is not _PPE_DEFAULT_FS:
         return False
     if isinstance(writer, ppe_writing.QueueWriter):
         task = getattr(writer, "_task", None)
@@ -70,7 +74,7 @@ def _plain_ppe_settings(writer: Any) -> bool:
     return getattr(writer, "_savefun", None) is torch.save and not getattr(writer, "_kwds", None)
 
 
-def counterpart(writer: Any) -> WriterBase | None:
+def counterpart(writer: Any) -> SnapshotWriter | None:
     """The ppe_snapshot writer standing in for ppe's built-in ``writer`` (same kind, same ``out_dir``).
 
     None for any other writer (ours, a subclass, one with its own savefun or
@@ -79,7 +83,6 @@ def counterpart(writer: Any) -> WriterBase | None:
     kind = _COUNTERPARTS.get(type(writer))
     if kind is None or not _plain_ppe_settings(writer):
         return None
-    from ppe_snapshot import writing
     return getattr(writing, kind)(out_dir=writer.out_dir)
 
 

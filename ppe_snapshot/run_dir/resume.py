@@ -1,17 +1,20 @@
-"""What autoload needs beside retention: reading ppe's single files, skipping, refusing to start fresh."""
+"""Choosing what to resume from: the newest candidate that restores, the others skipped with a warning.
+
+What restoring one candidate means is the caller's (the extension restores
+its target and the RNG states); here is the order they are tried in, what
+counts as skipped before any state was touched (:class:`Unusable`) and
+what makes starting fresh unsafe (a restore that failed part way).
+"""
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
-
-import fsspec
-import numpy as np
-import torch
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ppe_snapshot.engine import LOCAL, Snapshot
 from ppe_snapshot.errors import SnapshotError
-from ppe_snapshot.retention import Candidate
+from ppe_snapshot.run_dir.listing import Candidate
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -32,20 +35,6 @@ def skip(candidate: Candidate, reason: str) -> None:
     message = f"ppe_snapshot autoload: skipping snapshot {candidate.url}: {reason}"
     logger.warning(message)
     warnings.warn(message, stacklevel=4)
-
-
-def load_file(url: str, storage_options: dict[str, Any] | None) -> Any:
-    """A single-file (``torch.save``) snapshot, loaded with ``weights_only``.
-
-    numpy arrays are allowed too: the numpy RNG state (``RNGState``) holds one.
-    """
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    numpy_globals = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    with fsspec.open(url, "rb", **(storage_options or {})) as f, torch.serialization.safe_globals(numpy_globals):
-        return torch.load(f, map_location=torch.device("cpu"), weights_only=True)
 
 
 def holds_iteration(location: str, storage_options: dict[str, Any] | None, iteration: int) -> bool:
@@ -69,3 +58,38 @@ def opened(candidate: Candidate, pg: Any, storage_options: dict[str, Any] | None
         raise Unusable(f"its manifest's metadata is a {type(metadata).__name__}, not an object: the snapshot "
                        "is damaged")
     return snap, metadata
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one candidate could not be restored: ``error`` is None when nothing was touched (:class:`Unusable`)."""
+    reason: str
+    error: Exception | None
+
+
+def attempt(restore: Callable[[], None]) -> Failure | None:
+    """Run ``restore()``; None when it restored, else why not."""
+    try:
+        restore()
+    except Unusable as e:
+        return Failure(str(e), None)
+    except Exception as e:  # noqa: BLE001 - a damaged snapshot is skipped, the next older one tried
+        return Failure(f"{type(e).__name__}: {e}", e)
+    return None
+
+
+def restore_newest(candidates: list[Candidate], restore: Callable[[Candidate], None],
+                   skip_one: Callable[[Candidate, str], None]) -> Candidate | None:
+    """Restore the newest of ``candidates`` (oldest first) that ``restore`` restores; ``skip_one`` each that
+    fails. None when none is left; :func:`cannot_start_fresh` when one failed part way and none restored."""
+    touched: tuple[Candidate, Exception] | None = None
+    for candidate in reversed(candidates):
+        failure = attempt(lambda: restore(candidate))
+        if failure is None:
+            return candidate
+        skip_one(candidate, failure.reason)
+        if failure.error is not None:
+            touched = (candidate, failure.error)
+    if touched is not None:
+        raise cannot_start_fresh(f"{touched[0].url} ({touched[1]})") from touched[1]
+    return None

@@ -1,7 +1,10 @@
-"""The snapshot extension across ranks: SnapshotMode.DISTRIBUTED and SnapshotMode.SHARDED.
+"""The snapshot extension across ranks: how the ranks agree in SnapshotMode.DISTRIBUTED and SHARDED.
 
-Every rank restores the same snapshot at the same time and falls back
-together; the ranks agree on the candidates before trying any.
+DISTRIBUTED: every rank gives its state, ``saver_rank`` writes it (and
+every rank's RNG state) and tells the others whether it saved. SHARDED:
+every rank writes its part of one snapshot. At autoload every rank restores
+the same snapshot at the same time and falls back together; the ranks
+agree on the candidates before trying any.
 """
 from __future__ import annotations
 
@@ -9,13 +12,13 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
-from pytorch_pfn_extras.training._manager_protocol import ExtensionsManagerProtocol
+from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
 from ppe_snapshot.engine import LOCAL, RNGState
 from ppe_snapshot.errors import SnapshotError
-from ppe_snapshot.extension import _Snapshot, _state_of
-from ppe_snapshot.resume import Unusable, cannot_start_fresh
-from ppe_snapshot.retention import Candidate
+from ppe_snapshot.extension.ppe_extension import _Snapshot
+from ppe_snapshot.extension.saved_state import state_of
+from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -60,13 +63,9 @@ class _DistributedExtension(_Snapshot):
         touched: list[str] = []
         found = None
         for candidate in reversed(agreed):
-            outcome: tuple[str, bool] | None = None
-            try:
-                self._restore(candidate, target, self._restore_pg)
-            except Unusable as e:
-                outcome = (f"rank {self._rank}: {e}", False)
-            except Exception as e:  # noqa: BLE001 - every rank then falls back together
-                outcome = (f"rank {self._rank}: {type(e).__name__}: {e}", True)
+            failure = attempt(lambda: self._restore(candidate, target, self._restore_pg))
+            # (why, whether state was touched): exceptions may not pickle; every rank then falls back together
+            outcome = None if failure is None else (f"rank {self._rank}: {failure.reason}", failure.error is not None)
             outcomes: list[tuple[str, bool] | None] = [None] * self._size
             dist.all_gather_object(outcomes, outcome)
             problems = [o for o in outcomes if o is not None]
@@ -86,8 +85,8 @@ class DistributedSnapshot(_DistributedExtension):
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         name = self._format_name(manager)
-        state = _state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
-        rng = self._gather_rng_states() if self._engine_writer else None
+        state = state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
+        rng = self._gather_rng_states() if self._engine_writer is not None else None
         failure: list[str | None] = [None]
         if self._is_saver:
             try:
@@ -145,7 +144,7 @@ class ShardedSnapshot(_DistributedExtension):
     _restore_pg = None
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        self._save(manager, self._format_name(manager), _state_of(self._resolve_target(manager)), None)
+        self._save(manager, self._format_name(manager), state_of(self._resolve_target(manager)), None)
 
     def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         # The other ranks are not taking part, so a snapshot of the whole group cannot commit:
@@ -163,9 +162,9 @@ class ShardedSnapshot(_DistributedExtension):
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             problem = f"rank {self._rank}: {type(e).__name__}: {e}"
         for c in listed:
-            if c.kind != "snapshot":
+            if c.kind != CandidateKind.SNAPSHOT:
                 self._skip(c, c.problem or "a single-file snapshot cannot hold the state of every rank")
-        mine = [c for c in listed if c.kind == "snapshot"]
+        mine = [c for c in listed if c.kind == CandidateKind.SNAPSHOT]
         seen: list[Any] = [None] * self._size
         dist.all_gather_object(seen, problem or [c.name for c in mine])
         problems = [p for p in seen if isinstance(p, str)]

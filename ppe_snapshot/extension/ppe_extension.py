@@ -1,0 +1,305 @@
+"""The snapshot extension in one process (SnapshotMode.DEFAULT): ppe's Extension protocol.
+
+``initialize`` (autoload), ``__call__`` (a snapshot at each trigger),
+``on_error`` and ``finalize``; the writer settled when the snapshot first
+runs, the stats reported through ppe's reporter, retention run after each
+committed save. What a snapshot holds is :mod:`.saved_state`'s; listing,
+pruning and the choice of what to resume from are :mod:`ppe_snapshot.run_dir`'s;
+the ranks of DISTRIBUTED / SHARDED modes agree in :mod:`.rank_agreement`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import types
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from pytorch_pfn_extras import reporting
+from pytorch_pfn_extras.training import ExtensionsManagerProtocol, extension
+from pytorch_pfn_extras.writing import Writer
+
+from ppe_snapshot import run_dir, writing
+from ppe_snapshot.engine import LOCAL, RNGState, StateDict
+from ppe_snapshot.extension import ppe_compat, saved_state
+from ppe_snapshot.extension.saved_state import RNG_KEY, state_of
+from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat, holds_iteration, restore_newest, skip
+from ppe_snapshot.storage import join
+from ppe_snapshot.writing import SnapshotWriter
+
+logger = logging.getLogger("ppe_snapshot")
+
+
+def _always_true() -> bool:
+    return True
+
+
+class _Snapshot(extension.Extension):
+    """Snapshots in one process (SnapshotMode.DEFAULT).
+
+    Named as ppe's class is: the manager keys each extension's state by its
+    class name, so ppe's snapshots and ours restore each other's managers.
+    """
+
+    trigger = 1, "epoch"
+    priority = extension.PRIORITY_SNAPSHOT
+    needs_model_state = True
+
+    def __init__(self, target: Any = None, condition: Callable[[], bool] | None = None,
+                 writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
+                 snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
+                 savefun: Any = None, allow_pickle: bool = False) -> None:
+        ppe_compat.check_writer(writer)
+        ppe_compat.check_n_retains(n_retains)
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        self._target = target
+        self.filename = filename
+        self.condition = _always_true if condition is None else condition
+        #: The writer that saves: the one given, or (once the snapshot first runs) the manager's
+        #: writer, or the ppe_snapshot writer standing in for ppe's built-in one.
+        self.writer = writer
+        self._writer_given = writer is not None
+        self._bound = False
+        self._stood_in_for: Any = None  # the ppe writer that self.writer stands in for
+        self._snapshot_on_error = snapshot_on_error
+        self.n_retains = n_retains
+        self.autoload = autoload
+        self._savefun = savefun
+        self._allow_pickle = allow_pickle
+        self._format: FilenameFormat | None = None
+        if isinstance(filename, str):
+            ppe_compat.check_inside(filename)
+            self._format = FilenameFormat(filename)
+        elif not callable(filename):
+            raise TypeError(f"filename must be a format string or a callable, got {type(filename).__name__}")
+        elif autoload:
+            raise ValueError("autoload needs filename to be a format string (it is matched against the "
+                             "names in the output directory); got a callable")
+        elif n_retains > 0:
+            raise ValueError("n_retains needs filename to be a format string (it is matched against the "
+                             "names in the output directory); got a callable")
+        self._out_dir = ""
+        self._storage_options: dict[str, Any] | None = None
+        #: Where ``autoload`` restored from (a path or URL), or None.
+        self.resumed_from: str | None = None
+        #: The same relative to the output directory, as ``initialize()`` returns it (ppe's ``loaded_fn``).
+        self.resumed_name: str | None = None
+        # Names newer than the resumed position that autoload skipped; replaced when saved again.
+        self._superseded: dict[str, Candidate] = {}
+        # Names autoload skipped: retention never counts them as kept snapshots until saved again.
+        self._rejected: set[str] = set()
+
+    # -- what and where -------------------------------------------------------
+    @property
+    def _target_kind(self) -> str:
+        return saved_state.target_kind(self._target)
+
+    def _resolve_target(self, manager: ExtensionsManagerProtocol) -> Any:
+        return manager if self._target is None else self._target
+
+    def _format_name(self, manager: ExtensionsManagerProtocol) -> str:
+        name = self.filename(manager) if callable(self.filename) else self.filename.format(manager)
+        ppe_compat.check_inside(name)  # a callable's names, and fields' values, are known only now
+        return name
+
+    @property
+    def _owns_out_dir(self) -> bool:
+        """Whether this process removes snapshots (one process per output directory)."""
+        return True
+
+    @property
+    def _engine_writer(self) -> SnapshotWriter | None:
+        """The writer when it takes engine snapshots with what the extension records (our contract), else None:
+        a writer of ppe's protocol only, called as ppe calls it."""
+        return self.writer if isinstance(self.writer, SnapshotWriter) else None
+
+    @property
+    def _reads_pickle(self) -> bool:
+        """Whether autoload may unpickle: opted in here or on the writer."""
+        writer = self._engine_writer
+        return self._allow_pickle or (writer is not None and writer.allow_pickle is True)
+
+    def _bind(self, manager: ExtensionsManagerProtocol) -> None:
+        """Settle the writer and output directory when the snapshot first runs (ppe looks up
+        ``manager.writer`` then too), so calling it or ``on_error`` before ``initialize()`` works."""
+        if self._bound:
+            return
+        chosen = self.writer if self._writer_given else manager.writer
+        if chosen is None:
+            raise RuntimeError("snapshot: no writer; the manager has none and none was given (writer=...)")
+        ppe_compat.check_writer(chosen)
+        writer = chosen
+        if self._savefun is None and not isinstance(chosen, SnapshotWriter):
+            writer = ppe_compat.counterpart(chosen) or chosen
+            if writer is not chosen:
+                self._stood_in_for = chosen
+        self.writer = writer
+        if isinstance(writer, SnapshotWriter):
+            out_dir: Any = writer.out_dir
+            options = writer.storage_options
+        else:  # a writer of ppe's protocol only may have no out_dir; it has no storage options
+            out_dir, options = getattr(writer, "out_dir", ""), None
+        self._out_dir = out_dir if isinstance(out_dir, str) and out_dir else manager.out
+        self._storage_options = options if isinstance(options, dict) else None
+        if self.n_retains > 0 and self._format is not None and self._prunes():
+            writer._add_cleanup_hook(self._prune)
+        self._bound = True
+
+    # -- extension protocol ----------------------------------------------------
+    def initialize(self, manager: ExtensionsManagerProtocol) -> str | None:  # type: ignore[override]
+        """Restore with ``autoload``; returns the restored snapshot's name relative to the output
+        directory (as ppe does), or None."""
+        self._bind(manager)
+        if self.autoload:
+            self._autoload(manager)
+        return self.resumed_name
+
+    def __call__(self, manager: ExtensionsManagerProtocol) -> None:
+        self._bind(manager)
+        if self.condition():
+            self._make_snapshot(manager)
+
+    def on_error(self, manager: ExtensionsManagerProtocol, exc: Exception, tb: types.TracebackType) -> None:
+        super().on_error(manager, exc, tb)
+        if not self._snapshot_on_error:
+            return
+        # An extension that raised in an iteration where no snapshot was due leaves the models marked
+        # unavailable (ppe's guard for extensions without needs_model_state); the snapshot needs them.
+        available = getattr(manager, "_model_available", None)
+        if available is False:
+            manager._model_available = True  # type: ignore[attr-defined]
+        try:
+            self._bind(manager)
+            self._wait_in_flight()
+            self._error_snapshot(manager)
+        except Exception as e:  # noqa: BLE001 - the training error is the one that must propagate
+            # Logged, not warned: a test setup turning warnings into errors must still see the training error.
+            logger.error("ppe_snapshot: the snapshot on error failed: %s: %s", type(e).__name__, e,
+                         exc_info=(type(e), e, e.__traceback__))
+        finally:
+            if available is False:
+                manager._model_available = False  # type: ignore[attr-defined]
+
+    def finalize(self, manager: ExtensionsManagerProtocol) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.finalize()
+        finally:
+            if self._stood_in_for is not None:
+                ppe_compat.stand_down(self._stood_in_for, self._writer_given)
+
+    # -- saving ------------------------------------------------------------------
+    def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        self._save(manager, self._format_name(manager), state_of(self._resolve_target(manager)), LOCAL)
+
+    #: This process's key in the saved RNG states (its global rank in distributed modes).
+    _rng_rank = 0
+
+    def _rng_states(self) -> dict[int, Any]:
+        """The RNG states to save, by rank: this process's own."""
+        return {self._rng_rank: RNGState().state_dict()}
+
+    def _save(self, manager: ExtensionsManagerProtocol, name: str, state: Any, pg: Any,
+              rng: dict[int, Any] | None = None) -> None:
+        writer = self._engine_writer
+        if writer is None:  # ppe's protocol
+            start = time.perf_counter()
+            self.writer(name, manager.out, state, savefun=self._savefun)
+            self._report(manager, name, {"blocking_s": time.perf_counter() - start}, None)
+            return
+        stale = self._superseded.pop(name, None)
+        if stale is not None and self._savefun is None:
+            writing.remove_snapshot(stale.url, self._storage_options)
+            logger.warning("ppe_snapshot: removed %s, which autoload skipped as %s, to save this position again",
+                           stale.url, stale.kind if stale.kind != CandidateKind.SNAPSHOT else CandidateKind.DAMAGED)
+        self._rejected.discard(name)
+        previous = writer.last_stats
+        rng = self._rng_states() if rng is None else rng
+        writer(name, manager.out, state, savefun=self._savefun,
+               metadata=saved_state.metadata(manager, self._target_kind), pg=pg,
+               extra_state={RNG_KEY: StateDict(rng)}, allow_pickle=True if self._allow_pickle else None)
+        self._report(manager, name, writer.last_stats, previous)
+
+    def _report(self, manager: ExtensionsManagerProtocol, name: str, stats: Mapping[str, Any],
+                previous: Mapping[str, Any] | None) -> None:
+        write_s = stats.get("write_s")
+        if write_s is None and previous is not None and previous is not stats:
+            write_s = previous.get("write_s")
+        values = {"snapshot/blocking_s": stats.get("blocking_s"), "snapshot/write_s": write_s,
+                  "snapshot/bytes": stats.get("bytes")}
+        values = {k: v for k, v in values.items() if v is not None}
+        reporting.report(values)
+        logger.info("ppe_snapshot: snapshot %s at iteration %s: %s", name, manager.iteration,
+                    ", ".join(f"{k.split('/')[1]}={v:.3f}" if k.endswith("_s") else f"{k.split('/')[1]}={v}"
+                              for k, v in values.items()))
+
+    def _wait_in_flight(self) -> None:
+        writer = self._engine_writer
+        if writer is None:  # ppe's protocol has nothing to wait for
+            return
+        try:
+            writer.wait()
+        except Exception as e:  # noqa: BLE001 - reported; the snapshot on error is still taken
+            logger.error("ppe_snapshot: the snapshot in flight when training failed did not complete: %s: %s",
+                         type(e).__name__, e)
+
+    def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        self._save_on_error(manager, self._format_name(manager), LOCAL)
+
+    def _save_on_error(self, manager: ExtensionsManagerProtocol, name: str, pg: Any) -> None:
+        location = join(self._out_dir, name)
+        if (self._engine_writer is not None and self._savefun is None and name not in self._superseded
+                and holds_iteration(location, self._storage_options, manager.iteration)):
+            logger.warning("ppe_snapshot: training failed at iteration %s; snapshot %s already holds this "
+                           "position, so no snapshot on error is taken", manager.iteration, location)
+            return
+        self._save(manager, name, state_of(self._resolve_target(manager)), pg)
+        self._wait_in_flight()
+        logger.warning("ppe_snapshot: training failed at iteration %s; saved snapshot %s", manager.iteration,
+                       location)
+
+    # -- retention ---------------------------------------------------------------
+    def _prunes(self) -> bool:
+        return self._owns_out_dir and hasattr(self.writer, "_add_cleanup_hook")  # ppe's own check, for any writer
+
+    def _prune(self) -> None:
+        assert self._format is not None
+        try:
+            run_dir.prune(self._out_dir, self._format, self.n_retains, self._storage_options,
+                          rejected=self._rejected)
+        except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
+            logger.warning("ppe_snapshot: removing old snapshots under %s failed: %s: %s", self._out_dir,
+                           type(e).__name__, e)
+
+    # -- autoload ----------------------------------------------------------------
+    def _candidates(self) -> list[Candidate]:
+        assert self._format is not None
+        return run_dir.list_snapshots(self._out_dir, self._format, self._storage_options)
+
+    def _autoload(self, manager: ExtensionsManagerProtocol) -> None:
+        candidates = self._candidates()
+        target = self._resolve_target(manager)
+        found = restore_newest(candidates, lambda c: self._restore(c, target, LOCAL), self._skip)
+        self._resumed(manager, found, candidates)
+
+    def _skip(self, candidate: Candidate, reason: str) -> None:
+        skip(candidate, reason)
+        self._rejected.add(candidate.name)
+
+    def _restore(self, candidate: Candidate, target: Any, pg: Any) -> None:
+        saved_state.restore(candidate, target, self._target_kind, pg, self._rng_rank, self._storage_options,
+                            self._reads_pickle)
+
+    def _resumed(self, manager: ExtensionsManagerProtocol, found: Candidate | None,
+                 candidates: list[Candidate]) -> None:
+        if self._owns_out_dir:
+            self._superseded = {c.name: c for c in candidates if found is None or found.is_older_than(c)}
+        if found is None:
+            logger.info("ppe_snapshot: autoload found no usable snapshot matching %r under %s; starting fresh",
+                        self.filename, self._out_dir)
+            return
+        self.resumed_from = found.url
+        self.resumed_name = found.name
+        logger.info("ppe_snapshot: resumed from %s at iteration %s (epoch %s)", found.url, manager.iteration,
+                    manager.epoch)

@@ -1,0 +1,107 @@
+"""What the extension's engine snapshots hold, and putting it back.
+
+An engine snapshot taken by the extension holds the target's state as the
+app-state entry ``"state"`` and every rank's global RNG state under
+:data:`RNG_KEY` (``"rng/<rank>"``); its manifest metadata records the
+training position and the kind of target (:func:`metadata`). A single-file
+snapshot (``savefun=torch.save``) holds the target's state alone.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ppe_snapshot.engine import LOCAL, RNGState, Snapshot
+from ppe_snapshot.run_dir import Candidate, CandidateKind, Unusable, load_file, opened
+
+logger = logging.getLogger("ppe_snapshot")
+
+#: The app-state key of the RNG states in engine snapshots written by the extension.
+RNG_KEY = "rng"
+
+
+def state_of(target: Any) -> Any:
+    """The state to save of a target: an object with ``state_dict()``, or a dict of them."""
+    if type(target) is dict:
+        return {k: v.state_dict() for k, v in target.items()}
+    return target.state_dict()
+
+
+def load_into(target: Any, state: Any) -> None:
+    """Load ``state`` (as :func:`state_of` gave it) into ``target``."""
+    if type(target) is dict:
+        for k in target:
+            target[k].load_state_dict(state[k])
+    else:
+        target.load_state_dict(state)
+
+
+class TargetState:
+    """The extension's target as one app-state value, so the engine restores it in place."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def state_dict(self) -> Any:
+        return state_of(self._target)
+
+    def load_state_dict(self, state: Any) -> None:
+        load_into(self._target, state)
+
+
+def target_kind(target: Any) -> str:
+    """What the extension saves: ``"manager"`` (target None), ``"dict"`` of objects, or one ``"object"``."""
+    if target is None:
+        return "manager"
+    return "dict" if type(target) is dict else "object"
+
+
+def metadata(manager: Any, kind: str) -> dict[str, Any]:
+    """The manifest metadata of a snapshot of a target of ``kind`` taken at the manager's training position."""
+    return {"iteration": manager.iteration, "epoch": manager.epoch, "epoch_detail": manager.epoch_detail,
+            "ppe_snapshot_target": kind}
+
+
+def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int,
+            storage_options: dict[str, Any] | None, allow_pickle: bool) -> None:
+    """Restore ``candidate`` into ``target`` (of ``kind``), and this rank's RNG state when the snapshot has it.
+
+    Raises :class:`~ppe_snapshot.run_dir.Unusable` when the candidate cannot be
+    used and nothing was touched yet.
+    """
+    if not candidate.complete:
+        raise Unusable(candidate.problem or f"it is {candidate.kind}")
+    if candidate.kind == CandidateKind.FILE:
+        try:
+            state = load_file(candidate.url, storage_options)
+        except Exception as e:  # noqa: BLE001 - nothing was loaded yet
+            raise Unusable(f"cannot be read by torch.load: {type(e).__name__}: {e}") from e
+        load_into(target, state)
+        return
+    snap, saved = opened(candidate, pg, storage_options, allow_pickle)
+    saved_kind = saved.get("ppe_snapshot_target", kind)
+    if saved_kind != kind:
+        raise Unusable(f"it holds a {saved_kind} target and this extension's target is a {kind}")
+    snap.restore({"state": TargetState(target)})
+    restore_rng(snap, pg, rng_rank)
+
+
+def restore_rng(snap: Snapshot, pg: Any, rng_rank: int) -> None:
+    """Set the global random number generators to rank ``rng_rank``'s state in ``snap`` (or the first rank's)."""
+    section = 0 if pg is LOCAL else rng_rank  # a LOCAL snapshot's entries are all rank 0's
+    prefix = f"{section}/{RNG_KEY}/"
+    saved = sorted(int(k[len(prefix):]) for k in snap.get_manifest()
+                   if k.startswith(prefix) and k[len(prefix):].isdigit())
+    if rng_rank in saved:
+        source = rng_rank
+    elif saved:
+        # A DISTRIBUTED snapshot on error holds the saver's state only (no collective there); ranks
+        # seeded alike, as data-parallel ranks usually are, continue exactly from it.
+        source = saved[0]
+        logger.info("ppe_snapshot: %s holds no RNG state for rank %d; restoring rank %d's", snap.path,
+                    rng_rank, source)
+    else:
+        logger.info("ppe_snapshot: %s holds no RNG state for rank %d; the random number generators "
+                    "continue from their current state", snap.path, rng_rank)
+        return
+    RNGState().load_state_dict(snap.read_object(f"{prefix}{source}"))

@@ -1,0 +1,161 @@
+"""List the snapshots written under one output directory, classified and ordered.
+
+The snapshot extension names its snapshots with a format string
+(``"snapshot_iter_{.iteration}"``). Here that format becomes a matcher, the
+output directory (a local path or an fsspec URL) is listed for names it
+matches (:mod:`.names`), and each match is classified:
+
+``snapshot``    an engine snapshot (a directory) whose manifest parses and whose data files have their sizes
+``file``        a single-file snapshot written with a ``savefun`` (ppe's ``torch.save`` format)
+``incomplete``  a directory without manifest: a save in progress, or the leftover of a crashed one
+``damaged``     a directory whose manifest or data files are broken, or a file that is not a torch.save file
+
+Snapshots are ordered by the training position recorded in them (the
+iteration, then the epoch detail) and never by modification time. For a
+format without fields, the snapshot being written beside the name to
+replace it (its side name, :func:`ppe_snapshot.writing.side_name`) is listed too: a crash may have
+left the newest complete snapshot there.
+"""
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from ppe_snapshot.engine import LOCAL, Snapshot
+from ppe_snapshot.engine.commit import PARTS_DIR
+from ppe_snapshot.engine.manifest import MANIFEST_NAME
+from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
+from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
+from ppe_snapshot.storage import join
+from ppe_snapshot.writing import replaced_name
+
+class CandidateKind:
+    """``Candidate.kind``: what a name under the output directory holds (see the module's docstring)."""
+    SNAPSHOT = "snapshot"
+    FILE = "file"
+    INCOMPLETE = "incomplete"
+    DAMAGED = "damaged"
+
+
+#: The kinds autoload can restore and retention keeps.
+COMPLETE_KINDS = (CandidateKind.SNAPSHOT, CandidateKind.FILE)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One name under the output directory that matches the filename format."""
+    name: str
+    url: str
+    kind: str
+    iteration: int | None
+    epoch_detail: float | None
+    problem: str | None = None
+    busy: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.kind in COMPLETE_KINDS
+
+    def sort_key(self) -> tuple:
+        return (-1 if self.iteration is None else self.iteration,
+                -1.0 if self.epoch_detail is None else self.epoch_detail, self.name)
+
+    def is_older_than(self, other: "Candidate") -> bool:
+        """Whether this name is known to hold an earlier training position than ``other``."""
+        if self.iteration is not None and other.iteration is not None:
+            return self.iteration < other.iteration
+        if self.epoch_detail is not None and other.epoch_detail is not None:
+            return self.epoch_detail < other.epoch_detail
+        return False
+
+    def describe(self) -> str:
+        where = f"iteration {self.iteration}" if self.iteration is not None else "unknown position"
+        return f"{self.url} ({where})"
+
+
+def filesystem(out_dir: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec file system of ``out_dir`` and its root path there."""
+    fs, root = fsspec.core.url_to_fs(str(out_dir), **(storage_options or {}))
+    return fs, root.rstrip("/")
+
+
+def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
+    try:
+        return fs.ls(path, detail=True, refresh=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def list_snapshots(out_dir: str, fmt: str | FilenameFormat,
+                   storage_options: dict[str, Any] | None = None) -> list[Candidate]:
+    """Every name under ``out_dir`` matching ``fmt``, classified, oldest training position first."""
+    matcher = fmt if isinstance(fmt, FilenameFormat) else FilenameFormat(fmt)
+    fs, root = filesystem(out_dir, storage_options)
+    level: list[tuple[str, str, dict[str, str]]] = [("", root, {})]  # (relative name, fs path, values)
+    found: list[tuple[str, str, dict[str, str], bool]] = []
+    for depth in range(matcher.depth):
+        last = depth == matcher.depth - 1
+        below = []
+        for rel, path, values in level:
+            for info in _ls(fs, path):
+                base = posixpath.basename(info["name"].rstrip("/"))
+                is_dir = info.get("type") == "directory"
+                matched = matcher.match_component(depth, base)
+                replaces = replaced_name(base) if matched is None and last and matcher.fixed else None
+                if replaces is not None:
+                    matched = matcher.match_component(depth, replaces)
+                if matched is None or (not last and not is_dir):
+                    continue
+                entry = (f"{rel}/{base}" if rel else base, f"{path}/{base}", {**matched, **values})
+                if last:
+                    found.append((*entry, is_dir))
+                else:
+                    below.append(entry)
+        level = below
+    candidates = [_classify(fs, out_dir, rel, path, values, is_dir, storage_options)
+                  for rel, path, values, is_dir in found]
+    return sorted(candidates, key=Candidate.sort_key)
+
+
+def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, values: dict[str, str],
+              is_dir: bool, storage_options: dict[str, Any] | None) -> Candidate:
+    url = join(str(out_dir), rel)
+    iteration, epoch_detail = position_in_name(values)
+    if not is_dir:
+        problem = file_problem(fs, path)
+        if problem is not None:
+            return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=problem)
+        stored = recorded_iteration(fs, path)
+        return Candidate(rel, url, CandidateKind.FILE, stored if stored is not None else iteration, epoch_detail)
+    if not fs.exists(f"{path}/{MANIFEST_NAME}"):
+        return Candidate(rel, url, CandidateKind.INCOMPLETE, iteration, epoch_detail,
+                         problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed)",
+                         busy=_take_in_progress(fs, path))
+    snapshot = Snapshot(url, pg=LOCAL, storage_options=storage_options)
+    try:
+        snapshot.verify(deep=False)
+        metadata = snapshot.metadata
+    except Exception as e:  # noqa: BLE001 - any failure to read it makes it unusable
+        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=f"{type(e).__name__}: {e}")
+    if not isinstance(metadata, dict):
+        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail,
+                         problem=f"its manifest's metadata is a {type(metadata).__name__}, not an object")
+    if isinstance(metadata.get("iteration"), int):
+        iteration = metadata["iteration"]
+    if isinstance(metadata.get("epoch_detail"), (int, float)):
+        epoch_detail = float(metadata["epoch_detail"])
+    return Candidate(rel, url, CandidateKind.SNAPSHOT, iteration, epoch_detail)
+
+
+def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` holds the published parts of a take that has not been aborted.
+
+    The one place above the engine that reads the engine's ``.parts/`` names
+    (``<take_id>.rank<r>.json``, ``<take_id>.abort``: see ``engine/commit.py``).
+    """
+    names = [posixpath.basename(i["name"]) for i in _ls(fs, f"{path}/{PARTS_DIR}")]
+    aborted = {n[: -len(".abort")] for n in names if n.endswith(".abort")}
+    return any(n.endswith(".json") and n.split(".", 1)[0] not in aborted for n in names)

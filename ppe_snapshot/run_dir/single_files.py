@@ -1,0 +1,92 @@
+"""ppe's single-file snapshots (written with ``savefun=torch.save``): checking, peeking, loading.
+
+Nothing here runs code from the file: the quick check reads its first bytes,
+the training position is read from its pickle record with every class
+stubbed, and loading uses ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+
+#: How a ``torch.save`` file begins: a zip archive (the default), or a pickle (the legacy format).
+_FILE_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def file_problem(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """Why the file at ``path`` is not a ``torch.save`` file (the quick check: its first bytes), or None."""
+    try:
+        with fs.open(path, "rb") as f:
+            head = f.read(4)
+    except Exception as e:  # noqa: BLE001 - unreadable: not a usable snapshot
+        return f"cannot be read: {type(e).__name__}: {e}"
+    if not head:
+        return "it is an empty file"
+    if not head.startswith(_FILE_MAGIC):
+        return "it is neither a directory with a manifest nor a torch.save file"
+    return None
+
+
+class _Stub:
+    """Stands for any object a pickle refers to, so a pickle can be read without running its code."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _PeekUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return _Stub
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None
+
+
+def recorded_iteration(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
+    """``_start_iteration`` of a ``torch.save``'d manager state, reading only its small pickle record.
+
+    No code from the file runs and no tensor data is read. None for other
+    targets, the legacy (non-zip) format or an unreadable file.
+    """
+    try:
+        with fs.open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+            records = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            if not records:
+                return None
+            state = _PeekUnpickler(io.BytesIO(archive.read(min(records, key=len)))).load()
+    except Exception:  # noqa: BLE001 - the position then comes from the file name
+        return None
+    value = state.get("_start_iteration") if isinstance(state, dict) else None
+    return value if type(value) is int else None
+
+
+def load_file(url: str, storage_options: dict[str, Any] | None) -> Any:
+    """A single-file (``torch.save``) snapshot, loaded with ``weights_only``.
+
+    numpy arrays are allowed too: the numpy RNG state (``RNGState``) holds one.
+    """
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    numpy_globals = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with fsspec.open(url, "rb", **(storage_options or {})) as f, torch.serialization.safe_globals(numpy_globals):
+        return torch.load(f, map_location=torch.device("cpu"), weights_only=True)

@@ -1,0 +1,88 @@
+"""The contract between the snapshot extension and a writer whose saves are engine snapshots.
+
+The extension (:mod:`ppe_snapshot.extension`) calls any writer with ppe's
+protocol: ``writer(filename, out_dir, target, savefun=..., append=...)``
+and ``finalize()``. A writer that is a :class:`SnapshotWriter` (every
+``ppe_snapshot.writing`` writer is one; a writer of your own becomes one by
+subclassing it or by ``SnapshotWriter.register``) is also given what an
+engine snapshot records beside the target, and is read back for the stats
+the extension reports:
+
+========================  =====================================================================
+passed in (keywords)      ``metadata``: stored in the manifest (the extension's training position);
+                          ``pg``: the engine's process group (``LOCAL``: this process alone;
+                          ``None``: the default group, each rank writing its part); ``extra_state``:
+                          more app-state entries beside the target's ``"state"`` (the RNG states);
+                          ``allow_pickle``: True to let this save hold values only pickle can store,
+                          None to keep the writer's setting
+read back                 ``last_stats`` (see :class:`SaveStats`), ``storage_options``, ``out_dir``,
+                          ``allow_pickle``
+called                    ``wait()`` before a snapshot on error; ``finalize()`` at the end;
+                          ``_add_cleanup_hook(hook)`` (ppe's name): ``hook()`` runs after each
+                          committed save (retention prunes there)
+========================  =====================================================================
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any, Callable, TypedDict
+
+from ppe_snapshot.engine import LOCAL
+
+__all__ = ["SaveStats", "SnapshotWriter"]
+
+
+class SaveStats(TypedDict):
+    """What a :class:`SnapshotWriter` tells of its last save (``last_stats``).
+
+    An asynchronous writer returns before the write ends: ``write_s`` is None
+    then, and set in the same dict once the snapshot is committed.
+    """
+    path: str
+    bytes: int | None
+    blocking_s: float
+    write_s: float | None
+
+
+class SnapshotWriter(abc.ABC):
+    """A ppe writer that saves engine snapshots and takes what the extension records beside the target.
+
+    An abstract base class rather than a structural ``Protocol``: the
+    extension gives the engine's keywords only to writers that say they take
+    them, never to a writer of ppe's protocol that happens to have such names.
+    """
+
+    #: Where snapshots go (a local path or an fsspec URL); "" to use the ``out_dir`` of each call.
+    out_dir: str
+    #: Whether engine snapshots may hold values only pickle can store (and autoload may unpickle them).
+    allow_pickle: bool
+    #: The stats of the last save: ``{}`` before the first (see :class:`SaveStats`).
+    last_stats: SaveStats | dict[str, Any]
+
+    @property
+    @abc.abstractmethod
+    def storage_options(self) -> dict[str, Any] | None:
+        """fsspec options of ``out_dir`` (credentials, endpoint, ...), or None."""
+
+    @abc.abstractmethod
+    def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
+                 append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL,
+                 extra_state: Mapping[str, Any] | None = None, allow_pickle: bool | None = None) -> None:
+        """Save ``target`` (a state dict) as ``<self.out_dir or out_dir>/<filename>``.
+
+        ``metadata``, ``pg``, ``extra_state`` and ``allow_pickle`` are ignored
+        when a ``savefun`` writes a single file (ppe's format).
+        """
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its failure."""
+
+    @abc.abstractmethod
+    def finalize(self) -> None:
+        """Finish the saves in flight and release what the writer holds."""
+
+    @abc.abstractmethod
+    def _add_cleanup_hook(self, hook_fun: Callable[[], None]) -> None:
+        """ppe's registration of a function run after each committed save (ppe's ``Writer`` has it)."""
