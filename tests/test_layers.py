@@ -17,29 +17,15 @@ FLOORS = {
     "ppe_snapshot.storage": 1,
     "ppe_snapshot.engine": 2,
     "ppe_snapshot.writing": 3, "ppe_snapshot.dcp": 3,
-    "ppe_snapshot.retention": 4, "ppe_snapshot.cli": 4,
-    "ppe_snapshot.resume": 5, "ppe_snapshot.ppe_glue": 5, "ppe_snapshot.extension": 5,
-    "ppe_snapshot.extension_distributed": 5,
+    "ppe_snapshot.run_dir": 4, "ppe_snapshot.retention": 4, "ppe_snapshot.cli": 4,
+    "ppe_snapshot.extension": 5,
     "ppe_snapshot": 6,  # the public API
 }
 #: Packages whose submodules are private to them: other modules import only the package itself.
-PACKAGES = ("ppe_snapshot.storage", "ppe_snapshot.engine", "ppe_snapshot.writing", "ppe_snapshot.dcp")
+PACKAGES = ("ppe_snapshot.storage", "ppe_snapshot.engine", "ppe_snapshot.writing", "ppe_snapshot.dcp",
+            "ppe_snapshot.run_dir", "ppe_snapshot.extension")
 #: The one allowed upward reference: storage's compatibility aliases of the DCP adapters (resolved by importlib).
 ALLOWED_UPWARD = {("ppe_snapshot.storage", "ppe_snapshot.dcp")}
-#: Imports in modules another branch is rewriting (issue 11, the part above the engine): switched at merge.
-#: Each is (importer, imported); the list must only shrink.
-SWITCHED_AT_MERGE = {
-    ("ppe_snapshot.extension", "ppe_snapshot.writing._base"),
-    ("ppe_snapshot.ppe_glue", "ppe_snapshot.writing._base"),
-    ("ppe_snapshot.retention", "ppe_snapshot.engine.commit"),
-    ("ppe_snapshot.retention", "ppe_snapshot.engine.manifest"),
-    ("ppe_snapshot.retention", "ppe_snapshot.writing._replace"),
-    ("ppe_snapshot.writing._replace", "ppe_snapshot.engine.commit"),
-    ("ppe_snapshot.writing._replace", "ppe_snapshot.engine.manifest"),
-    ("ppe_snapshot.writing._replace", "ppe_snapshot.storage.swap"),
-}
-#: Cycles in those modules, as the set of modules in the cycle: switched at merge too.
-CYCLES_SWITCHED_AT_MERGE = [{"ppe_snapshot.extension", "ppe_snapshot.extension_distributed"}]
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -118,13 +104,7 @@ def test_engine_imports_storage_and_errors_publicly():
 def test_packages_are_entered_through_their_init():
     reaches = {(a, b) for a, targets in GRAPH.items() for b in targets
                if _package(b) and b != _package(b) and _package(a) != _package(b)}
-    assert reaches - SWITCHED_AT_MERGE == set()
-
-
-def test_switched_at_merge_lists_only_real_exceptions():
-    """An exception that no longer occurs must leave the list."""
-    present = {(a, b) for a, targets in GRAPH.items() for b in targets}
-    assert SWITCHED_AT_MERGE - present == set()
+    assert reaches == set()
 
 
 def _cycles() -> list[set[str]]:
@@ -164,8 +144,7 @@ def _cycles() -> list[set[str]]:
 
 
 def test_no_import_cycle():
-    cycles = [c for c in _cycles() if c not in CYCLES_SWITCHED_AT_MERGE]
-    assert cycles == []
+    assert _cycles() == []
 
 
 def test_the_check_sees_imports_inside_functions():
@@ -177,3 +156,33 @@ def test_the_check_sees_imports_inside_functions():
         for b in targets:
             graph_of[_floor(a)].add(_floor(b))
     assert graph_of[2] <= {0, 1, 2}
+
+
+def _foreign_imports(name: str) -> set[str]:
+    """The modules not of ours that module ``name`` imports, anywhere in it."""
+    path = MODULES[name]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return {m for m in found if not m.startswith("ppe_snapshot")}
+
+
+def test_no_private_module_of_ppe_is_imported():
+    private = {(m, f) for m in MODULES for f in _foreign_imports(m)
+               if f.startswith("pytorch_pfn_extras.") and any(p.startswith("_") for p in f.split(".")[1:])}
+    assert private == set()
+
+
+def test_what_import_ppe_snapshot_loads_stays_free_of_ppe():
+    """The ProcessWriter's worker imports the package: only the extension and the writers' classes may
+    load pytorch_pfn_extras (the writers lazily, through ``writing``'s ``__getattr__``)."""
+    light = [m for m in MODULES if _floor(m) <= FLOORS["ppe_snapshot.run_dir"] and _package(m) != "ppe_snapshot.writing"
+             and m != "ppe_snapshot.cli"]
+    assert {m for m in light if any(f.startswith("pytorch_pfn_extras") for f in _foreign_imports(m))} == set()
+
+
+def test_modules_stay_small():
+    assert {m: n for m in MODULES if (n := len(MODULES[m].read_text().splitlines())) > 400} == {}

@@ -15,7 +15,7 @@ from typing import Callable
 
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.flatten import child_path
-from ppe_snapshot.engine.format import MANIFEST_NAME, PARTS_DIR, Container, abort_name, part_name  # noqa: F401
+from ppe_snapshot.engine.format import MANIFEST_NAME, PARTS_DIR, Container, abort_name, part_name
 from ppe_snapshot.engine.manifest import (
     Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, entries_from_json,
     entries_to_json,
@@ -25,10 +25,6 @@ from ppe_snapshot.engine.sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError, SnapshotExistsError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage
-
-#: Kept for ``writing/_replace.py`` (and ``retention`` for PARTS_DIR) until they read ``ppe_snapshot.settings`` /
-#: ``ppe_snapshot.engine`` (switched at merge); the engine reads ``SETTINGS.commit_timeout`` when it waits.
-COMMIT_TIMEOUT = SETTINGS.commit_timeout
 
 
 @dataclass

@@ -18,11 +18,7 @@ import torch
 from pytorch_pfn_extras import writing as ppe_writing
 
 from ppe_snapshot import writing
-from ppe_snapshot.writing import SnapshotWriter
-
-#: The class of ppe's default file system (POSIX paths). ppe keeps the class private
-#: (``writing._writer_base._PosixFileSystem``); a writer made without ``fs`` holds one.
-_PPE_DEFAULT_FS = type(ppe_writing.Writer().fs)
+from ppe_snapshot.writing import SnapshotWriter, is_ppe_default_fs
 
 #: ppe's built-in writers, and the ppe_snapshot writer that stands in for each.
 _COUNTERPARTS = {
@@ -66,7 +62,7 @@ def check_inside(name: str, what: str = "filename") -> None:
 
 def _plain_ppe_settings(writer: Any) -> bool:
     """Whether a ppe writer saves with ppe's defaults: ``torch.save``, no savefun keywords, the POSIX fs."""
-    if type(writer.fs) is not _PPE_DEFAULT_FS:
+    if not is_ppe_default_fs(writer.fs):
         return False
     if isinstance(writer, ppe_writing.QueueWriter):
         task = getattr(writer, "_task", None)

@@ -24,9 +24,7 @@ from typing import Any
 
 import fsspec
 
-from ppe_snapshot.engine import LOCAL, Snapshot
-from ppe_snapshot.engine.commit import PARTS_DIR
-from ppe_snapshot.engine.manifest import MANIFEST_NAME
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, Snapshot, takes_in_progress
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
 from ppe_snapshot.storage import join
@@ -151,11 +149,6 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
 
 
 def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:
-    """Whether ``path`` holds the published parts of a take that has not been aborted.
-
-    The one place above the engine that reads the engine's ``.parts/`` names
-    (``<take_id>.rank<r>.json``, ``<take_id>.abort``: see ``engine/commit.py``).
-    """
-    names = [posixpath.basename(i["name"]) for i in _ls(fs, f"{path}/{PARTS_DIR}")]
-    aborted = {n[: -len(".abort")] for n in names if n.endswith(".abort")}
-    return any(n.endswith(".json") and n.split(".", 1)[0] not in aborted for n in names)
+    """Whether ``path`` holds the published parts of a take that has not been aborted (the engine parses
+    the ``.parts/`` names)."""
+    return bool(takes_in_progress([posixpath.basename(i["name"]) for i in _ls(fs, f"{path}/{PARTS_DIR}")]))

@@ -30,6 +30,7 @@ _HOMES = {
     "BackgroundSaveError": "_async",
     "SaveStats": "contract",
     "SnapshotWriter": "contract",
+    "is_ppe_default_fs": "_base",
     "remove_snapshot": "_replace",
     "replaced_name": "_replace",
     "side_name": "_replace",
@@ -39,7 +40,7 @@ __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
     from ppe_snapshot.writing._async import BackgroundSaveError
-    from ppe_snapshot.writing._base import SimpleWriter
+    from ppe_snapshot.writing._base import SimpleWriter, is_ppe_default_fs
     from ppe_snapshot.writing._process import ProcessQueueWriter, ProcessWriter
     from ppe_snapshot.writing._replace import remove_snapshot, replaced_name, side_name
     from ppe_snapshot.writing._thread import ThreadQueueWriter, ThreadWriter

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from pytorch_pfn_extras.writing import Writer
-from pytorch_pfn_extras.writing._writer_base import _PosixFileSystem
 
 from ppe_snapshot.engine import LOCAL, StateDict, TakeJob, group_rank, prepare_take
 from ppe_snapshot.storage import is_local, join
@@ -17,6 +16,15 @@ from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._replace import AfterCommit
 from ppe_snapshot.writing.contract import SnapshotWriter
+
+#: The class of ppe's default file system (POSIX paths). ppe keeps the class private
+#: (``writing._writer_base._PosixFileSystem``); a writer made without ``fs`` holds one.
+_PPE_DEFAULT_FS = type(Writer().fs)
+
+
+def is_ppe_default_fs(fs: Any) -> bool:
+    """Whether ``fs`` is ppe's default (POSIX) file system, as a writer made without ``fs`` holds."""
+    return type(fs) is _PPE_DEFAULT_FS
 
 logger = logging.getLogger("ppe_snapshot")
 
@@ -129,7 +137,7 @@ class WriterBase(Writer, SnapshotWriter):
 
     def _file_save(self, path: str, savefun: Callable[..., Any], append: bool, kwds: dict[str, Any]) -> FileSave:
         fs = self.fs
-        if is_local(path) and type(fs) is _PosixFileSystem:  # plain os calls, resolved as ppe's fs would
+        if is_local(path) and is_ppe_default_fs(fs):  # plain os calls, resolved as ppe's fs would
             path = path if path.startswith("file://") else os.path.join(fs.root, path)
             fs = None
         return FileSave(path, savefun, append, dict(kwds), fs, self._storage_options)

@@ -35,12 +35,10 @@ from typing import Any, Optional, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ppe_snapshot.engine import LOCAL, Snapshot
-from ppe_snapshot.engine.commit import COMMIT_TIMEOUT
-from ppe_snapshot.engine.manifest import MANIFEST_NAME
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
 from ppe_snapshot.errors import SnapshotError
-from ppe_snapshot.storage import is_local
-from ppe_snapshot.storage.swap import exchange, sync_directory
+from ppe_snapshot.settings import SETTINGS
+from ppe_snapshot.storage import exchange, is_local, sync_directory
 
 #: Where a snapshot replacing ``<name>`` is written until it takes the name.
 SIDE_SUFFIX = ".ppe-snapshot-next"
@@ -162,7 +160,7 @@ class Replacement:
         fs, final = self._fs()
         acks = final + ACKS_SUFFIX
         expected = {f"{self.take_id}.rank{r}" for r in range(1, self.world_size)}
-        deadline, delay = time.monotonic() + COMMIT_TIMEOUT, 0.002
+        deadline, delay = time.monotonic() + SETTINGS.commit_timeout, 0.002
         while True:
             try:
                 seen = {os.path.basename(p.rstrip("/")) for p in fs.ls(acks, detail=False, refresh=True)}
@@ -172,7 +170,7 @@ class Replacement:
                 break
             if time.monotonic() > deadline:
                 raise SnapshotError(f"{self.side} was committed but ranks {sorted(expected - seen)} never confirmed "
-                                    f"it after {COMMIT_TIMEOUT:.0f} s; it stays beside {self.final}, where autoload "
+                                    f"it after {SETTINGS.commit_timeout:.0f} s; it stays beside {self.final}, where autoload "
                                     "finds it")
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
