@@ -424,6 +424,18 @@ def test_savefun_writes_one_file_like_ppe(kind, make_writer, tmp_path):
     assert writer.last_stats["bytes"] == os.path.getsize(tmp_path / "snap.pt")
 
 
+@pytest.mark.parametrize("kind", ALL)
+def test_a_target_that_is_not_a_dict_is_stored_as_it_is(kind, make_writer, tmp_path):
+    """ppe's writers torch.save any target; ours store it as the snapshot's "state" entry."""
+    writer = make_writer(kind)
+    targets = {"text": "test", "tensor": torch.arange(4.0), "list": [1, "two", torch.ones(2)]}
+    for name, target in targets.items():
+        writer(name, str(tmp_path), target)
+    settle(writer)
+    for name, target in targets.items():
+        assert_same(Snapshot(str(tmp_path / name)).read_object("0/state"), target)
+
+
 @pytest.mark.parametrize("kind", ["simple", "thread", "thread_queue"])
 def test_memory_url_out_dir(kind, make_writer):
     root = f"memory://{uuid.uuid4().hex}/run"

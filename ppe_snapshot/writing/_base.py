@@ -22,6 +22,20 @@ from ppe_snapshot.writing.contract import SnapshotWriter
 _PPE_DEFAULT_FS = type(Writer().fs)
 
 
+class _Value:
+    """Any other target a ppe writer would torch.save (a tensor, a list, a string): stored as the
+    snapshot's ``"state"`` entry as it is (``Snapshot(path).read_object("0/state")`` reads it back)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, value: Any) -> None:
+        self.value = value
+
+
 def is_ppe_default_fs(fs: Any) -> bool:
     """Whether ``fs`` is ppe's default (POSIX) file system, as a writer made without ``fs`` holds."""
     return type(fs) is _PPE_DEFAULT_FS
@@ -112,12 +126,10 @@ class WriterBase(Writer, SnapshotWriter):
         if append:
             raise ValueError("append=True needs a savefun: an engine snapshot is a directory, "
                              "it cannot be appended to")
-        if not isinstance(target, Mapping):
-            raise TypeError(f"an engine snapshot saves a state dict; got a {type(target).__name__}. "
-                            "Pass a dict, or a savefun such as torch.save to write it as one file")
         if extra_state and "state" in extra_state:
             raise ValueError('extra_state cannot use the key "state": it holds the target')
-        return {"state": StateDict(target), **(extra_state or {})}
+        state = StateDict(target) if isinstance(target, Mapping) else _Value(target)
+        return {"state": state, **(extra_state or {})}
 
     def save(self, filename: str, out_dir: str, target: Any, savefun: Callable[..., Any] | None = None,
              append: bool = False, **savefun_kwargs: Any) -> None:
