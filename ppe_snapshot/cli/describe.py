@@ -12,9 +12,10 @@ from ppe_snapshot.cli.common import (
 )
 from ppe_snapshot.engine import (
     MANIFEST_NAME, BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, Snapshot,
-    TensorEntry, LOCAL,
+    TensorEntry, LOCAL, read_manifest,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
+from ppe_snapshot.storage import open_storage
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
 
@@ -32,6 +33,25 @@ def _mtime(fs: Any, path: str) -> str | None:
     if isinstance(stamp, datetime.datetime):
         return stamp.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return None
+
+
+def _utc(stamp: str | None) -> str | None:
+    """An ISO 8601 time as ``YYYY-MM-DDTHH:MM:SSZ``."""
+    if stamp is None:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _manifest_of(url: str, storage_options: dict | None) -> Any:
+    storage = open_storage(url, storage_options)
+    try:
+        return read_manifest(storage)
+    finally:
+        storage.close()
 
 
 def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: dict | None, deep: bool,
@@ -66,8 +86,7 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
                     row["iteration"] = metadata["iteration"]
                 if isinstance(metadata.get("epoch"), int):
                     row["epoch"] = metadata["epoch"]
-                if isinstance(metadata.get("committed_at"), str):
-                    row["time"] = metadata["committed_at"]
+            row["time"] = _utc(_manifest_of(url, storage_options).committed_at)
             problem = None
         except Exception as e:  # noqa: BLE001 - any failure to read it makes it damaged
             problem = f"{type(e).__name__}: {e}"
@@ -172,9 +191,12 @@ def _text(e: dict[str, Any]) -> str:
 def inspect_source(source: Source) -> dict[str, Any]:
     """What ``inspect`` shows: metadata and every entry of the source."""
     metadata: Any = None
+    written: dict[str, Any] = {}
     if source.is_engine:
         snap = source.snapshot()
         metadata = snap.metadata
+        manifest = _manifest_of(source.path, source.storage_options)
+        written = {"committed_at": manifest.committed_at, "written_by": manifest.written_by}
         entries = [_engine_entry(key, entry) for key, entry in snap.get_manifest().items()]
     elif source.kind == Kind.TORCH_DCP:
         entries = _torch_dcp_entries(source)
@@ -183,7 +205,7 @@ def inspect_source(source: Source) -> dict[str, Any]:
     else:
         entries = [{"key": key, **describe_value(value)} for key, value in flatten(read_state(source)[0]).items()]
     tensors = [e for e in entries if "dtype" in e and "bytes" in e]
-    return {"path": source.path, "kind": source.kind, "metadata": metadata, "entries": entries,
+    return {"path": source.path, "kind": source.kind, "metadata": metadata, **written, "entries": entries,
             "tensors": len(tensors), "tensor_bytes": sum(e["bytes"] for e in tensors)}
 
 
@@ -224,6 +246,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"metadata {json.dumps(report['metadata'])}")
         except (TypeError, ValueError, RecursionError):
             print("metadata <nested too deeply to show>")
+    if report.get("committed_at"):
+        versions = ", ".join(f"{k} {v}" for k, v in report["written_by"].items())
+        print(f"committed {report['committed_at']}" + (f" by {versions}" if versions else ""))
     for e in report["entries"]:
         print(f"  {e['key']}: {_text(e)}")
     print(f"total {len(report['entries'])} entries, {report['tensors']} tensors, {report['tensor_bytes']} B of tensors")
