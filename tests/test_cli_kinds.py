@@ -19,6 +19,8 @@ from ppe_snapshot import RNGState, Snapshot, StateDict
 from ppe_snapshot.cli import main
 from ppe_snapshot.dcp import SnapshotStorageWriter
 
+from _extension_workers import flip_byte
+
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHT = torch.arange(12.0).reshape(3, 4)
 BIAS = torch.tensor([1.0, 2.0, 3.0])
@@ -68,14 +70,6 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_ls_lists_every_kind_by_position_and_marks_the_resume_candidate(kinds, capsys):
     assert main(["ls", "--json", str(kinds / "run")]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -85,7 +79,7 @@ def test_ls_lists_every_kind_by_position_and_marks_the_resume_candidate(kinds, c
     assert [r["name"] for r in rows if r["resume"]] == ["snapshot_iter_20"]
     assert all(r["bytes"] > 0 for r in rows[:3]) and rows[1]["time"].endswith("Z")
 
-    _flip(kinds / "run" / "snapshot_iter_20" / "data" / "rank0.bin", 3)
+    flip_byte(kinds / "run" / "snapshot_iter_20" / "data" / "rank0.bin", 3)
     assert main(["ls", "--json", str(kinds / "run")]) == 0  # the quick check does not read data
     assert [r["status"] for r in json.loads(capsys.readouterr().out)][2] == "complete"
     assert main(["ls", "--deep", "--json", str(kinds / "run")]) == 0
@@ -123,7 +117,7 @@ def test_verify_names_every_damaged_entry_and_accepts_ppe_files(kinds, capsys):
     snap = kinds / "run" / "snapshot_iter_10"
     manifest = json.loads((snap / "manifest.json").read_text())["ranks"][0]
     for key in ("state/models/main/weight", "state/models/main/bias"):
-        _flip(snap / "data" / "rank0.bin", manifest[key]["chunks"][0]["offset"] + 1)
+        flip_byte(snap / "data" / "rank0.bin", manifest[key]["chunks"][0]["offset"] + 1)
     paths = [str(kinds / "run" / "snapshot_iter_5"), str(kinds / "adapter"), str(kinds / "torchdcp"),
              str(kinds / "run" / "snapshot_iter_20")]
     assert main(["verify", *paths]) == 0
@@ -252,7 +246,7 @@ def test_the_real_command(kinds):
     assert failed.stderr.count("\n") == 1 and str(kinds / "text.txt") in failed.stderr
     debugged = _run("inspect", "--debug", str(kinds / "text.txt"))
     assert debugged.returncode == 2 and "Traceback" in debugged.stderr
-    _flip(kinds / "run" / "snapshot_iter_20" / "data" / "rank0.bin", 3)
+    flip_byte(kinds / "run" / "snapshot_iter_20" / "data" / "rank0.bin", 3)
     verified = _run("verify", str(kinds / "run" / "snapshot_iter_5"), str(kinds / "run" / "snapshot_iter_20"))
     assert verified.returncode == 1 and "Traceback" not in verified.stdout + verified.stderr
     assert f"OK      {kinds / 'run' / 'snapshot_iter_5'}" in verified.stdout
