@@ -88,20 +88,38 @@ def convert(args: argparse.Namespace) -> str:
     with progress(4, f"convert {args.src}", unit="step") as bar:
         state, left_out = read_state(source, allow_pickle=args.allow_pickle)
         bar.update(2)
-        if left_out and target != "snapshot":
-            _note(f"{target} target holds the training state only; not written: {', '.join(left_out)} "
-                  "(RNG states: convert to a snapshot to keep them)")
-        if target == "snapshot":
-            app_state: dict[str, Any] = {"state": StateDict(state)}
-            Snapshot.take(args.dst, app_state, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
-        elif target == "torch":
-            _write_torch(state, args.dst, args.storage_options)
-        elif target == "dcp":
-            _write_dcp(state, args.dst, args.storage_options)
-        else:
-            _write_safetensors(state, args.dst, args.storage_options)
+        try:
+            _write(args, target, state, left_out)
+        except BaseException:
+            _remove_partial(args.dst, args.storage_options)
+            raise
         bar.update(2)
     return target
+
+
+def _remove_partial(dst: str, storage_options: dict | None) -> None:
+    """Remove what a failed conversion wrote at ``dst``, so nothing half-written is left."""
+    try:
+        fs, root = filesystem(dst, storage_options)
+        if fs.exists(root):
+            fs.rm(root, recursive=fs.isdir(root))
+    except Exception:  # noqa: BLE001 - the conversion's own error is the one to report
+        pass
+
+
+def _write(args: argparse.Namespace, target: str, state: dict[str, Any], left_out: list[str]) -> None:
+    if left_out and target != "snapshot":
+        _note(f"{target} target holds the training state only; not written: {', '.join(left_out)} "
+              "(RNG states: convert to a snapshot to keep them)")
+    if target == "snapshot":
+        app_state: dict[str, Any] = {"state": StateDict(state)}
+        Snapshot.take(args.dst, app_state, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
+    elif target == "torch":
+        _write_torch(state, args.dst, args.storage_options)
+    elif target == "dcp":
+        _write_dcp(state, args.dst, args.storage_options)
+    else:
+        _write_safetensors(state, args.dst, args.storage_options)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
