@@ -16,10 +16,13 @@ every few iterations, three times, each in a child process:
 
 It prints where run 3 resumed from, then PASS when its final model and
 optimizer are bit-identical to run 1 (FAIL and exit status 1 otherwise).
+With ``--keep DIR`` the runs are made under DIR and left there, to explore
+with the command line (``ppe-snapshot ls DIR/crashed``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -58,6 +61,7 @@ def train(out_dir: str, iterations: int) -> None:
     snapshot = ppe_snapshot.snapshot(writer=ppe_snapshot.writing.ProcessWriter(), n_retains=3, autoload=True)
     manager.extend(snapshot, trigger=(SNAPSHOT_EVERY, "iteration"))
 
+    write_times: list[float | None] = []  # of each save, once the writer reported it
     manager.start_extensions()  # autoload happens here
     if snapshot.resumed_from is not None:
         print(f"RESUMED {snapshot.resumed_from} iteration {manager.iteration}", flush=True)
@@ -67,13 +71,15 @@ def train(out_dir: str, iterations: int) -> None:
             x = torch.randn(64, 512, generator=g)
             y = torch.randint(0, 10, (64,), generator=g)
             F.cross_entropy(model(x), y).backward()
-        stats = manager.observation
-        if "snapshot/bytes" in stats:
-            previous = stats.get("snapshot/write_s")
-            print(f"SNAPSHOT {manager.iteration}: the loop waited {stats['snapshot/blocking_s'] * 1e3:.0f} ms for "
-                  f"{stats['snapshot/bytes'] / 2**20:.1f} MiB" +
+        if manager.iteration % SNAPSHOT_EVERY == 0:  # the stats of the save just handed to the writer
+            stats, previous = snapshot.writer.last_stats, write_times[-1] if write_times else None
+            print(f"SNAPSHOT {manager.iteration}: the loop waited {stats['blocking_s'] * 1e3:.0f} ms for "
+                  f"{stats['bytes'] / 2**20:.1f} MiB" +
                   (f"; the write before took {previous * 1e3:.0f} ms in the writer process" if previous else ""),
                   flush=True)
+            write_times.append(None)
+        if write_times and write_times[-1] is None and "snapshot/write_s" in manager.observation:
+            write_times[-1] = manager.observation["snapshot/write_s"]
         print(f"ITERATION {manager.iteration}", flush=True)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, os.path.join(out_dir, "final.pt"))
 
@@ -128,9 +134,13 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def main() -> int:
+def main(keep: str | None) -> int:
+    if keep is not None and os.path.exists(keep) and os.listdir(keep):
+        print(f"{keep} is not empty; give --keep a new or empty directory", file=sys.stderr)
+        return 2
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ppe-snapshot-demo-") as root:
+    with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="ppe-snapshot-demo-")) as root:
+        os.makedirs(root, exist_ok=True)
         straight, crashed = os.path.join(root, "straight"), os.path.join(root, "crashed")
         print(f"1. training {ITERATIONS} iterations without interruption")
         _run_to_end(straight, show=False)
@@ -139,8 +149,11 @@ def main() -> int:
         _run_and_kill(crashed)
         left = sorted((n for n in os.listdir(crashed) if n.startswith("snapshot_iter_")), key=lambda n: int(n[14:]))
         partial = [n for n in left if not os.path.exists(os.path.join(crashed, n, "manifest.json"))]
+        # The writer process may still be finishing a write (it exits with its parent within a second): a name
+        # without manifest.json is not committed yet, which autoload tells apart from a complete one either way.
         print(f"  left behind: {', '.join(left)}" +
-              (f"; {', '.join(partial)} has no manifest.json: its write was cut short" if partial else ""))
+              (f"; {', '.join(partial)} had no manifest.json yet (not committed when the trainer was killed)"
+               if partial else ""))
         print("3. restarting it with autoload=True")
         lines = _run_to_end(crashed)
         if not any(line.startswith("RESUMED") for line in lines):
@@ -152,14 +165,17 @@ def main() -> int:
     print(f"{'PASS' if ok else 'FAIL'}: the final model and optimizer state are "
           f"{'bit-identical to' if ok else 'different from'} the uninterrupted run's "
           f"({time.perf_counter() - start:.1f} s)")
+    if keep:
+        print(f"the run directories are in {keep}; try: ppe-snapshot ls {os.path.join(keep, 'crashed')}")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", metavar="OUT_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--keep", metavar="DIR", help="make the runs under DIR (new or empty) and leave them there")
     args = parser.parse_args()
     if args.child:
         train(args.child, ITERATIONS)
     else:
-        sys.exit(main())
+        sys.exit(main(args.keep))

@@ -11,6 +11,7 @@ works the same with ``storage_options``).
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 
@@ -42,7 +43,7 @@ def train(writer: writing.SimpleWriter, log_dir: str, iterations: int = 40) -> d
     return stats
 
 
-def main() -> None:
+def main(iterations: int) -> None:
     with tempfile.TemporaryDirectory() as root:
         runs = {
             "SimpleWriter": writing.SimpleWriter(out_dir=f"{root}/simple"),
@@ -52,7 +53,7 @@ def main() -> None:
         }
         print(f"{'writer':26} {'loop blocked (median)':>22} {'write (median)':>15}  snapshots kept")
         for name, writer in runs.items():
-            stats = train(writer, root)
+            stats = train(writer, root, iterations)
             kept = [c.name for c in list_snapshots(writer.out_dir, "snapshot_iter_{.iteration}")]
             blocked = statistics.median(stats["snapshot/blocking_s"]) * 1e3
             written = statistics.median(stats["snapshot/write_s"]) * 1e3
@@ -60,4 +61,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # the ProcessWriter's worker imports this script: keep the guard
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=40, help="per writer (default: %(default)s)")
+    main(parser.parse_args().iterations)

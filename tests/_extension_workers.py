@@ -102,7 +102,9 @@ class Run:
 
     def state(self) -> dict[str, Any]:
         """Everything a resumed run must reproduce exactly."""
-        log = [{k: v for k, v in entry.items() if k != "elapsed_time"} for entry in self.log_report.log]
+        # Not training state: timings, and the snapshot stats (a resumed process reports its own saves only).
+        log = [{k: v for k, v in entry.items() if k != "elapsed_time" and not k.startswith("snapshot/")}
+               for entry in self.log_report.log]
         return {"iteration": self.manager.iteration, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "log": log, "rng": torch.get_rng_state()}

@@ -54,4 +54,4 @@ def test_inspect_lists_entries_and_missing_snapshot_is_an_error(tmp_path, capsys
     assert "0/s/n: value 5" in out
 
     assert main(["inspect", str(tmp_path / "missing")]) == 2
-    assert "manifest.json is missing" in capsys.readouterr().err
+    assert f"{tmp_path / 'missing'}: no such file or directory" in capsys.readouterr().err

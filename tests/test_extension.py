@@ -366,20 +366,10 @@ def test_snapshot_on_error_at_a_saved_position_and_from_an_extension(tmp_path, c
 # -- stats ------------------------------------------------------------------------------------------------------
 
 
-def test_stats_reported_and_logged(tmp_path, caplog):
+def test_stats_logged(tmp_path, caplog):
+    """(That they reach LogReport / PrintReport: tests/test_observability.py.)"""
     run = Run(str(tmp_path), 4, {"writer": make_writer("ThreadWriter")}, trigger=(1, "iteration"))
-    seen = []
-
-    def record(manager):  # runs after the snapshot in the same iteration
-        seen.append({k: v for k, v in manager.observation.items() if k.startswith("snapshot/")})
-    run.manager.extend(record, trigger=(1, "iteration"), priority=ppe_extension.PRIORITY_SNAPSHOT)
     with caplog.at_level(logging.INFO, logger="ppe_snapshot"):
         run.train()
     run.snapshot.writer.finalize()
-    # The first save's write time is known only if it ended already; later ones report at least the previous one's.
-    assert {"snapshot/blocking_s", "snapshot/bytes"} <= set(seen[0])
-    assert [sorted(s) for s in seen[1:]] == [["snapshot/blocking_s", "snapshot/bytes", "snapshot/write_s"]] * 3
-    size = os.path.getsize(tmp_path / "snapshot_iter_4" / "data" / "rank0.bin")
-    assert [s["snapshot/bytes"] for s in seen] == [size] * 4
-    assert all(s["snapshot/blocking_s"] >= 0 and s.get("snapshot/write_s", 0) >= 0 for s in seen)
     assert "snapshot snapshot_iter_3 at iteration 3: blocking_s=" in caplog.text

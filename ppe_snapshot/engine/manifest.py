@@ -8,10 +8,14 @@ every shard with its global offsets.
 """
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
+
+import torch
 
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.format import MANIFEST_NAME, Kind, Raw
@@ -245,6 +249,10 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: Tensors split over ranks, seen by every rank (of any world size).
     sharded: Mapping[str, Entry] = field(default_factory=dict)
+    #: When the manifest was written (the commit), UTC ISO 8601; None for snapshots written before it was recorded.
+    committed_at: str | None = None
+    #: The versions that wrote it (``{"ppe_snapshot": ..., "torch": ...}``); empty for older snapshots.
+    written_by: dict[str, str] = field(default_factory=dict)
 
     def lookup(self, rank: int, path: str) -> Entry | None:
         """The entry of ``path`` as seen by ``rank``: its own, else the replicated or sharded one."""
@@ -279,6 +287,9 @@ class Manifest:
             "replicated": entries_to_json(self.replicated),
             "sharded": entries_to_json(self.sharded),
             "ranks": [entries_to_json(r) for r in self.ranks],
+            # Additive fields (readers ignore keys they do not know): the commit time and the writing versions.
+            "committed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+            "written_by": writer_versions(),
         }
         return jsonio.dumps(doc, free_form=self.metadata)
 
@@ -300,7 +311,19 @@ class Manifest:
             take_id=doc.get("take_id", ""),
             metadata=doc.get("metadata", {}),
             sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only=Kind.SHARDED),
+            committed_at=doc["committed_at"] if isinstance(doc.get("committed_at"), str) else None,
+            written_by={k: v for k, v in doc["written_by"].items() if isinstance(v, str)}
+            if isinstance(doc.get("written_by"), dict) else {},
         )
+
+
+def writer_versions() -> dict[str, str]:
+    """The versions recorded in a manifest as ``written_by``."""
+    try:
+        ours = importlib.metadata.version("ppe-snapshot")
+    except importlib.metadata.PackageNotFoundError:
+        ours = "unknown"
+    return {"ppe_snapshot": ours, "torch": torch.__version__}
 
 
 def read_manifest(storage: Storage) -> Manifest:

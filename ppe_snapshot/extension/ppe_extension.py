@@ -21,13 +21,13 @@ from pytorch_pfn_extras.writing import Writer
 
 from ppe_snapshot import run_dir, writing
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
-from ppe_snapshot.extension import ppe_compat, saved_state
+from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_of
 from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat, holds_iteration, restore_newest, skip
 from ppe_snapshot.storage import join
 from ppe_snapshot.writing import SnapshotWriter
 
-logger = logging.getLogger("ppe_snapshot")
+logger = logging.getLogger(__name__)
 
 
 def _always_true() -> bool:
@@ -89,6 +89,8 @@ class _Snapshot(extension.Extension):
         self._superseded: dict[str, Candidate] = {}
         # Names autoload skipped: retention never counts them as kept snapshots until saved again.
         self._rejected: set[str] = set()
+        # Reports the stats into the next iteration's observation (set when the manager starts its extensions).
+        self._stats_reporter: stats_report.StatsReporter | None = None
 
     # -- what and where -------------------------------------------------------
     @property
@@ -151,6 +153,7 @@ class _Snapshot(extension.Extension):
         """Restore with ``autoload``; returns the restored snapshot's name relative to the output
         directory (as ppe does), or None."""
         self._bind(manager)
+        self._stats_reporter = stats_report.attach(manager)
         if self.autoload:
             self._autoload(manager)
         return self.resumed_name
@@ -175,7 +178,7 @@ class _Snapshot(extension.Extension):
             self._error_snapshot(manager)
         except Exception as e:  # noqa: BLE001 - the training error is the one that must propagate
             # Logged, not warned: a test setup turning warnings into errors must still see the training error.
-            logger.error("ppe_snapshot: the snapshot on error failed: %s: %s", type(e).__name__, e,
+            logger.error("the snapshot on error failed: %s: %s", type(e).__name__, e,
                          exc_info=(type(e), e, e.__traceback__))
         finally:
             if available is False:
@@ -211,7 +214,7 @@ class _Snapshot(extension.Extension):
         stale = self._superseded.pop(name, None)
         if stale is not None and self._savefun is None:
             writing.remove_snapshot(stale.url, self._storage_options)
-            logger.warning("ppe_snapshot: removed %s, which autoload skipped as %s, to save this position again",
+            logger.warning("removed %s, which autoload skipped as %s, to save this position again",
                            stale.url, stale.kind if stale.kind != CandidateKind.SNAPSHOT else CandidateKind.DAMAGED)
         self._rejected.discard(name)
         previous = writer.last_stats
@@ -229,8 +232,11 @@ class _Snapshot(extension.Extension):
         values = {"snapshot/blocking_s": stats.get("blocking_s"), "snapshot/write_s": write_s,
                   "snapshot/bytes": stats.get("bytes")}
         values = {k: v for k, v in values.items() if v is not None}
-        reporting.report(values)
-        logger.info("ppe_snapshot: snapshot %s at iteration %s: %s", name, manager.iteration,
+        if self._stats_reporter is not None:  # reported before LogReport reads the next iteration's observation
+            self._stats_reporter.add(stats)
+        else:  # a manager that did not start its extensions: into this iteration's observation
+            reporting.report(values)
+        logger.info("snapshot %s at iteration %s: %s", name, manager.iteration,
                     ", ".join(f"{k.split('/')[1]}={v:.3f}" if k.endswith("_s") else f"{k.split('/')[1]}={v}"
                               for k, v in values.items()))
 
@@ -241,7 +247,7 @@ class _Snapshot(extension.Extension):
         try:
             writer.wait()
         except Exception as e:  # noqa: BLE001 - reported; the snapshot on error is still taken
-            logger.error("ppe_snapshot: the snapshot in flight when training failed did not complete: %s: %s",
+            logger.error("the snapshot in flight when training failed did not complete: %s: %s",
                          type(e).__name__, e)
 
     def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
@@ -251,12 +257,13 @@ class _Snapshot(extension.Extension):
         location = join(self._out_dir, name)
         if (self._engine_writer is not None and self._savefun is None and name not in self._superseded
                 and holds_iteration(location, self._storage_options, manager.iteration)):
-            logger.warning("ppe_snapshot: training failed at iteration %s; snapshot %s already holds this "
+            logger.warning("training failed at iteration %s; snapshot %s already holds this "
                            "position, so no snapshot on error is taken", manager.iteration, location)
             return
         self._save(manager, name, state_of(self._resolve_target(manager)), pg)
-        self._wait_in_flight()
-        logger.warning("ppe_snapshot: training failed at iteration %s; saved snapshot %s", manager.iteration,
+        if self._engine_writer is not None:
+            self._engine_writer.wait()  # a failed save raises here: on_error logs it, never as saved
+        logger.warning("training failed at iteration %s; saved snapshot %s", manager.iteration,
                        location)
 
     # -- retention ---------------------------------------------------------------
@@ -269,7 +276,7 @@ class _Snapshot(extension.Extension):
             run_dir.prune(self._out_dir, self._format, self.n_retains, self._storage_options,
                           rejected=self._rejected)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
-            logger.warning("ppe_snapshot: removing old snapshots under %s failed: %s: %s", self._out_dir,
+            logger.warning("removing old snapshots under %s failed: %s: %s", self._out_dir,
                            type(e).__name__, e)
 
     # -- autoload ----------------------------------------------------------------
@@ -296,10 +303,10 @@ class _Snapshot(extension.Extension):
         if self._owns_out_dir:
             self._superseded = {c.name: c for c in candidates if found is None or found.is_older_than(c)}
         if found is None:
-            logger.info("ppe_snapshot: autoload found no usable snapshot matching %r under %s; starting fresh",
+            logger.info("autoload found no usable snapshot matching %r under %s; starting fresh",
                         self.filename, self._out_dir)
             return
         self.resumed_from = found.url
         self.resumed_name = found.name
-        logger.info("ppe_snapshot: resumed from %s at iteration %s (epoch %s)", found.url, manager.iteration,
+        logger.info("resumed from %s at iteration %s (epoch %s)", found.url, manager.iteration,
                     manager.epoch)

@@ -20,7 +20,7 @@ from ppe_snapshot.extension.ppe_extension import _Snapshot
 from ppe_snapshot.extension.saved_state import state_of
 from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh
 
-logger = logging.getLogger("ppe_snapshot")
+logger = logging.getLogger(__name__)
 
 
 class _DistributedExtension(_Snapshot):
@@ -116,7 +116,7 @@ class DistributedSnapshot(_DistributedExtension):
         if self._is_saver:
             self._save_on_error(manager, self._format_name(manager), LOCAL)
         else:
-            logger.warning("ppe_snapshot: training failed on rank %d; only saver rank %d writes snapshots, so "
+            logger.warning("training failed on rank %d; only saver rank %d writes snapshots, so "
                            "no snapshot on error is taken here", self._rank, self._saver_rank)
 
     def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
@@ -150,7 +150,7 @@ class ShardedSnapshot(_DistributedExtension):
         # The other ranks are not taking part, so a snapshot of the whole group cannot commit:
         # this rank saves its own state alone, under a name autoload does not pick up.
         name = f"{self._format_name(manager)}.error-rank{self._rank}"
-        logger.warning("ppe_snapshot: training failed on rank %d; saving this rank's state alone to %s "
+        logger.warning("training failed on rank %d; saving this rank's state alone to %s "
                        "(a rank-local snapshot, not used by autoload)", self._rank, name)
         self._save_on_error(manager, name, LOCAL)
 

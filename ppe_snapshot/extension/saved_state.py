@@ -14,7 +14,7 @@ from typing import Any
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot
 from ppe_snapshot.run_dir import Candidate, CandidateKind, Unusable, load_file, opened
 
-logger = logging.getLogger("ppe_snapshot")
+logger = logging.getLogger(__name__)
 
 #: The app-state key of the RNG states in engine snapshots written by the extension.
 RNG_KEY = "rng"
@@ -98,10 +98,10 @@ def restore_rng(snap: Snapshot, pg: Any, rng_rank: int) -> None:
         # A DISTRIBUTED snapshot on error holds the saver's state only (no collective there); ranks
         # seeded alike, as data-parallel ranks usually are, continue exactly from it.
         source = saved[0]
-        logger.info("ppe_snapshot: %s holds no RNG state for rank %d; restoring rank %d's", snap.path,
+        logger.info("%s holds no RNG state for rank %d; restoring rank %d's", snap.path,
                     rng_rank, source)
     else:
-        logger.info("ppe_snapshot: %s holds no RNG state for rank %d; the random number generators "
+        logger.info("%s holds no RNG state for rank %d; the random number generators "
                     "continue from their current state", snap.path, rng_rank)
         return
     RNGState().load_state_dict(snap.read_object(f"{prefix}{source}"))

@@ -9,7 +9,7 @@ from ppe_snapshot.run_dir.listing import Candidate, list_snapshots
 from ppe_snapshot.run_dir.names import FilenameFormat
 from ppe_snapshot.writing import remove_snapshot
 
-logger = logging.getLogger("ppe_snapshot")
+logger = logging.getLogger(__name__)
 
 
 def select_prunable(candidates: list[Candidate], n_retains: int,
@@ -45,6 +45,6 @@ def prune(out_dir: str, fmt: str | FilenameFormat, n_retains: int,
     removed = []
     for c in select_prunable(list_snapshots(out_dir, fmt, storage_options), n_retains, rejected):
         remove(c, storage_options)
-        logger.info("ppe_snapshot: removed %s: %s (keeping the %d newest)", c.describe(), c.kind, n_retains)
+        logger.info("removed %s: %s (keeping the %d newest)", c.describe(), c.kind, n_retains)
         removed.append(c.url)
     return removed

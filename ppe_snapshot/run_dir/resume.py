@@ -16,7 +16,7 @@ from ppe_snapshot.engine import LOCAL, Snapshot
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.run_dir.listing import Candidate
 
-logger = logging.getLogger("ppe_snapshot")
+logger = logging.getLogger(__name__)
 
 
 class Unusable(Exception):
@@ -32,9 +32,9 @@ def cannot_start_fresh(what: str) -> SnapshotError:
 
 def skip(candidate: Candidate, reason: str) -> None:
     """Warn (and log) that autoload does not use ``candidate``."""
-    message = f"ppe_snapshot autoload: skipping snapshot {candidate.url}: {reason}"
+    message = f"autoload: skipping snapshot {candidate.url}: {reason}"
     logger.warning(message)
-    warnings.warn(message, stacklevel=4)
+    warnings.warn(f"ppe_snapshot {message}", stacklevel=4)
 
 
 def holds_iteration(location: str, storage_options: dict[str, Any] | None, iteration: int) -> bool:

@@ -40,7 +40,7 @@ def is_ppe_default_fs(fs: Any) -> bool:
     """Whether ``fs`` is ppe's default (POSIX) file system, as a writer made without ``fs`` holds."""
     return type(fs) is _PPE_DEFAULT_FS
 
-logger = logging.getLogger("ppe_snapshot")
+logger = logging.getLogger(__name__)
 
 
 def add_note(error: BaseException, note: str) -> None:

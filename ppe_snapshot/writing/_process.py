@@ -25,9 +25,20 @@ from ppe_snapshot.writing._async import AsyncWriter, Ticket
 from ppe_snapshot.writing._base import SimpleWriter, add_note, logger
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._replace import AfterCommit
-from ppe_snapshot.writing._worker import serve
+from ppe_snapshot.writing._worker import READY, serve
 
 OnDone = Callable[[BaseException | None, int | None], None]
+
+UNGUARDED_MAIN = (
+    "the script that creates the {writer} has no `if __name__ == \"__main__\":` guard: its worker process is "
+    "started with multiprocessing's 'spawn', which imports the script again in the worker, and that runs the "
+    "training code (and creates another writer) there. Fix: put the training code under "
+    "`if __name__ == \"__main__\":` (or use a ThreadWriter)")
+
+
+def _in_spawn_bootstrap() -> bool:
+    """Whether this process is a spawned child still importing its parent's main module."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 def _exit_reason(exitcode: int | None) -> str:
@@ -68,8 +79,18 @@ class _Worker:
         self._pending: dict[int, tuple[OnDone, str]] = {}
         self._lock = threading.Lock()
         self._exited = False
+        self.ready = False  # the worker sent READY
+        self._started = threading.Event()  # set when it did, or when it exited first
         self._collector = threading.Thread(target=self._collect, name="ppe-snapshot-results", daemon=True)
         self._collector.start()
+
+    def wait_started(self, writer: str) -> None:
+        """Block until the worker has started; a clear error when it died while starting."""
+        self._started.wait()
+        if not self.ready:
+            raise SnapshotError(f"the {writer}'s worker process (pid {self.process.pid}) "
+                                f"{_exit_reason(self.process.exitcode)} while starting. The likely cause: "
+                                + UNGUARDED_MAIN.format(writer=writer))
 
     def alive(self) -> bool:
         with self._lock:
@@ -101,13 +122,18 @@ class _Worker:
             if self._results not in ready:
                 break
             try:
-                ticket, error, nbytes = self._results.recv()
+                ticket, error, nbytes = reply = self._results.recv()
             except (EOFError, OSError):
                 break
+            if reply == READY:
+                self.ready = True
+                self._started.set()
+                continue
             with self._lock:
                 on_done, _ = self._pending.pop(ticket)
             self._report(on_done, _rebuild_error(*error) if error is not None else None, nbytes)
         self.process.join()
+        self._started.set()
         with self._lock:
             self._exited = True
             lost, self._pending = list(self._pending.values()), {}
@@ -143,6 +169,9 @@ class _ProcessBase(AsyncWriter):
         self._tickets = itertools.count()
         self._registered: set[int] = set()
         self._worker: _Worker | None = None
+        if _in_spawn_bootstrap():  # this is the worker importing the unguarded script: say so, start nothing
+            raise RuntimeError(f"{type(self).__name__} created while a worker process imports the main "
+                               f"module; {UNGUARDED_MAIN.format(writer=type(self).__name__)}")
         self._worker = _Worker()
 
     @property
@@ -173,9 +202,12 @@ class _ProcessBase(AsyncWriter):
                 logger.warning("the writer process (pid %s) %s; starting a new one",
                                worker.process.pid, _exit_reason(worker.process.exitcode))
             worker = self._worker = _Worker()
+            worker.wait_started(type(self).__name__)
             for slot, buffer in enumerate(self._buffers):
                 if buffer is not None:
                     worker.send_buffer(slot, buffer)
+        elif not worker.ready:  # the first save: a worker that cannot start fails it, with the cause
+            worker.wait_started(type(self).__name__)
         return worker
 
     def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:

@@ -9,7 +9,7 @@ buffer that the parent sent once (and again only when it grew). Messages:
 * ``("file", ticket, slot, save, skeleton)``: write a single file;
 * ``("stop",)``: finish what is queued, then exit.
 
-Each save is answered with ``(ticket, error, nbytes)``, ``error`` being None or
+The worker first sends ``READY``; each save is answered with ``(ticket, error, nbytes)``, ``error`` being None or
 ``(pickled exception or None, formatted traceback)``. The worker exits
 when its parent goes away (the pipe closes or it is re-parented).
 """
@@ -32,6 +32,8 @@ from ppe_snapshot.writing._replace import commit_in_place
 
 #: Seconds between two checks that the parent is still there while idle.
 PARENT_CHECK_S = 1.0
+#: The first answer of a worker: it started (its parent's main module was imported without error).
+READY = (None, None, None)
 
 
 def serve(jobs: Connection, results: Connection, parent_pid: int) -> None:
@@ -40,6 +42,7 @@ def serve(jobs: Connection, results: Connection, parent_pid: int) -> None:
     os.nice(10)  # and let training win when both want a core: writing can wait, a step cannot
     inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
     # A reader thread keeps the pipe drained, so the parent never blocks on a send while we write.
+    results.send(READY)  # the spawn bootstrap (which imports the parent's main module again) is over
     threading.Thread(target=_receive, args=(jobs, inbox, parent_pid), daemon=True).start()
     buffers: dict[int, torch.Tensor] = {}
     while (message := inbox.get()) is not None:

@@ -1,0 +1,245 @@
+"""What the subcommands share: user errors, storage options, what a path holds, reading it, progress bars.
+
+Every reader here is safe on untrusted input: engine snapshots are read without unpickling unless asked,
+ppe files with ``torch.load(weights_only=True)``, safetensors files hold nothing but tensors.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import fsspec
+import torch
+
+from ppe_snapshot.dcp import DCP_KEY
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, Snapshot
+from ppe_snapshot.retention import filesystem
+from ppe_snapshot.run_dir import load_file
+
+#: The app state key under which the extension and the writers store a target's state dict.
+STATE_KEY = "state"
+#: The app state key prefix of the RNG states the extension stores (``rng/<rank>``).
+RNG_PREFIX = "rng"
+#: torch.save files begin with a zip archive (the default) or a pickle (the legacy format).
+TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+#: The file torch's own DCP FileSystemWriter writes last.
+DCP_METADATA = ".metadata"
+#: Snapshots at least this large get a progress bar (on a terminal).
+PROGRESS_BYTES = 64 << 20
+
+
+class UsageError(Exception):
+    """A user error: printed as one line on stderr, exit status 2."""
+
+
+class Kind:
+    """What a path holds."""
+    SNAPSHOT = "snapshot"            # an engine snapshot (Snapshot.take, the extension, the writers)
+    DCP_ADAPTER = "dcp-adapter"      # an engine snapshot written by dcp.save through SnapshotStorageWriter
+    TORCH_DCP = "torch-dcp"          # a torch.distributed.checkpoint directory in torch's own format
+    PPE_FILE = "ppe-file"            # a torch.save file (ppe's single-file snapshots)
+    SAFETENSORS = "safetensors"
+    IN_PROGRESS = "in-progress"      # a snapshot directory without its manifest (being written, or crashed)
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    kind: str
+    storage_options: dict[str, Any] | None
+
+    @property
+    def is_engine(self) -> bool:
+        return self.kind in (Kind.SNAPSHOT, Kind.DCP_ADAPTER)
+
+    def snapshot(self, allow_pickle: bool = False) -> Snapshot:
+        return Snapshot(self.path, pg=LOCAL, storage_options=self.storage_options, allow_pickle=allow_pickle)
+
+
+def parse_storage_options(pairs: Iterable[str] | None, as_json: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``key=value`` pairs (dotted keys nest: ``client_kwargs.endpoint_url=...``; values are JSON when they
+    parse as JSON, else strings), merged over the ``--storage-options`` JSON object."""
+    options: dict[str, Any] = dict(as_json or {})
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option {pair!r}: expected key=value")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = options
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"--storage-option {pair!r}: {part!r} is already set to a value")
+        node[last] = value
+    return options or None
+
+
+def _head(fs: fsspec.AbstractFileSystem, path: str, n: int = 16) -> bytes:
+    with fs.open(path, "rb") as f:
+        return f.read(n)
+
+
+def looks_like_safetensors(head: bytes) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then a JSON object."""
+    return len(head) > 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < (100 << 20)
+
+
+def classify(fs: fsspec.AbstractFileSystem, fs_path: str) -> tuple[str | None, str | None]:
+    """(kind, problem) of one path; kind None when it is not snapshot-like (problem says why)."""
+    if fs.isdir(fs_path):
+        if fs.exists(f"{fs_path}/{MANIFEST_NAME}"):
+            return Kind.SNAPSHOT, None
+        if fs.exists(f"{fs_path}/{DCP_METADATA}"):
+            return Kind.TORCH_DCP, None
+        if fs.exists(f"{fs_path}/{PARTS_DIR}") or fs.exists(f"{fs_path}/data"):
+            return Kind.IN_PROGRESS, f"it has no {MANIFEST_NAME} (still being written, or its save crashed)"
+        if not fs.ls(fs_path):
+            return None, "is an empty directory, not a snapshot"
+        return None, (f"is a directory without {MANIFEST_NAME} or {DCP_METADATA}: not a snapshot "
+                      "(for a run directory, use 'ppe-snapshot ls')")
+    head = _head(fs, fs_path)
+    if not head:
+        return None, "is an empty file, not a snapshot"
+    if head.startswith(TORCH_MAGIC):
+        return Kind.PPE_FILE, None
+    if looks_like_safetensors(head):
+        return Kind.SAFETENSORS, None
+    return None, "is neither a snapshot directory, a torch.save file nor a safetensors file"
+
+
+def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_progress: bool = False) -> Source:
+    """What ``path`` holds; :class:`UsageError` (naming the path) when it is missing or not a snapshot."""
+    fs, root = filesystem(path, storage_options)
+    if not fs.exists(root):
+        raise UsageError(f"{path}: no such file or directory")
+    kind, problem = classify(fs, root)
+    if kind is None or (kind == Kind.IN_PROGRESS and not allow_in_progress):
+        raise UsageError(f"{path}: {problem}")
+    if kind == Kind.SNAPSHOT:
+        try:
+            metadata = Snapshot(path, pg=LOCAL, storage_options=storage_options).metadata
+        except Exception:  # noqa: BLE001 - a damaged manifest: the reader that uses it says what is wrong
+            metadata = None
+        if isinstance(metadata, dict) and DCP_KEY in metadata:
+            kind = Kind.DCP_ADAPTER
+    return Source(path, kind, storage_options)
+
+
+def size_of(fs: fsspec.AbstractFileSystem, fs_path: str) -> int:
+    try:
+        return int(fs.du(fs_path, total=True)) if fs.isdir(fs_path) else int(fs.size(fs_path))
+    except Exception:  # noqa: BLE001 - a size is informative only
+        return 0
+
+
+def progress(total: int, what: str, unit: str = "B") -> Any:
+    """A tqdm bar on stderr when stderr is a terminal and ``total`` is large enough, else a silent stand-in."""
+    from tqdm import tqdm
+    quiet = not sys.stderr.isatty() or (unit == "B" and total < PROGRESS_BYTES)
+    return tqdm(total=total, desc=what, unit=unit, unit_scale=unit == "B", disable=quiet, file=sys.stderr,
+                leave=False)
+
+
+# -- reading a whole source -------------------------------------------------------------------------------
+
+def top_level_keys(snap: Snapshot) -> list[str]:
+    """The app state keys of rank 0 (``"state"``, ``"rng/0"`` ...; escaped as in the manifest)."""
+    keys = []
+    for key in snap.get_manifest():
+        rank, _, rest = key.partition("/")
+        if rank == "0" and "/" not in rest:
+            keys.append(rest)
+    return keys
+
+
+def split_engine_state(snap: Snapshot) -> tuple[list[str], list[str]]:
+    """(the keys that hold training state, the keys that hold RNG states) of an engine snapshot."""
+    keys = top_level_keys(snap)
+    rng = [k for k in keys if k == RNG_PREFIX or k.startswith(RNG_PREFIX + "%2F") or k.startswith(RNG_PREFIX + "/")]
+    return [k for k in keys if k not in rng], rng
+
+
+def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """The state a source holds as a nested dict, and what it holds beyond that (RNG states) that was left out.
+
+    An engine snapshot written by the extension gives its ``state``; any other engine snapshot all its app
+    state keys. DCP directories (torch's own or the adapter's) come back as DCP's state dict.
+    """
+    if source.is_engine and source.kind != Kind.DCP_ADAPTER:
+        snap = source.snapshot(allow_pickle)
+        keys, rng = split_engine_state(snap)
+        if keys == [STATE_KEY]:
+            state = snap.read_object(f"0/{STATE_KEY}")
+            return (state if isinstance(state, dict) else {STATE_KEY: state}), rng
+        return {k: snap.read_object(f"0/{k}") for k in keys}, rng
+    if source.kind in (Kind.DCP_ADAPTER, Kind.TORCH_DCP):
+        return read_dcp(source), []
+    if source.kind == Kind.PPE_FILE:
+        if allow_pickle:  # the user trusts the file: objects beyond tensors and plain values are unpickled
+            with fsspec.open(source.path, "rb", **(source.storage_options or {})) as f:
+                state = torch.load(f, map_location="cpu", weights_only=False)
+        else:
+            state = load_file(source.path, source.storage_options)
+        return (state if isinstance(state, dict) else {"value": state}), []
+    if source.kind == Kind.SAFETENSORS:
+        return read_safetensors(source), []
+    raise UsageError(f"{source.path}: a {source.kind} snapshot cannot be read")
+
+
+def read_dcp(source: Source) -> dict[str, Any]:
+    """A DCP checkpoint's whole state dict (DCP's own loader; non-tensor values as DCP deserializes them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    if source.kind == Kind.DCP_ADAPTER:
+        from ppe_snapshot.dcp import SnapshotStorageReader
+        reader: Any = SnapshotStorageReader(source.path, storage_options=source.storage_options)
+    else:
+        if source.storage_options or ("://" in source.path and not source.path.startswith("file://")):
+            raise UsageError(f"{source.path}: torch DCP directories are read from local paths only")
+        reader = dcp.FileSystemReader(source.path.removeprefix("file://"))
+    state: dict[str, Any] = {}
+    # dcp.load fills only the keys given; the empty planner (as torch's dcp_to_torch_save) loads them all
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def read_safetensors(source: Source) -> dict[str, Any]:
+    from safetensors.torch import load as load_safetensors
+
+    with fsspec.open(source.path, "rb", **(source.storage_options or {})) as f:
+        return load_safetensors(f.read())
+
+
+def flatten(value: Any, prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested dicts, lists and tuples as one level, keys joined with ``sep`` (``models.main.weight``)."""
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}{sep}{key}" if prefix else str(key), sep))
+        return out
+    if isinstance(value, (list, tuple)) and value and not hasattr(value, "_fields"):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(flatten(item, f"{prefix}{sep}{i}" if prefix else str(i), sep))
+        return out
+    return {prefix: value}
+
+
+def describe_value(value: Any) -> dict[str, Any]:
+    """kind, dtype, shape and bytes of one loaded value."""
+    if isinstance(value, torch.Tensor):
+        return {"kind": "tensor", "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
+                "bytes": value.numel() * value.element_size()}
+    text = repr(value)
+    return {"kind": "value", "type": type(value).__name__, "value": text if len(text) <= 60 else text[:57] + "..."}

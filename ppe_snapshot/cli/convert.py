@@ -1,0 +1,149 @@
+"""``convert``: between engine snapshots, ppe torch.save files, torch DCP directories and safetensors files.
+
+What a target cannot hold (RNG states beyond a torch.save file's manager state, non-tensor values in a
+safetensors file) is named on stderr, never dropped silently. An existing DST is refused unless ``--force``.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import warnings
+from typing import Any
+
+import fsspec
+import torch
+
+from ppe_snapshot.cli.common import Kind, UsageError, flatten, open_source, progress, read_state
+from ppe_snapshot.engine import Snapshot, StateDict
+from ppe_snapshot.retention import filesystem
+
+TARGETS = ("snapshot", "torch", "dcp", "safetensors")
+
+
+def _default_target(src_kind: str, dst: str) -> str:
+    lowered = dst.lower().rstrip("/")
+    if lowered.endswith((".pt", ".pth", ".pkl")):
+        return "torch"
+    if lowered.endswith(".safetensors"):
+        return "safetensors"
+    return "torch" if src_kind in (Kind.SNAPSHOT, Kind.DCP_ADAPTER) else "snapshot"
+
+
+def _note(message: str) -> None:
+    print(f"ppe-snapshot: note: {message}", file=sys.stderr)
+
+
+def _prepare_destination(dst: str, storage_options: dict | None, force: bool) -> None:
+    fs, root = filesystem(dst, storage_options)
+    if fs.exists(root):
+        if not force:
+            raise UsageError(f"{dst}: already exists; pass --force to replace it")
+        fs.rm(root, recursive=fs.isdir(root))
+
+
+def _tensors_only(state: dict[str, Any], target: str) -> dict[str, torch.Tensor]:
+    flat = flatten(state)
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    dropped = [k for k in flat if k not in tensors]
+    if dropped:
+        shown = ", ".join(dropped[:8]) + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else "")
+        _note(f"{target} holds tensors only; not written ({len(dropped)} non-tensor values): {shown}")
+    return tensors
+
+
+def _write_safetensors(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
+    from safetensors.torch import save as save_safetensors
+
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in _tensors_only(state, "safetensors").items()}
+    data = save_safetensors(tensors)
+    with fsspec.open(dst, "wb", **(storage_options or {})) as f:
+        f.write(data)
+
+
+def _write_torch(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with fsspec.open(dst, "wb", **(storage_options or {})) as f:
+        f.write(buffer.getvalue())
+
+
+def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if storage_options or ("://" in dst and not dst.startswith("file://")):
+        raise UsageError(f"{dst}: torch DCP directories are written to local paths only")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(dst.removeprefix("file://")), no_dist=True)
+
+
+def convert(args: argparse.Namespace) -> str:
+    """Convert; returns the target format written."""
+    source = open_source(args.src, args.storage_options)
+    target = args.to or _default_target(source.kind, args.dst)
+    if source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT:
+        raise UsageError(f"{args.src}: already a snapshot; copy the directory instead")
+    _prepare_destination(args.dst, args.storage_options, args.force)
+    with progress(4, f"convert {args.src}", unit="step") as bar:
+        state, left_out = read_state(source, allow_pickle=args.allow_pickle)
+        bar.update(2)
+        try:
+            _write(args, target, state, left_out)
+        except BaseException:
+            _remove_partial(args.dst, args.storage_options)
+            raise
+        bar.update(2)
+    return target
+
+
+def _remove_partial(dst: str, storage_options: dict | None) -> None:
+    """Remove what a failed conversion wrote at ``dst``, so nothing half-written is left."""
+    try:
+        fs, root = filesystem(dst, storage_options)
+        if fs.exists(root):
+            fs.rm(root, recursive=fs.isdir(root))
+    except Exception:  # noqa: BLE001 - the conversion's own error is the one to report
+        pass
+
+
+def _write(args: argparse.Namespace, target: str, state: dict[str, Any], left_out: list[str]) -> None:
+    if left_out and target != "snapshot":
+        _note(f"{target} target holds the training state only; not written: {', '.join(left_out)} "
+              "(RNG states: convert to a snapshot to keep them)")
+    if target == "snapshot":
+        app_state: dict[str, Any] = {"state": StateDict(state)}
+        Snapshot.take(args.dst, app_state, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
+    elif target == "torch":
+        _write_torch(state, args.dst, args.storage_options)
+    elif target == "dcp":
+        _write_dcp(state, args.dst, args.storage_options)
+    else:
+        _write_safetensors(state, args.dst, args.storage_options)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    target = convert(args)
+    names = {"snapshot": "snapshot", "torch": "torch.save file", "dcp": "torch DCP directory",
+             "safetensors": "safetensors file"}
+    print(f"wrote {names[target]} {args.dst}")
+    return 0
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("convert", parents=[common], help="convert between snapshot formats",
+                       description="Convert SRC (an engine or DCP-adapter snapshot, a ppe torch.save file, a torch "
+                                   "DCP directory or a safetensors file) to DST. Targets: snapshot (this library's "
+                                   "format), torch (a torch.save file, as ppe writes), dcp (torch's own DCP format, "
+                                   "read by plain dcp.load), safetensors (tensors only, nested keys joined with "
+                                   "'.'). Default: from DST's suffix (.pt/.pth: torch, .safetensors), else a "
+                                   "snapshot becomes a torch file and anything else a snapshot. What the target "
+                                   "cannot hold is named on stderr.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--to", choices=TARGETS, help="the target format")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--allow-pickle", "--unsafe-pickle", dest="allow_pickle", action="store_true",
+                   help="unpickle what needs it: a snapshot's pickled entries, a torch.save file's objects beyond "
+                        "tensors and plain values (runs code from SRC: only for files you trust)")
+    p.set_defaults(run_command=cmd_convert)

@@ -1,0 +1,277 @@
+"""``ls`` (the snapshots of a run directory) and ``inspect`` (the entries of one snapshot)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import posixpath
+from typing import Any
+
+from ppe_snapshot.cli.common import (
+    Kind, Source, UsageError, classify, describe_value, flatten, open_source, read_state, size_of,
+)
+from ppe_snapshot.engine import (
+    MANIFEST_NAME, BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, Snapshot,
+    TensorEntry, LOCAL, read_manifest,
+)
+from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
+from ppe_snapshot.storage import open_storage
+
+DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
+
+
+# -- ls ---------------------------------------------------------------------------------------------------
+
+def _mtime(fs: Any, path: str) -> str | None:
+    try:
+        info = fs.info(path)
+    except Exception:  # noqa: BLE001 - the time is informative only
+        return None
+    stamp = info.get("mtime", info.get("LastModified", info.get("created")))
+    if isinstance(stamp, (int, float)):
+        stamp = datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc)
+    if isinstance(stamp, datetime.datetime):
+        return stamp.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return None
+
+
+def _utc(stamp: str | None) -> str | None:
+    """An ISO 8601 time as ``YYYY-MM-DDTHH:MM:SSZ``."""
+    if stamp is None:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _manifest_of(url: str, storage_options: dict | None) -> Any:
+    storage = open_storage(url, storage_options)
+    try:
+        return read_manifest(storage)
+    finally:
+        storage.close()
+
+
+def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: dict | None, deep: bool,
+         positions: dict[str, Any]) -> dict[str, Any] | None:
+    fs_path = info["name"].rstrip("/")
+    name = posixpath.basename(fs_path)
+    try:
+        kind, problem = classify(fs, fs_path)
+    except Exception as e:  # noqa: BLE001 - unreadable: shown as damaged
+        kind, problem = Kind.PPE_FILE, f"{type(e).__name__}: {e}"
+    if kind is None:
+        return None
+    url = f"{run.rstrip('/')}/{name}"
+    row: dict[str, Any] = {"name": name, "kind": kind, "status": "complete", "iteration": None, "epoch": None,
+                           "bytes": size_of(fs, fs_path), "time": None, "resume": False}
+    candidate = positions.get(name)
+    if candidate is not None:
+        row["iteration"], row["epoch"] = candidate.iteration, candidate.epoch_detail
+        if candidate.problem and kind != Kind.IN_PROGRESS:
+            problem = candidate.problem
+    if kind == Kind.IN_PROGRESS:
+        row["status"] = "in-progress"
+    elif kind == Kind.SNAPSHOT:
+        snap = Snapshot(url, pg=LOCAL, storage_options=storage_options)
+        try:
+            snap.verify(deep=deep)
+            metadata = snap.metadata
+            if isinstance(metadata, dict):
+                if "dcp" in metadata:
+                    row["kind"] = Kind.DCP_ADAPTER
+                if isinstance(metadata.get("iteration"), int):
+                    row["iteration"] = metadata["iteration"]
+                if isinstance(metadata.get("epoch"), int):
+                    row["epoch"] = metadata["epoch"]
+            row["time"] = _utc(_manifest_of(url, storage_options).committed_at)
+            problem = None
+        except Exception as e:  # noqa: BLE001 - any failure to read it makes it damaged
+            problem = f"{type(e).__name__}: {e}"
+        row["time"] = row["time"] or _mtime(fs, f"{fs_path}/{MANIFEST_NAME}")
+    elif kind == Kind.PPE_FILE and deep and problem is None:
+        try:
+            read_state(Source(url, kind, storage_options))
+        except Exception as e:  # noqa: BLE001
+            problem = f"{type(e).__name__}: {e}"
+    if problem is not None and kind != Kind.IN_PROGRESS:
+        row["status"] = f"damaged: {problem}"
+    row["time"] = row["time"] or _mtime(fs, fs_path)
+    return row
+
+
+def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) -> list[dict[str, Any]]:
+    """One row per snapshot-like entry of ``run``, by training position, the one autoload resumes from marked."""
+    fs, root = filesystem(run, storage_options)
+    if not fs.exists(root):
+        raise UsageError(f"{run}: no such directory")
+    if not fs.isdir(root):
+        raise UsageError(f"{run}: not a directory (ls lists a run directory; use 'inspect' for one snapshot)")
+    positions = {c.name: c for c in list_snapshots(run, filename, storage_options)}
+    rows = [row for info in fs.ls(root, detail=True, refresh=True)
+            if (row := _row(fs, root, run, info, storage_options, deep, positions)) is not None]
+    rows.sort(key=lambda r: (r["iteration"] is None, r["iteration"] or 0, r["epoch"] or 0, r["name"]))
+    resumable = [r for r in rows if r["name"] in positions and r["status"] == "complete"
+                 and positions[r["name"]].kind in COMPLETE_KINDS]
+    if resumable:
+        max(resumable, key=lambda r: positions[r["name"]].sort_key())["resume"] = True
+    return rows
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = list_run(args.run, args.storage_options, args.deep, args.filename)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no snapshots in {args.run}")
+        return 0
+    table = [("", "NAME", "KIND", "ITERATION", "EPOCH", "SIZE", "TIME", "STATUS")]
+    for r in rows:
+        table.append(("*" if r["resume"] else "", r["name"], r["kind"],
+                      "-" if r["iteration"] is None else str(r["iteration"]),
+                      "-" if r["epoch"] is None else f"{r['epoch']:g}", _human(r["bytes"]), r["time"] or "-",
+                      r["status"]))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    if any(r["resume"] for r in rows):
+        print(f"* autoload resumes from this one (filename {args.filename!r})")
+    return 0
+
+
+# -- inspect ----------------------------------------------------------------------------------------------
+
+def _engine_entry(key: str, entry: Any) -> dict[str, Any]:
+    if isinstance(entry, TensorEntry):
+        return {"key": key, "kind": entry.kind, "dtype": entry.dtype, "shape": list(entry.shape), "bytes": entry.nbytes}
+    if isinstance(entry, ShardedTensorEntry):
+        return {"key": key, "kind": "sharded", "dtype": entry.dtype, "shape": list(entry.shape),
+                "bytes": sum(c.nbytes for s in entry.shards for c in s.chunks), "shards": len(entry.shards)}
+    if isinstance(entry, ContainerEntry):
+        size = len(entry.keys) if entry.kind in Container.KEYED else entry.length
+        return {"key": key, "kind": entry.kind, "length": size}
+    if isinstance(entry, (PickleEntry, BytesEntry)):
+        kind = "pickled" if isinstance(entry, PickleEntry) else "bytes"
+        return {"key": key, "kind": kind, "bytes": sum(c.nbytes for c in entry.chunks)}
+    if isinstance(entry, ObjectEntry):
+        try:
+            text = json.dumps(entry.value)
+        except (TypeError, ValueError, RecursionError):
+            text = "<nested too deeply to show>"
+        return {"key": key, "kind": "value", "value": text if len(text) <= 60 else text[:57] + "..."}
+    return {"key": key, "kind": type(entry).__name__}
+
+
+def _text(e: dict[str, Any]) -> str:
+    kind = e["kind"]
+    if "dtype" in e and "shape" in e:
+        text = f"{kind} {e['dtype']}{e['shape']} {e['bytes']} B"
+        return text + (f" in {e['shards']} shards" if "shards" in e else "")
+    if "length" in e:
+        return f"{kind} of {e['length']}"
+    if kind in ("pickled", "bytes"):
+        return f"{kind} {e['bytes']} B" if "bytes" in e else kind
+    if kind == "value":
+        return f"value {e['value']}"
+    return kind
+
+
+def inspect_source(source: Source) -> dict[str, Any]:
+    """What ``inspect`` shows: metadata and every entry of the source."""
+    metadata: Any = None
+    written: dict[str, Any] = {}
+    if source.is_engine:
+        snap = source.snapshot()
+        metadata = snap.metadata
+        manifest = _manifest_of(source.path, source.storage_options)
+        written = {"committed_at": manifest.committed_at, "written_by": manifest.written_by}
+        entries = [_engine_entry(key, entry) for key, entry in snap.get_manifest().items()]
+    elif source.kind == Kind.TORCH_DCP:
+        entries = _torch_dcp_entries(source)
+    elif source.kind == Kind.SAFETENSORS:
+        entries = _safetensors_entries(source)
+    else:
+        entries = [{"key": key, **describe_value(value)} for key, value in flatten(read_state(source)[0]).items()]
+    tensors = [e for e in entries if "dtype" in e and "bytes" in e]
+    return {"path": source.path, "kind": source.kind, "metadata": metadata, **written, "entries": entries,
+            "tensors": len(tensors), "tensor_bytes": sum(e["bytes"] for e in tensors)}
+
+
+def _torch_dcp_entries(source: Source) -> list[dict[str, Any]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(source.path.removeprefix("file://")).read_metadata()
+    entries = []
+    for key, item in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            shape = list(item.size)
+            numel = 1
+            for n in shape:
+                numel *= n
+            entries.append({"key": key, "kind": "tensor", "dtype": str(dtype).removeprefix("torch."), "shape": shape,
+                            "bytes": numel * dtype.itemsize})
+        else:
+            entries.append({"key": key, "kind": "bytes"})
+    return entries
+
+
+def _safetensors_entries(source: Source) -> list[dict[str, Any]]:
+    from ppe_snapshot.cli.common import read_safetensors
+    return [{"key": key, **describe_value(value)} for key, value in sorted(read_safetensors(source).items())]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    source = open_source(args.path, args.storage_options)
+    report = inspect_source(source)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print(f"{source.kind} {args.path}")
+    if report["metadata"] is not None:
+        try:
+            print(f"metadata {json.dumps(report['metadata'])}")
+        except (TypeError, ValueError, RecursionError):
+            print("metadata <nested too deeply to show>")
+    if report.get("committed_at"):
+        versions = ", ".join(f"{k} {v}" for k, v in report["written_by"].items())
+        print(f"committed {report['committed_at']}" + (f" by {versions}" if versions else ""))
+    for e in report["entries"]:
+        print(f"  {e['key']}: {_text(e)}")
+    print(f"total {len(report['entries'])} entries, {report['tensors']} tensors, {report['tensor_bytes']} B of tensors")
+    return 0
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("ls", parents=[common], help="list the snapshots of a run directory",
+                       description="List every snapshot-like entry of a run directory (or URL): engine snapshots, "
+                                   "DCP directories, ppe single files, in-progress leftovers; by training position. "
+                                   "The one autoload would resume from is marked with *.")
+    p.add_argument("run", help="the run (output) directory or URL")
+    p.add_argument("--json", action="store_true", help="print a JSON list of objects")
+    p.add_argument("--deep", action="store_true", help="also check every checksum (reads all data)")
+    p.add_argument("--filename", default=DEFAULT_FILENAME,
+                   help="the snapshot filename format autoload uses (default: %(default)s)")
+    p.set_defaults(run_command=cmd_ls)
+    p = sub.add_parser("inspect", parents=[common], help="entries, shapes, dtypes and metadata of one snapshot",
+                       description="Show the entries (shape, dtype, bytes) and metadata of one snapshot: an engine "
+                                   "snapshot, a DCP directory, a ppe torch.save file or a safetensors file.")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run_command=cmd_inspect)
+
+
+__all__ = ["DEFAULT_FILENAME", "add_parsers", "inspect_source", "list_run"]

@@ -1,0 +1,257 @@
+"""The ppe-snapshot command line on every kind of input: engine snapshots (the extension's layout), DCP-adapter
+snapshots, ppe single files, torch's own DCP directories, safetensors files, damaged, missing, text, empty
+directories, and S3 (the local moto server). Most checks call ``main()`` in this process; a few launch the real
+command, for exit codes and output as a shell sees them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ppe_snapshot import RNGState, Snapshot, StateDict
+from ppe_snapshot.cli import main
+from ppe_snapshot.dcp import SnapshotStorageWriter
+
+from _extension_workers import flip_byte
+
+ROOT = Path(__file__).resolve().parent.parent
+WEIGHT = torch.arange(12.0).reshape(3, 4)
+BIAS = torch.tensor([1.0, 2.0, 3.0])
+
+
+def _state(iteration: int, weight: torch.Tensor = WEIGHT) -> dict:
+    return {"models": {"main": {"weight": weight.clone(), "bias": BIAS.clone()}}, "_start_iteration": iteration}
+
+
+def _take(path: Path, iteration: int, weight: torch.Tensor = WEIGHT, rng: bool = True) -> Path:
+    """An engine snapshot laid out as the extension writes it (``state``, ``rng``, position metadata)."""
+    app = {"state": StateDict(_state(iteration, weight))}
+    if rng:
+        app["rng"] = StateDict({0: RNGState().state_dict()})
+    Snapshot.take(str(path), app, metadata={"iteration": iteration, "epoch": iteration // 10,
+                                            "epoch_detail": iteration / 10})
+    return path
+
+
+def _dcp_save(state: dict, writer) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+@pytest.fixture
+def kinds(tmp_path):
+    """One of each input kind, and a run directory holding several."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _take(run / "snapshot_iter_10", 10)
+    _take(run / "snapshot_iter_20", 20, WEIGHT + 0.5)
+    torch.save(_state(5), run / "snapshot_iter_5")
+    (run / "snapshot_iter_30" / "data").mkdir(parents=True)  # a crashed save's leftover
+    (run / "log").write_text("[]")  # LogReport's file: not a snapshot, not listed
+    model = {"weight": WEIGHT.clone(), "bias": BIAS.clone()}
+    _dcp_save({"model": model}, SnapshotStorageWriter(str(tmp_path / "adapter")))
+    _dcp_save({"model": model}, dcp.FileSystemWriter(str(tmp_path / "torchdcp")))
+    (tmp_path / "text.txt").write_text("hello\n")
+    (tmp_path / "empty").mkdir()
+    return tmp_path
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "ppe_snapshot.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_ls_lists_every_kind_by_position_and_marks_the_resume_candidate(kinds, capsys):
+    assert main(["ls", "--json", str(kinds / "run")]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["kind"], r["status"], r["iteration"]) for r in rows] == [
+        ("snapshot_iter_5", "ppe-file", "complete", 5), ("snapshot_iter_10", "snapshot", "complete", 10),
+        ("snapshot_iter_20", "snapshot", "complete", 20), ("snapshot_iter_30", "in-progress", "in-progress", 30)]
+    assert [r["name"] for r in rows if r["resume"]] == ["snapshot_iter_20"]
+    assert all(r["bytes"] > 0 for r in rows[:3]) and rows[1]["time"].endswith("Z")
+
+    flip_byte(kinds / "run" / "snapshot_iter_20" / "data" / "rank0.bin", 3)
+    assert main(["ls", "--json", str(kinds / "run")]) == 0  # the quick check does not read data
+    assert [r["status"] for r in json.loads(capsys.readouterr().out)][2] == "complete"
+    assert main(["ls", "--deep", "--json", str(kinds / "run")]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["snapshot_iter_20"]["status"].startswith("damaged: ") and "checksum" in rows["snapshot_iter_20"]["status"]
+    assert rows["snapshot_iter_10"]["resume"] and not rows["snapshot_iter_20"]["resume"]
+
+
+def test_inspect_every_kind(kinds, capsys):
+    tmp = kinds
+    assert main(["convert", str(tmp / "run" / "snapshot_iter_10"), str(tmp / "w.safetensors")]) == 0
+    capsys.readouterr()
+    expected = {
+        str(tmp / "run" / "snapshot_iter_10"): ("snapshot", "0/state/models/main/weight: tensor float32[3, 4] 48 B"),
+        str(tmp / "adapter"): ("dcp-adapter", "0/model.weight: tensor float32[3, 4] 48 B"),
+        str(tmp / "torchdcp"): ("torch-dcp", "model.weight: tensor float32[3, 4] 48 B"),
+        str(tmp / "run" / "snapshot_iter_5"): ("ppe-file", "models.main.weight: tensor float32[3, 4] 48 B"),
+        str(tmp / "w.safetensors"): ("safetensors", "models.main.weight: tensor float32[3, 4] 48 B"),
+    }
+    for path, (kind, line) in expected.items():
+        assert main(["inspect", path]) == 0, path
+        out = capsys.readouterr().out
+        assert out.startswith(f"{kind} {path}\n") and f"  {line}\n" in out, out
+        # the extension layout also holds the RNG states: torch's generator and numpy's 624 uint32 words
+        tensor_bytes = 60 if kind != "snapshot" else 60 + RNGState().state_dict()["torch"].numel() + 624 * 4
+        assert f"tensors, {tensor_bytes} B of tensors\n" in out
+        assert main(["inspect", "--json", path]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["kind"] == kind and report["tensor_bytes"] == tensor_bytes
+        assert {"dtype": "float32", "shape": [3, 4], "bytes": 48}.items() <= \
+            next(e for e in report["entries"] if e["key"].endswith("weight")).items()
+
+
+def test_verify_names_every_damaged_entry_and_accepts_ppe_files(kinds, capsys):
+    snap = kinds / "run" / "snapshot_iter_10"
+    manifest = json.loads((snap / "manifest.json").read_text())["ranks"][0]
+    for key in ("state/models/main/weight", "state/models/main/bias"):
+        flip_byte(snap / "data" / "rank0.bin", manifest[key]["chunks"][0]["offset"] + 1)
+    paths = [str(kinds / "run" / "snapshot_iter_5"), str(kinds / "adapter"), str(kinds / "torchdcp"),
+             str(kinds / "run" / "snapshot_iter_20")]
+    assert main(["verify", *paths]) == 0
+    assert capsys.readouterr().out == "".join(f"OK      {p}\n" for p in paths)
+    assert main(["verify", str(snap), *paths]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED {snap}: 2 damaged entries" in out
+    assert "  state/models/main/weight: " in out and "  state/models/main/bias: " in out
+    assert main(["verify", "--quick", str(snap)]) == 0  # sizes only
+    capsys.readouterr()
+    truncated = kinds / "truncated.pt"
+    truncated.write_bytes((kinds / "run" / "snapshot_iter_5").read_bytes()[:-200])
+    assert main(["verify", str(truncated), str(kinds / "run" / "snapshot_iter_30")]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED {truncated}: " in out and f"DAMAGED {kinds / 'run' / 'snapshot_iter_30'}: " in out
+    assert main(["verify", str(kinds / "missing"), str(kinds / "run" / "snapshot_iter_5")]) == 2
+    captured = capsys.readouterr()
+    assert f"{kinds / 'missing'}: no such file or directory" in captured.err and "OK " in captured.out
+
+
+def test_diff_reports_keys_shapes_and_values(kinds, capsys):
+    run = kinds / "run"
+    assert main(["diff", str(run / "snapshot_iter_10"), str(run / "snapshot_iter_5")]) == 1
+    assert capsys.readouterr().out == "differs:   _start_iteration: 10 -> 5\n"
+    assert main(["diff", "--json", str(run / "snapshot_iter_10"), str(run / "snapshot_iter_20")]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert {"key": "models.main.weight", "max_abs_diff": 0.5} in report["values"]
+    assert main(["diff", "--atol", "0.6", str(kinds / "adapter"), str(kinds / "torchdcp")]) == 0
+    assert main(["diff", str(kinds / "adapter"), str(kinds / "torchdcp")]) == 0
+    assert capsys.readouterr().out.startswith("equal: 2 entries")
+    other = kinds / "other"
+    Snapshot.take(str(other), {"state": StateDict({"models": {"main": {"weight": torch.zeros(4, 3)}}, "extra": 1})})
+    assert main(["diff", str(run / "snapshot_iter_10"), str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "only in A: models.main.bias" in out and "only in B: extra" in out
+    assert "changed:   models.main.weight: float32[3, 4] -> float32[4, 3]" in out
+
+
+def test_convert_to_every_target_reads_back_and_names_what_is_left_out(kinds, capsys):
+    src = str(kinds / "run" / "snapshot_iter_10")
+    assert main(["convert", src, str(kinds / "out.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert "not written: rng" in err and "not written (1 non-tensor values): _start_iteration" in err
+    from safetensors.torch import load_file
+    tensors = load_file(str(kinds / "out.safetensors"))
+    assert set(tensors) == {"models.main.weight", "models.main.bias"}
+    assert torch.equal(tensors["models.main.weight"], WEIGHT)
+
+    assert main(["convert", "--to", "dcp", src, str(kinds / "outdcp")]) == 0
+    restored = {"models": {"main": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}, "_start_iteration": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(restored, checkpoint_id=str(kinds / "outdcp"), no_dist=True)  # plain DCP, no ppe_snapshot reader
+    assert torch.equal(restored["models"]["main"]["weight"], WEIGHT) and restored["_start_iteration"] == 10
+
+    assert main(["convert", str(kinds / "out.safetensors"), str(kinds / "from_st")]) == 0
+    assert main(["diff", str(kinds / "from_st"), str(kinds / "out.safetensors")]) == 0
+    assert main(["convert", str(kinds / "torchdcp"), str(kinds / "from_dcp.pt")]) == 0
+    assert torch.equal(torch.load(kinds / "from_dcp.pt", weights_only=True)["model"]["weight"], WEIGHT)
+    capsys.readouterr()
+
+    # an existing DST, file or directory, is refused without --force and left as it was
+    before = (kinds / "out.safetensors").read_bytes()
+    for dst in (kinds / "out.safetensors", kinds / "outdcp"):
+        assert main(["convert", src, str(dst), "--to", "safetensors" if dst.suffix else "dcp"]) == 2
+        assert f"{dst}: already exists; pass --force to replace it" in capsys.readouterr().err
+    assert (kinds / "out.safetensors").read_bytes() == before
+    assert main(["convert", "--force", str(kinds / "run" / "snapshot_iter_20"), str(kinds / "out.safetensors")]) == 0
+    assert torch.equal(load_file(str(kinds / "out.safetensors"))["models.main.weight"], WEIGHT + 0.5)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("missing", "no such file or directory"), ("text.txt", "neither a snapshot directory"),
+    ("empty", "is an empty directory, not a snapshot")])
+def test_bad_paths_are_one_line_errors(kinds, capsys, name, message):
+    for command in (["inspect"], ["verify"], ["diff", str(kinds / "adapter")], ["convert", "--to", "torch"]):
+        args = [*command, str(kinds / name)] + ([str(kinds / "dst.pt")] if command[0] == "convert" else [])
+        assert main(args) == 2, args
+        captured = capsys.readouterr()
+        assert captured.err == f"ppe-snapshot: {kinds / name}: {captured.err.split(': ', 2)[2]}"
+        assert message in captured.err and captured.err.count("\n") == 1
+    assert not (kinds / "dst.pt").exists()
+
+
+def test_prune_keeps_the_newest(kinds, capsys):
+    run = kinds / "run"
+    assert main(["prune", str(run), "--keep-latest", "1", "--dry-run"]) == 0
+    assert "would remove" in capsys.readouterr().out and (run / "snapshot_iter_5").exists()
+    assert main(["prune", str(run), "--keep-latest", "1"]) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["log", "snapshot_iter_20", "snapshot_iter_30"]
+    assert main(["prune", str(run)]) == 2 and "--keep-latest" in capsys.readouterr().err
+
+
+def test_s3_run_directory(kinds, s3_bucket, capsys):
+    url, options = s3_bucket
+    flags = [f"--storage-option=key={options['key']}", f"--storage-option=secret={options['secret']}",
+             f"--storage-option=client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}"]
+    _take_s3 = f"{url}/run/snapshot_iter_10"
+    Snapshot.take(_take_s3, {"state": StateDict(_state(10))}, storage_options=options, metadata={"iteration": 10})
+    assert main(["ls", "--json", f"{url}/run", *flags]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["kind"], r["status"], r["resume"]) for r in rows] == [
+        ("snapshot_iter_10", "snapshot", "complete", True)]
+    assert main(["verify", _take_s3, *flags]) == 0
+    assert main(["inspect", _take_s3, *flags]) == 0
+    assert "0/state/models/main/weight: tensor float32[3, 4] 48 B" in capsys.readouterr().out
+    assert main(["convert", _take_s3, f"{url}/w.safetensors", *flags]) == 0
+    assert main(["diff", f"{url}/w.safetensors", str(kinds / "run" / "snapshot_iter_10"), *flags]) == 1
+    assert capsys.readouterr().out.endswith("only in B: _start_iteration\n")
+    assert main(["inspect", f"{url}/nothing", *flags]) == 2
+    assert f"{url}/nothing: no such file or directory" in capsys.readouterr().err
+
+
+def test_the_real_command(kinds):
+    """Exit codes and output as a shell sees them; never a traceback without --debug."""
+    version = _run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("ppe-snapshot ") and "torch" in version.stdout
+    for command in ("ls", "inspect", "verify", "diff", "convert", "prune"):
+        helped = _run(command, "-h")
+        assert helped.returncode == 0 and helped.stdout.startswith("usage: ppe-snapshot " + command)
+        assert "``" not in helped.stdout and ":class:" not in helped.stdout
+    listed = _run("ls", str(kinds / "run"))
+    assert listed.returncode == 0 and "*  snapshot_iter_20" in listed.stdout and "ppe-file" in listed.stdout
+    failed = _run("inspect", str(kinds / "text.txt"))
+    assert failed.returncode == 2 and failed.stdout == "" and "Traceback" not in failed.stderr
+    assert failed.stderr.count("\n") == 1 and str(kinds / "text.txt") in failed.stderr
+    debugged = _run("inspect", "--debug", str(kinds / "text.txt"))
+    assert debugged.returncode == 2 and "Traceback" in debugged.stderr
+    flip_byte(kinds / "run" / "snapshot_iter_20" / "data" / "rank0.bin", 3)
+    verified = _run("verify", str(kinds / "run" / "snapshot_iter_5"), str(kinds / "run" / "snapshot_iter_20"))
+    assert verified.returncode == 1 and "Traceback" not in verified.stdout + verified.stderr
+    assert f"OK      {kinds / 'run' / 'snapshot_iter_5'}" in verified.stdout
+    assert f"DAMAGED {kinds / 'run' / 'snapshot_iter_20'}: " in verified.stdout
+    converted = _run("convert", str(kinds / "adapter"), str(kinds / "a.safetensors"))
+    assert converted.returncode == 0 and converted.stderr == "" and (kinds / "a.safetensors").exists()
+    differ = _run("diff", str(kinds / "a.safetensors"), str(kinds / "torchdcp"))
+    assert differ.returncode == 0, differ.stderr
