@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -48,9 +49,12 @@ class _Snapshot(extension.Extension):
     def __init__(self, target: Any = None, condition: Callable[[], bool] | None = None,
                  writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
                  snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
-                 savefun: Any = None, allow_pickle: bool = False) -> None:
+                 savefun: Any = None, allow_pickle: bool = False, keep: run_dir.Policy | None = None) -> None:
         ppe_compat.check_writer(writer)
         ppe_compat.check_n_retains(n_retains)
+        #: Retention: ``n_retains`` (KeepLatest) and ``keep`` together, or None.
+        self.policy = run_dir.combine(n_retains, keep)
+        self._missing_warned = False
         if not isinstance(allow_pickle, bool):
             raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
         self._target = target
@@ -76,8 +80,8 @@ class _Snapshot(extension.Extension):
         elif autoload:
             raise ValueError("autoload needs filename to be a format string (it is matched against the "
                              "names in the output directory); got a callable")
-        elif n_retains > 0:
-            raise ValueError("n_retains needs filename to be a format string (it is matched against the "
+        elif self.policy is not None:
+            raise ValueError("n_retains and keep need filename to be a format string (it is matched against the "
                              "names in the output directory); got a callable")
         self._out_dir = ""
         self._storage_options: dict[str, Any] | None = None
@@ -142,7 +146,7 @@ class _Snapshot(extension.Extension):
             out_dir, options = getattr(writer, "out_dir", ""), None
         self._out_dir = out_dir if isinstance(out_dir, str) and out_dir else manager.out
         self._storage_options = options if isinstance(options, dict) else None
-        if self.n_retains > 0 and self._format is not None and self._prunes():
+        if self.policy is not None and self._format is not None and self._prunes():
             writer._add_cleanup_hook(self._prune)
         self._bound = True
 
@@ -153,6 +157,8 @@ class _Snapshot(extension.Extension):
         self._bind(manager)
         if self.autoload:
             self._autoload(manager)
+        if self.policy is not None and self._format is not None and self._owns_out_dir:
+            self._prune()  # a run killed between a commit and its pruning left more than the policy keeps
         return self.resumed_name
 
     def __call__(self, manager: ExtensionsManagerProtocol) -> None:
@@ -217,7 +223,7 @@ class _Snapshot(extension.Extension):
         previous = writer.last_stats
         rng = self._rng_states() if rng is None else rng
         writer(name, manager.out, state, savefun=self._savefun,
-               metadata=saved_state.metadata(manager, self._target_kind), pg=pg,
+               metadata=saved_state.metadata(manager, self._target_kind, self._metrics(manager)), pg=pg,
                extra_state={RNG_KEY: StateDict(rng)}, allow_pickle=True if self._allow_pickle else None)
         self._report(manager, name, writer.last_stats, previous)
 
@@ -260,14 +266,28 @@ class _Snapshot(extension.Extension):
                        location)
 
     # -- retention ---------------------------------------------------------------
+    def _metrics(self, manager: ExtensionsManagerProtocol) -> dict[str, float]:
+        """The observed values the policy needs (``KeepBest``'s key), recorded in the snapshot's metadata."""
+        keys = self.policy.recorded_keys if self.policy is not None else ()
+        if not keys:
+            return {}
+        found, missing = saved_state.observed(manager, keys)
+        if missing and not self._missing_warned:
+            self._missing_warned = True
+            warnings.warn(f"ppe_snapshot: the observation of iteration {manager.iteration} has no number for "
+                          f"{missing} (report it from an extension of higher priority than the snapshot, e.g. an "
+                          f"Evaluator); snapshots without it are not candidates for KeepBest", stacklevel=3)
+        return found
+
     def _prunes(self) -> bool:
         return self._owns_out_dir and hasattr(self.writer, "_add_cleanup_hook")  # ppe's own check, for any writer
 
     def _prune(self) -> None:
         assert self._format is not None
         try:
-            run_dir.prune(self._out_dir, self._format, self.n_retains, self._storage_options,
-                          rejected=self._rejected)
+            assert self.policy is not None
+            run_dir.prune(self._out_dir, self._format, self.policy, self._storage_options, rejected=self._rejected,
+                          protect=() if self.resumed_name is None else (self.resumed_name,))
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
             logger.warning("ppe_snapshot: removing old snapshots under %s failed: %s: %s", self._out_dir,
                            type(e).__name__, e)
