@@ -45,7 +45,9 @@ def test_same_signature_defaults_trigger_and_priority_as_ppe():
     ours_params = [(p.name, p.kind, p.default) for p in ours.parameters.values()]
     # ppe's parameters, in ppe's order, then keyword-only opt-ins of ours.
     assert ours_params == [(p.name, p.kind, p.default) for p in theirs.parameters.values()] + \
-        [("allow_pickle", inspect.Parameter.KEYWORD_ONLY, False), ("keep", inspect.Parameter.KEYWORD_ONLY, None)]
+        [("allow_pickle", inspect.Parameter.KEYWORD_ONLY, False), ("keep", inspect.Parameter.KEYWORD_ONLY, None),
+         ("save_on_signals", inspect.Parameter.KEYWORD_ONLY, ()),
+         ("preempted_exit_code", inspect.Parameter.KEYWORD_ONLY, None)]
     assert list(inspect.signature(snapshot_object).parameters) == \
         list(inspect.signature(ppe_extensions.snapshot_object).parameters)
     assert SnapshotMode is ppe_extensions.SnapshotMode

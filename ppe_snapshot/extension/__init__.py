@@ -22,6 +22,7 @@ writers). Listing, pruning and choosing what to resume from are
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from pytorch_pfn_extras.training.extensions import SnapshotMode
@@ -47,7 +48,8 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
              target: Any = None, condition: Callable[[], bool] | None = None, writer: Writer | None = None,
              snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
              saver_rank: int | None = None, snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT,
-             allow_pickle: bool = False, keep: Policy | None = None) -> _Snapshot:
+             allow_pickle: bool = False, keep: Policy | None = None, save_on_signals: Iterable[Any] = (),
+             preempted_exit_code: int | None = None) -> _Snapshot:
     """An extension that snapshots the training state (the manager, or ``target``).
 
     Args:
@@ -78,6 +80,15 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
             from ``manager.observation`` when the snapshot is taken (report it from an extension of
             higher priority, e.g. an Evaluator) and records it in the snapshot's metadata; single-file
             snapshots (``savefun``) record nothing, so they are never KeepBest candidates.
+        save_on_signals: Keyword-only: signals (e.g. ``(signal.SIGTERM,)``) that preempt the run. The
+            handler only records the signal; at the end of the iteration it came in, the state is
+            saved with the writer (whatever the trigger and ``condition``), waited for until durable, the
+            manager is finalized and :class:`ppe_snapshot.Preempted` (a ``SystemExit``) is raised. In
+            DISTRIBUTED / SHARDED modes every rank saves the same iteration, whichever rank got the
+            signal (see :mod:`ppe_snapshot.extension.preemption`). The previous handlers are restored
+            at finalize. Install at ``initialize()`` (the main thread).
+        preempted_exit_code: The exit status ``Preempted`` carries; None (the default): 128 + the
+            signal number (143 for SIGTERM).
         autoload: At start, restore the newest complete, valid snapshot; damaged ones
             are skipped with a warning. Needs a string ``filename``.
         saver_rank: The rank that writes in DISTRIBUTED mode (given in DEFAULT mode,
@@ -113,7 +124,8 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
         raise TypeError("savefun and writer arguments cannot be specified together.")
     options = dict(target=target, condition=condition, writer=writer, filename=filename,
                    snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload, savefun=savefun,
-                   allow_pickle=allow_pickle, keep=keep)
+                   allow_pickle=allow_pickle, keep=keep, save_on_signals=save_on_signals,
+                   preempted_exit_code=preempted_exit_code)
     if snapshot_mode == SnapshotMode.DEFAULT:
         if saver_rank is None:
             return _Snapshot(**options)

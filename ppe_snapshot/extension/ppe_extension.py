@@ -13,7 +13,7 @@ import logging
 import time
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 from pytorch_pfn_extras import reporting
@@ -23,6 +23,7 @@ from pytorch_pfn_extras.writing import Writer
 from ppe_snapshot import run_dir, writing
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state
+from ppe_snapshot.extension.preemption import Preemption, preempt
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_of
 from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat, holds_iteration, restore_newest, skip
 from ppe_snapshot.storage import join
@@ -49,12 +50,15 @@ class _Snapshot(extension.Extension):
     def __init__(self, target: Any = None, condition: Callable[[], bool] | None = None,
                  writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
                  snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
-                 savefun: Any = None, allow_pickle: bool = False, keep: run_dir.Policy | None = None) -> None:
+                 savefun: Any = None, allow_pickle: bool = False, keep: run_dir.Policy | None = None,
+                 save_on_signals: Iterable[Any] = (), preempted_exit_code: int | None = None) -> None:
         ppe_compat.check_writer(writer)
         ppe_compat.check_n_retains(n_retains)
         #: Retention: ``n_retains`` (KeepLatest) and ``keep`` together, or None.
         self.policy = run_dir.combine(n_retains, keep)
         self._missing_warned = False
+        #: Preemption (``save_on_signals``): the signals watched and the agreement on the iteration to save.
+        self.preemption = self._watch(save_on_signals, preempted_exit_code) if save_on_signals else None
         if not isinstance(allow_pickle, bool):
             raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
         self._target = target
@@ -159,10 +163,17 @@ class _Snapshot(extension.Extension):
             self._autoload(manager)
         if self.policy is not None and self._format is not None and self._owns_out_dir:
             self._prune()  # a run killed between a commit and its pruning left more than the policy keeps
+        if self.preemption is not None:
+            self.preemption.install()
+            if not self.preemption.wrap_trigger(manager, self):
+                logger.warning("ppe_snapshot: save_on_signals: the manager has no entry for this snapshot; a signal "
+                               "is acted on only when the snapshot's own trigger fires")
         return self.resumed_name
 
     def __call__(self, manager: ExtensionsManagerProtocol) -> None:
         self._bind(manager)
+        if self.preemption is not None and self.preemption.decided is not None:
+            preempt(self, manager, self.preemption)  # raises Preempted
         if self.condition():
             self._make_snapshot(manager)
 
@@ -188,12 +199,17 @@ class _Snapshot(extension.Extension):
                 manager._model_available = False  # type: ignore[attr-defined]
 
     def finalize(self, manager: ExtensionsManagerProtocol) -> None:
+        if self.preemption is not None:
+            self.preemption.uninstall()
         try:
             if self.writer is not None:
                 self.writer.finalize()
         finally:
             if self._stood_in_for is not None:
                 ppe_compat.stand_down(self._stood_in_for, self._writer_given)
+
+    def _watch(self, signals: Iterable[Any], exit_code: int | None) -> Preemption:
+        return Preemption(signals, exit_code)
 
     # -- saving ------------------------------------------------------------------
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
