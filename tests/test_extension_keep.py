@@ -62,12 +62,13 @@ def test_keep_every_by_epoch_in_a_training_run(tmp_path):
     assert _iterations(out) == [2, 8, 16, 18]
 
 
-def test_retention_runs_at_start_after_autoload(tmp_path):
+@pytest.mark.parametrize("writer", ["SimpleWriter", "ThreadWriter", "ProcessWriter"])
+def test_retention_runs_at_start_after_autoload(tmp_path, writer):
     out = str(tmp_path)
     Run(out, 10, {"writer": make_writer("SimpleWriter", out_dir=out)}).train()  # no retention: 2, 4, .., 10
     assert _iterations(out) == [2, 4, 6, 8, 10]
     flip_byte(os.path.join(out, "snapshot_iter_10", "data", "rank0.bin"))  # only the checksums (autoload) tell
-    resumed = Run(out, 20, {"writer": make_writer("SimpleWriter", out_dir=out), "autoload": True, "n_retains": 1})
+    resumed = Run(out, 20, {"writer": make_writer(writer, out_dir=out), "autoload": True, "n_retains": 1})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autoload's warning about the damaged snapshot 10
         resumed.manager.start_extensions()

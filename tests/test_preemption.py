@@ -14,7 +14,7 @@ import pytest
 import ppe_snapshot
 from ppe_snapshot import Preempted, Snapshot
 
-from _extension_workers import snapshot_names
+from _extension_workers import Run, make_writer, snapshot_names
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ITERS = 400  # far more than a test waits for: the run ends by preemption
@@ -103,6 +103,43 @@ def test_sigterm_saves_the_iteration_waits_until_durable_and_resumes(tmp_path, w
         assert code == 0, stderr[-3000:]
         assert f"start {iteration}\n" in stdout
         assert f"done {iteration + 3} resumed snapshot_iter_{iteration}" in stdout
+
+
+def test_a_second_signal_during_the_save_is_ignored(tmp_path):
+    out = str(tmp_path)
+    (proc,) = _start(out, "ProcessWriter", "DEFAULT", 1)
+    _wait_for_iteration(proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # before or during the save: recorded, the save completes
+    ((code, stdout, stderr),) = _finish([proc])
+    assert code == 143, stderr[-3000:]
+    iteration = int(_preempted_line(stdout)[0])
+    assert snapshot_names(out) == [f"snapshot_iter_{iteration}"]
+    Snapshot(os.path.join(out, f"snapshot_iter_{iteration}")).verify(deep=True)
+
+
+def test_in_process_signal_saves_at_the_end_of_its_iteration_and_restores_the_previous_handler(tmp_path):
+    out = str(tmp_path)
+    previous = signal.signal(signal.SIGUSR1, lambda *a: None)
+    try:
+        mine = signal.getsignal(signal.SIGUSR1)
+        kwargs = {"writer": make_writer("ThreadWriter", out_dir=out), "save_on_signals": (signal.SIGUSR1,),
+                  "preempted_exit_code": 7}
+        run = Run(out, 50, kwargs, trigger=(1000, "iteration"))
+        manager = run.manager
+        with pytest.raises(Preempted) as caught:
+            while not manager.stop_trigger:
+                with manager.run_iteration(step_optimizers=["main"]):
+                    if manager.iteration == 4:  # the 5th iteration: it ends with iteration 5 saved
+                        os.kill(os.getpid(), signal.SIGUSR1)
+                        assert signal.getsignal(signal.SIGUSR1) is not mine  # ours while training
+        e = caught.value
+        assert (e.code, e.iteration, e.signum, e.snapshot) == (7, 5, signal.SIGUSR1, "snapshot_iter_5")
+        assert signal.getsignal(signal.SIGUSR1) is mine and manager._finalized
+        assert snapshot_names(out) == ["snapshot_iter_5"]
+        Snapshot(os.path.join(out, "snapshot_iter_5")).verify(deep=True)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_preempted_is_a_system_exit_with_a_documented_status():
