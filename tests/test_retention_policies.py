@@ -61,7 +61,8 @@ def test_union_keeps_what_any_keeps_and_flattens():
     assert policy.keep(snaps) == {"s8", "s1", "s4", "s7", "s6"}
     assert policy.recorded_keys == ("val/loss",)
     assert KeepLatest(2) | KeepLatest(2) == Union(KeepLatest(2), KeepLatest(2))
-    assert repr(policy) == "KeepLatest(n=1) | KeepEvery(n=4, unit='iteration') | KeepBest(key='val/loss', n=2, mode='min')"
+    assert repr(policy) == ("KeepLatest(n=1) | KeepEvery(n=4, unit='iteration') | "
+                            "KeepBest(key='val/loss', n=2, mode='min')")
 
 
 @pytest.mark.parametrize("make, fragment", [

@@ -51,7 +51,8 @@ def check_signals(signals: Iterable[Any]) -> tuple[signal.Signals, ...]:
         try:
             sig = signal.Signals(s)
         except (ValueError, TypeError):
-            raise ValueError(f"save_on_signals: {s!r} is not a signal (use signal.SIGTERM, signal.SIGUSR1, ...)") from None
+            raise ValueError(f"save_on_signals: {s!r} is not a signal (use signal.SIGTERM, signal.SIGUSR1, ...)"
+                             ) from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError(f"save_on_signals: {sig.name} cannot be caught; use SIGTERM, SIGUSR1, SIGINT, ...")
         checked.append(sig)
