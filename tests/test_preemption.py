@@ -76,7 +76,15 @@ def _gone(pid: int) -> bool:
                                                     ("SHARDED", 2, (0,))])
 @pytest.mark.parametrize("writer", ["SimpleWriter", "ThreadWriter", "ProcessWriter"])
 def test_sigterm_saves_the_iteration_waits_until_durable_and_resumes(tmp_path, writer, mode, world, signalled):
-    out = str(tmp_path)
+    _preempt_and_resume(str(tmp_path), writer, mode, world, signalled)
+
+
+@pytest.mark.parametrize("mode", ["DISTRIBUTED", "SHARDED"])
+def test_three_ranks_signalled_one_after_another_save_the_same_iteration(tmp_path, mode):
+    _preempt_and_resume(str(tmp_path), "ThreadWriter", mode, 3, (2, 0))
+
+
+def _preempt_and_resume(out: str, writer: str, mode: str, world: int, signalled: tuple[int, ...]) -> None:
     procs = _start(out, writer, mode, world)
     seen = _wait_for_iteration(procs[signalled[0]], 3)
     for rank in signalled:  # only some ranks get the signal: every rank must still save the same iteration
