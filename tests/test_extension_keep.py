@@ -6,27 +6,14 @@ import os
 import warnings
 
 import pytest
-import pytorch_pfn_extras as ppe
-from pytorch_pfn_extras.training import extension as ppe_extension
 
 import ppe_snapshot
 from ppe_snapshot import Snapshot
 from ppe_snapshot.retention import METRICS_KEY, KeepBest, KeepEvery, KeepLatest
 
+from _dist import dist_run
 from _extension_workers import Run, flip_byte, make_writer, snapshot_names
-
-
-def _val_loss(iteration: int) -> float:
-    return abs(iteration - 6) + 0.5  # best at iteration 6
-
-
-class ValReporter(ppe_extension.Extension):
-    """Stands for an Evaluator: reports val/loss every iteration, before the snapshot runs."""
-    trigger = 1, "iteration"
-    priority = ppe_extension.PRIORITY_WRITER
-
-    def __call__(self, manager):
-        ppe.reporting.report({"val/loss": _val_loss(manager.iteration)})
+from _keep_workers import ValReporter, dist_keep_best
 
 
 def _iterations(out_dir: str) -> list[int]:
@@ -90,3 +77,9 @@ def test_keep_must_be_a_policy_and_needs_a_format_filename():
     with pytest.raises(ValueError, match="n_retains and keep need filename to be a format string"):
         ppe_snapshot.snapshot(filename=lambda m: "x", keep=KeepLatest(1))
     assert ppe_snapshot.snapshot_object(object(), "m_{.iteration}", keep=KeepLatest(2)).policy == KeepLatest(2)
+
+
+@pytest.mark.parametrize("mode", ["DISTRIBUTED", "SHARDED"])
+def test_keep_best_across_ranks(tmp_path, mode):
+    results = dist_run(dist_keep_best, 2, str(tmp_path), mode)
+    assert results == [{"names": ["snapshot_iter_6", "snapshot_iter_10"], "metrics": {"val/loss": 0.5}}] * 2
