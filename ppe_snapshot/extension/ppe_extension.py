@@ -161,7 +161,7 @@ class _Snapshot(extension.Extension):
         self._bind(manager)
         if self.autoload:
             self._autoload(manager)
-        if self.policy is not None and self._format is not None and self._owns_out_dir:
+        if self.policy is not None and self._format is not None and self._prunes():
             self._prune()  # a run killed between a commit and its pruning left more than the policy keeps
         if self.preemption is not None:
             self.preemption.install()
