@@ -1,7 +1,7 @@
 """ppe-snapshot: fast, atomic, resumable snapshots for PyTorch training loops."""
 from ppe_snapshot.engine import OptimizerState, PendingSnapshot, RNGState, Snapshot, StateDict, Stateful
 from ppe_snapshot.errors import (
-    CorruptSnapshotError, SnapshotAbortedError, SnapshotError, SnapshotExistsError, SnapshotNotFoundError, StateMismatchError,
+    CorruptSnapshotError, Preempted, SnapshotAbortedError, SnapshotError, SnapshotExistsError, SnapshotNotFoundError, StateMismatchError,
     UnsupportedFormatError, UnsupportedValueError,
 )
 
@@ -13,7 +13,7 @@ from ppe_snapshot import retention, storage, writing  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "RNGState", "Snapshot", "SnapshotAbortedError", "SnapshotError",
+    "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "Preempted", "RNGState", "Snapshot", "SnapshotAbortedError", "SnapshotError",
     "SnapshotExistsError",
     "SnapshotMode", "SnapshotNotFoundError", "StateDict", "Stateful", "StateMismatchError",
     "UnsupportedFormatError", "UnsupportedValueError", "retention", "snapshot", "snapshot_object", "storage",

@@ -36,3 +36,20 @@ class StateMismatchError(SnapshotError, ValueError):
 
 class UnsupportedValueError(SnapshotError, TypeError):
     """A value can only be saved with pickle, and pickle was not allowed."""
+
+
+class Preempted(SystemExit):
+    """Raised by the snapshot extension (``save_on_signals``) once the snapshot a preemption signal asked for
+    is durable. A ``SystemExit``: uncaught, the process exits with ``code``, by default ``128 + signal number``
+    (143 for SIGTERM, as a process killed by it), or the extension's ``preempted_exit_code``."""
+
+    def __init__(self, code: int, signum: int, iteration: int, snapshot: str | None) -> None:
+        super().__init__(code)
+        #: The signal that asked for it, the iteration saved, and the snapshot's name (None if none was taken).
+        self.signum = signum
+        self.iteration = iteration
+        self.snapshot = snapshot
+
+    def __str__(self) -> str:
+        return (f"preempted by signal {self.signum} at iteration {self.iteration}; saved {self.snapshot}; "
+                f"exit status {self.code}")

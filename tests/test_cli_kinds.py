@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from ppe_snapshot import RNGState, Snapshot, StateDict
 from ppe_snapshot.cli import main
 from ppe_snapshot.dcp import SnapshotStorageWriter
+from ppe_snapshot.retention import METRICS_KEY
 
 from _extension_workers import flip_byte
 
@@ -209,6 +210,22 @@ def test_prune_keeps_the_newest(kinds, capsys):
     assert main(["prune", str(run), "--keep-latest", "1"]) == 0
     assert sorted(p.name for p in run.iterdir()) == ["log", "snapshot_iter_20", "snapshot_iter_30"]
     assert main(["prune", str(run)]) == 2 and "--keep-latest" in capsys.readouterr().err
+
+
+def test_prune_policies_from_the_shell(tmp_path, capsys):
+    losses = {10: 0.9, 20: 0.3, 30: 0.5, 40: 0.7, 50: 0.8}
+    for iteration, loss in losses.items():
+        Snapshot.take(str(tmp_path / f"snapshot_iter_{iteration}"), {"s": StateDict(x=torch.ones(1))},
+                      metadata={"iteration": iteration, METRICS_KEY: {"val/loss": loss}})
+    args = ["prune", str(tmp_path), "--keep-every", "20", "--keep-best", "val/loss:1", "--keep-latest", "1"]
+    assert main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"would remove {tmp_path / 'snapshot_iter_30'}\n" in out and len(os.listdir(tmp_path)) == 5
+    assert main(args) == 0  # 10, 20 and 40 (the milestones 0, 20, 40), 20 (best loss), 50 (latest)
+    assert sorted(os.listdir(tmp_path)) == [f"snapshot_iter_{i}" for i in (10, 20, 40, 50)]
+    assert main(["prune", str(tmp_path), "--keep-best", "val/loss:many"]) == 2
+    assert "--keep-best" in capsys.readouterr().err
+    assert main(["prune", str(tmp_path), "--keep-latest", "0"]) == 2
 
 
 def test_s3_run_directory(kinds, s3_bucket, capsys):

@@ -43,9 +43,11 @@ def _iterations(out_dir) -> list[int]:
 def test_same_signature_defaults_trigger_and_priority_as_ppe():
     ours, theirs = inspect.signature(snapshot), inspect.signature(ppe_extensions.snapshot)
     ours_params = [(p.name, p.kind, p.default) for p in ours.parameters.values()]
-    # ppe's parameters, in ppe's order, then one keyword-only opt-in of ours.
+    # ppe's parameters, in ppe's order, then keyword-only opt-ins of ours.
     assert ours_params == [(p.name, p.kind, p.default) for p in theirs.parameters.values()] + \
-        [("allow_pickle", inspect.Parameter.KEYWORD_ONLY, False)]
+        [("allow_pickle", inspect.Parameter.KEYWORD_ONLY, False), ("keep", inspect.Parameter.KEYWORD_ONLY, None),
+         ("save_on_signals", inspect.Parameter.KEYWORD_ONLY, ()),
+         ("preempted_exit_code", inspect.Parameter.KEYWORD_ONLY, None)]
     assert list(inspect.signature(snapshot_object).parameters) == \
         list(inspect.signature(ppe_extensions.snapshot_object).parameters)
     assert SnapshotMode is ppe_extensions.SnapshotMode
@@ -73,7 +75,7 @@ def test_argument_errors():
         snapshot(snapshot_mode="SHARDED")
     with pytest.raises(ValueError, match="autoload needs filename to be a format string"):
         snapshot(filename=lambda m: f"s{m.iteration}", autoload=True)
-    with pytest.raises(ValueError, match="n_retains needs filename to be a format string"):
+    with pytest.raises(ValueError, match="n_retains and keep need filename to be a format string"):
         snapshot(filename=lambda m: f"s{m.iteration}", n_retains=2)
     with pytest.raises(ValueError, match="not a valid format string"):
         snapshot(filename="snap_{.iteration")

@@ -22,6 +22,7 @@ writers). Listing, pruning and choosing what to resume from are
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from pytorch_pfn_extras.training.extensions import SnapshotMode
@@ -30,6 +31,7 @@ from pytorch_pfn_extras.writing import Writer
 from ppe_snapshot.extension.ppe_extension import _Snapshot
 from ppe_snapshot.extension.rank_agreement import DistributedSnapshot, ShardedSnapshot
 from ppe_snapshot.extension.saved_state import RNG_KEY
+from ppe_snapshot.run_dir import Policy
 
 __all__ = ["RNG_KEY", "SnapshotMode", "snapshot", "snapshot_object"]
 
@@ -46,7 +48,8 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
              target: Any = None, condition: Callable[[], bool] | None = None, writer: Writer | None = None,
              snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
              saver_rank: int | None = None, snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT,
-             allow_pickle: bool = False) -> _Snapshot:
+             allow_pickle: bool = False, keep: Policy | None = None, save_on_signals: Iterable[Any] = (),
+             preempted_exit_code: int | None = None) -> _Snapshot:
     """An extension that snapshots the training state (the manager, or ``target``).
 
     Args:
@@ -69,7 +72,23 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
             snapshots are engine snapshots unless ``savefun`` is given.
         snapshot_on_error: Save once when the training loop raises (the error propagates).
         n_retains: Keep this many newest complete snapshots (an int; positive to enable);
-            needs a string ``filename``.
+            needs a string ``filename``. The same as ``keep=KeepLatest(n_retains)``.
+        keep: Keyword-only, beyond ppe's signature: a retention policy of
+            :mod:`ppe_snapshot.retention` (``KeepLatest(n)``, ``KeepEvery(n, unit)``,
+            ``KeepBest(key, n, mode)``, ``a | b``); with ``n_retains``, their union. Retention runs
+            after each committed save and once at start (after autoload). ``KeepBest`` reads its key
+            from ``manager.observation`` when the snapshot is taken (report it from an extension of
+            higher priority, e.g. an Evaluator) and records it in the snapshot's metadata; single-file
+            snapshots (``savefun``) record nothing, so they are never KeepBest candidates.
+        save_on_signals: Keyword-only: signals (e.g. ``(signal.SIGTERM,)``) that preempt the run. The
+            handler only records the signal; at the end of the iteration it came in, the state is
+            saved with the writer (whatever the trigger and ``condition``), waited for until durable, the
+            manager is finalized and :class:`ppe_snapshot.Preempted` (a ``SystemExit``) is raised. In
+            DISTRIBUTED / SHARDED modes every rank saves the same iteration, whichever rank got the
+            signal (see :mod:`ppe_snapshot.extension.preemption`). The previous handlers are restored
+            at finalize. Install at ``initialize()`` (the main thread).
+        preempted_exit_code: The exit status ``Preempted`` carries; None (the default): 128 + the
+            signal number (143 for SIGTERM).
         autoload: At start, restore the newest complete, valid snapshot; damaged ones
             are skipped with a warning. Needs a string ``filename``.
         saver_rank: The rank that writes in DISTRIBUTED mode (given in DEFAULT mode,
@@ -105,7 +124,8 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
         raise TypeError("savefun and writer arguments cannot be specified together.")
     options = dict(target=target, condition=condition, writer=writer, filename=filename,
                    snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload, savefun=savefun,
-                   allow_pickle=allow_pickle)
+                   allow_pickle=allow_pickle, keep=keep, save_on_signals=save_on_signals,
+                   preempted_exit_code=preempted_exit_code)
     if snapshot_mode == SnapshotMode.DEFAULT:
         if saver_rank is None:
             return _Snapshot(**options)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 from pytorch_pfn_extras import reporting
@@ -22,6 +23,7 @@ from pytorch_pfn_extras.writing import Writer
 from ppe_snapshot import run_dir, writing
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
+from ppe_snapshot.extension.preemption import Preemption, preempt
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_of
 from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat, holds_iteration, restore_newest, skip
 from ppe_snapshot.storage import join
@@ -48,9 +50,15 @@ class _Snapshot(extension.Extension):
     def __init__(self, target: Any = None, condition: Callable[[], bool] | None = None,
                  writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
                  snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
-                 savefun: Any = None, allow_pickle: bool = False) -> None:
+                 savefun: Any = None, allow_pickle: bool = False, keep: run_dir.Policy | None = None,
+                 save_on_signals: Iterable[Any] = (), preempted_exit_code: int | None = None) -> None:
         ppe_compat.check_writer(writer)
         ppe_compat.check_n_retains(n_retains)
+        #: Retention: ``n_retains`` (KeepLatest) and ``keep`` together, or None.
+        self.policy = run_dir.combine(n_retains, keep)
+        self._missing_warned = False
+        #: Preemption (``save_on_signals``): the signals watched and the agreement on the iteration to save.
+        self.preemption = self._watch(save_on_signals, preempted_exit_code) if save_on_signals else None
         if not isinstance(allow_pickle, bool):
             raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
         self._target = target
@@ -76,8 +84,8 @@ class _Snapshot(extension.Extension):
         elif autoload:
             raise ValueError("autoload needs filename to be a format string (it is matched against the "
                              "names in the output directory); got a callable")
-        elif n_retains > 0:
-            raise ValueError("n_retains needs filename to be a format string (it is matched against the "
+        elif self.policy is not None:
+            raise ValueError("n_retains and keep need filename to be a format string (it is matched against the "
                              "names in the output directory); got a callable")
         self._out_dir = ""
         self._storage_options: dict[str, Any] | None = None
@@ -144,7 +152,7 @@ class _Snapshot(extension.Extension):
             out_dir, options = getattr(writer, "out_dir", ""), None
         self._out_dir = out_dir if isinstance(out_dir, str) and out_dir else manager.out
         self._storage_options = options if isinstance(options, dict) else None
-        if self.n_retains > 0 and self._format is not None and self._prunes():
+        if self.policy is not None and self._format is not None and self._prunes():
             writer._add_cleanup_hook(self._prune)
         self._bound = True
 
@@ -156,10 +164,19 @@ class _Snapshot(extension.Extension):
         self._stats_reporter = stats_report.attach(manager)
         if self.autoload:
             self._autoload(manager)
+        if self.policy is not None and self._format is not None and self._prunes():
+            self._prune()  # a run killed between a commit and its pruning left more than the policy keeps
+        if self.preemption is not None:
+            self.preemption.install()
+            if not self.preemption.wrap_trigger(manager, self):
+                logger.warning("save_on_signals: the manager has no entry for this snapshot; a signal "
+                               "is acted on only when the snapshot's own trigger fires")
         return self.resumed_name
 
     def __call__(self, manager: ExtensionsManagerProtocol) -> None:
         self._bind(manager)
+        if self.preemption is not None and self.preemption.decided is not None:
+            preempt(self, manager, self.preemption)  # raises Preempted
         if self.condition():
             self._make_snapshot(manager)
 
@@ -185,12 +202,17 @@ class _Snapshot(extension.Extension):
                 manager._model_available = False  # type: ignore[attr-defined]
 
     def finalize(self, manager: ExtensionsManagerProtocol) -> None:
+        if self.preemption is not None:
+            self.preemption.uninstall()
         try:
             if self.writer is not None:
                 self.writer.finalize()
         finally:
             if self._stood_in_for is not None:
                 ppe_compat.stand_down(self._stood_in_for, self._writer_given)
+
+    def _watch(self, signals: Iterable[Any], exit_code: int | None) -> Preemption:
+        return Preemption(signals, exit_code)
 
     # -- saving ------------------------------------------------------------------
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
@@ -220,7 +242,7 @@ class _Snapshot(extension.Extension):
         previous = writer.last_stats
         rng = self._rng_states() if rng is None else rng
         writer(name, manager.out, state, savefun=self._savefun,
-               metadata=saved_state.metadata(manager, self._target_kind), pg=pg,
+               metadata=saved_state.metadata(manager, self._target_kind, self._metrics(manager)), pg=pg,
                extra_state={RNG_KEY: StateDict(rng)}, allow_pickle=True if self._allow_pickle else None)
         self._report(manager, name, writer.last_stats, previous)
 
@@ -267,14 +289,28 @@ class _Snapshot(extension.Extension):
                        location)
 
     # -- retention ---------------------------------------------------------------
+    def _metrics(self, manager: ExtensionsManagerProtocol) -> dict[str, float]:
+        """The observed values the policy needs (``KeepBest``'s key), recorded in the snapshot's metadata."""
+        keys = self.policy.recorded_keys if self.policy is not None else ()
+        if not keys:
+            return {}
+        found, missing = saved_state.observed(manager, keys)
+        if missing and not self._missing_warned:
+            self._missing_warned = True
+            warnings.warn(f"ppe_snapshot: the observation of iteration {manager.iteration} has no number for "
+                          f"{missing} (report it from an extension of higher priority than the snapshot, e.g. an "
+                          f"Evaluator); snapshots without it are not candidates for KeepBest", stacklevel=3)
+        return found
+
     def _prunes(self) -> bool:
         return self._owns_out_dir and hasattr(self.writer, "_add_cleanup_hook")  # ppe's own check, for any writer
 
     def _prune(self) -> None:
         assert self._format is not None
         try:
-            run_dir.prune(self._out_dir, self._format, self.n_retains, self._storage_options,
-                          rejected=self._rejected)
+            assert self.policy is not None
+            run_dir.prune(self._out_dir, self._format, self.policy, self._storage_options, rejected=self._rejected,
+                          protect=() if self.resumed_name is None else (self.resumed_name,))
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
             logger.warning("removing old snapshots under %s failed: %s: %s", self._out_dir,
                            type(e).__name__, e)

@@ -17,6 +17,7 @@ from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 from ppe_snapshot.engine import LOCAL, RNGState
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.extension.ppe_extension import _Snapshot
+from ppe_snapshot.extension.preemption import Preemption
 from ppe_snapshot.extension.saved_state import state_of
 from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh
 
@@ -31,10 +32,10 @@ class _DistributedExtension(_Snapshot):
     _restore_pg: Any = LOCAL
 
     def __init__(self, *, saver_rank: int, **options: Any) -> None:
-        super().__init__(**options)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"snapshot_mode={self._mode} requires torch.distributed to be initialized "
                                "(call torch.distributed.init_process_group first)")
+        super().__init__(**options)
         self._rank = dist.get_rank()
         self._size = dist.get_world_size()
         if not 0 <= saver_rank < self._size:
@@ -42,6 +43,9 @@ class _DistributedExtension(_Snapshot):
                              f"got saver_rank={saver_rank}")
         self._saver_rank = saver_rank
         self._rng_rank = self._rank
+
+    def _watch(self, signals: Any, exit_code: int | None) -> Preemption:
+        return Preemption.for_ranks(signals, exit_code)  # collective: every rank constructs the extension
 
     @property
     def _is_saver(self) -> bool:

@@ -9,10 +9,11 @@ snapshot (``savefun=torch.save``) holds the target's state alone.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot
-from ppe_snapshot.run_dir import Candidate, CandidateKind, Unusable, load_file, opened
+from ppe_snapshot.run_dir import METRICS_KEY, Candidate, CandidateKind, Unusable, load_file, opened
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,29 @@ def target_kind(target: Any) -> str:
     return "dict" if type(target) is dict else "object"
 
 
-def metadata(manager: Any, kind: str) -> dict[str, Any]:
-    """The manifest metadata of a snapshot of a target of ``kind`` taken at the manager's training position."""
-    return {"iteration": manager.iteration, "epoch": manager.epoch, "epoch_detail": manager.epoch_detail,
-            "ppe_snapshot_target": kind}
+def metadata(manager: Any, kind: str, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+    """The manifest metadata of a snapshot of a target of ``kind`` taken at the manager's training position,
+    with the observed values retention reads back (``KeepBest``) under ``METRICS_KEY`` when there are any."""
+    recorded = {"iteration": manager.iteration, "epoch": manager.epoch, "epoch_detail": manager.epoch_detail,
+                "ppe_snapshot_target": kind}
+    if metrics:
+        recorded[METRICS_KEY] = metrics
+    return recorded
+
+
+def observed(manager: Any, keys: tuple[str, ...]) -> tuple[dict[str, float], list[str]]:
+    """(the values of ``keys`` in the manager's observation of this iteration as finite floats, the keys
+    missing or not a finite number)."""
+    observation = getattr(manager, "observation", None) or {}
+    found: dict[str, float] = {}
+    for key in keys:
+        try:
+            value = float(observation[key])
+        except (KeyError, TypeError, ValueError, RuntimeError):
+            continue
+        if math.isfinite(value):
+            found[key] = value
+    return found, [k for k in keys if k not in found]
 
 
 def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int,

@@ -5,6 +5,7 @@
 ``listing``        the names under the output directory that match, classified (:class:`Candidate`), oldest
                    training position first
 ``single_files``   ppe's single-file snapshots (``torch.save``): the quick check, the recorded position, loading
+``policies``       retention policies: which complete snapshots to keep (KeepLatest, KeepEvery, KeepBest, a | b)
 ``pruning``        retention: what to remove, and removing it
 ``resume``         what to resume from: the newest candidate that restores, the others skipped
 =================  =========================================================================================
@@ -14,14 +15,18 @@ with :func:`ppe_snapshot.writing.remove_snapshot`; it does not import
 pytorch_pfn_extras (``import ppe_snapshot`` loads it through
 :mod:`ppe_snapshot.retention`).
 """
-from ppe_snapshot.run_dir.listing import COMPLETE_KINDS, Candidate, CandidateKind, filesystem, list_snapshots
+from ppe_snapshot.run_dir.listing import (
+    COMPLETE_KINDS, METRICS_KEY, Candidate, CandidateKind, filesystem, list_snapshots,
+)
 from ppe_snapshot.run_dir.names import FilenameFormat
+from ppe_snapshot.run_dir.policies import KeepAll, KeepBest, KeepEvery, KeepLatest, Policy, Union, as_policy, combine
 from ppe_snapshot.run_dir.pruning import prune, remove, select_prunable
 from ppe_snapshot.run_dir.resume import (
     Failure, Unusable, attempt, cannot_start_fresh, holds_iteration, opened, restore_newest, skip,
 )
 from ppe_snapshot.run_dir.single_files import load_file
 
-__all__ = ["COMPLETE_KINDS", "Candidate", "CandidateKind", "Failure", "FilenameFormat", "Unusable", "attempt",
-           "cannot_start_fresh", "filesystem", "holds_iteration", "list_snapshots", "load_file", "opened", "prune",
-           "remove", "restore_newest", "select_prunable", "skip"]
+__all__ = ["COMPLETE_KINDS", "METRICS_KEY", "Candidate", "CandidateKind", "Failure", "FilenameFormat", "KeepAll",
+           "KeepBest", "KeepEvery", "KeepLatest", "Policy", "Union", "Unusable", "as_policy", "attempt",
+           "cannot_start_fresh", "combine", "filesystem", "holds_iteration", "list_snapshots", "load_file", "opened",
+           "prune", "remove", "restore_newest", "select_prunable", "skip"]

@@ -19,7 +19,9 @@ left the newest complete snapshot there.
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -38,6 +40,9 @@ class CandidateKind:
     DAMAGED = "damaged"
 
 
+#: The metadata key under which the snapshot extension records observed values for retention (``KeepBest``).
+METRICS_KEY = "ppe_snapshot_metrics"
+
 #: The kinds autoload can restore and retention keeps.
 COMPLETE_KINDS = (CandidateKind.SNAPSHOT, CandidateKind.FILE)
 
@@ -52,6 +57,8 @@ class Candidate:
     epoch_detail: float | None
     problem: str | None = None
     busy: bool = False
+    #: Values recorded when it was taken (metadata ``ppe_snapshot_metrics``), e.g. ``{"val/loss": 0.25}``.
+    metrics: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def complete(self) -> bool:
@@ -145,7 +152,16 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
         iteration = metadata["iteration"]
     if isinstance(metadata.get("epoch_detail"), (int, float)):
         epoch_detail = float(metadata["epoch_detail"])
-    return Candidate(rel, url, CandidateKind.SNAPSHOT, iteration, epoch_detail)
+    return Candidate(rel, url, CandidateKind.SNAPSHOT, iteration, epoch_detail, metrics=_metrics(metadata))
+
+
+def _metrics(metadata: dict[str, Any]) -> dict[str, float]:
+    """The recorded values of a snapshot's metadata: finite numbers under string keys; anything else ignored."""
+    recorded = metadata.get(METRICS_KEY)
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: float(v) for k, v in recorded.items() if isinstance(k, str) and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:

@@ -7,27 +7,33 @@ from typing import Any
 
 from ppe_snapshot.run_dir.listing import Candidate, list_snapshots
 from ppe_snapshot.run_dir.names import FilenameFormat
+from ppe_snapshot.run_dir.policies import Policy, as_policy
 from ppe_snapshot.writing import remove_snapshot
 
 logger = logging.getLogger(__name__)
 
 
-def select_prunable(candidates: list[Candidate], n_retains: int,
-                    rejected: Collection[str] = ()) -> list[Candidate]:
+def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: Collection[str] = (),
+                    protect: Collection[str] = ()) -> list[Candidate]:
     """What retention removes from ``candidates`` (oldest first, as :func:`list_snapshots` gives them).
 
-    Keeps the ``n_retains`` newest complete snapshots; removes older complete
-    ones, and incomplete or damaged ones known to be older than the newest
-    complete one whose directory holds no take in progress. Never the newest
-    complete one, nor anything newer (a save may be writing it). Names in
-    ``rejected`` (those autoload could not restore, though they pass the
-    quick check) count as damaged: they are never kept in place of a good one.
+    ``keep``: an int (``n_retains``: the newest complete snapshots to keep; 0 or less keeps all) or a
+    policy of :mod:`ppe_snapshot.retention` (``KeepLatest``, ``KeepEvery``, ``KeepBest``, ``a | b``),
+    which decides among the complete snapshots. Whatever it says, never removed: the newest complete
+    snapshot and anything newer (a save may be writing it); incomplete names whose directory holds a
+    take in progress; names in ``protect`` (the snapshot autoload resumed from) until a complete
+    snapshot newer than them exists. Incomplete or damaged names older than the newest complete one
+    are removed. Names in ``rejected`` (those autoload could not restore, though they pass the quick
+    check) count as damaged: they are never kept in place of a good one.
     """
+    policy = as_policy(keep)
     complete = [c for c in candidates if c.complete and c.name not in rejected]
-    if n_retains <= 0 or not complete:
+    if not complete or not isinstance(keep, Policy) and keep <= 0:  # n_retains <= 0: retention is off (ppe)
         return []
     newest = complete[-1]
-    stale = set(id(c) for c in complete[:-n_retains])
+    kept = set(policy.keep(complete)) | {newest.name}
+    kept |= {c.name for c in complete if c.name in protect and not any(c.is_older_than(o) for o in complete)}
+    stale = {id(c) for c in complete if c.name not in kept}
     for c in candidates:
         if c not in complete and not c.busy and c.is_older_than(newest):
             stale.add(id(c))
@@ -39,12 +45,16 @@ def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None) 
     remove_snapshot(candidate.url, storage_options)
 
 
-def prune(out_dir: str, fmt: str | FilenameFormat, n_retains: int,
-          storage_options: dict[str, Any] | None = None, *, rejected: Collection[str] = ()) -> list[str]:
-    """Apply retention to ``out_dir``: see :func:`select_prunable`. Returns the removed locations."""
+def prune(out_dir: str, fmt: str | FilenameFormat, keep: int | Policy,
+          storage_options: dict[str, Any] | None = None, *, rejected: Collection[str] = (),
+          protect: Collection[str] = (), dry_run: bool = False) -> list[str]:
+    """Apply retention to ``out_dir``: see :func:`select_prunable`. Returns the removed locations (with
+    ``dry_run``, those that would be removed; nothing is removed)."""
+    policy = as_policy(keep)
     removed = []
-    for c in select_prunable(list_snapshots(out_dir, fmt, storage_options), n_retains, rejected):
-        remove(c, storage_options)
-        logger.info("removed %s: %s (keeping the %d newest)", c.describe(), c.kind, n_retains)
+    for c in select_prunable(list_snapshots(out_dir, fmt, storage_options), policy, rejected, protect):
+        if not dry_run:
+            remove(c, storage_options)
+            logger.info("removed %s: %s (retention: %r)", c.describe(), c.kind, policy)
         removed.append(c.url)
     return removed
