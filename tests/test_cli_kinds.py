@@ -190,6 +190,18 @@ def test_convert_to_every_target_reads_back_and_names_what_is_left_out(kinds, ca
     assert torch.equal(load_file(str(kinds / "out.safetensors"))["models.main.weight"], WEIGHT + 0.5)
 
 
+def test_a_forced_conversion_that_fails_keeps_the_old_destination(kinds, capsys):
+    import fsspec
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/cli-force/out", b"the old destination")
+    # DCP directories are written to local paths only: the write fails after the old DST was moved aside
+    assert main(["convert", "--force", "--to", "dcp", str(kinds / "run" / "snapshot_iter_20"),
+                 "memory://cli-force/out"]) == 2
+    assert "local paths only" in capsys.readouterr().err
+    assert fs.cat("/cli-force/out") == b"the old destination"
+    assert fs.ls("/cli-force", detail=False) == ["/cli-force/out"]
+
+
 @pytest.mark.parametrize("name, message", [
     ("missing", "no such file or directory"), ("text.txt", "neither a snapshot directory"),
     ("empty", "is an empty directory, not a snapshot")])

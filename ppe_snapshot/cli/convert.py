@@ -34,12 +34,22 @@ def _note(message: str) -> None:
     print(f"ppe-snapshot: note: {message}", file=sys.stderr)
 
 
-def _prepare_destination(dst: str, storage_options: dict | None, force: bool) -> None:
+def _check_destination(dst: str, storage_options: dict | None, force: bool) -> bool:
+    """Whether ``dst`` exists (then only with ``force``)."""
     fs, root = filesystem(dst, storage_options)
-    if fs.exists(root):
-        if not force:
-            raise UsageError(f"{dst}: already exists; pass --force to replace it")
-        fs.rm(root, recursive=fs.isdir(root))
+    if fs.exists(root) and not force:
+        raise UsageError(f"{dst}: already exists; pass --force to replace it")
+    return fs.exists(root)
+
+
+def _move_aside(dst: str, storage_options: dict | None) -> str:
+    """Move an existing ``dst`` beside it until the conversion succeeded; returns where it went."""
+    fs, root = filesystem(dst, storage_options)
+    aside = root.rstrip("/") + ".ppe-snapshot-replaced"
+    if fs.exists(aside):  # left by a conversion that was killed: the new DST was never complete
+        fs.rm(aside, recursive=fs.isdir(aside))
+    fs.mv(root, aside, recursive=fs.isdir(root))
+    return aside
 
 
 def _tensors_only(state: dict[str, Any], target: str) -> dict[str, torch.Tensor]:
@@ -84,15 +94,21 @@ def convert(args: argparse.Namespace) -> str:
     target = args.to or _default_target(source.kind, args.dst)
     if source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT:
         raise UsageError(f"{args.src}: already a snapshot; copy the directory instead")
-    _prepare_destination(args.dst, args.storage_options, args.force)
+    existing = _check_destination(args.dst, args.storage_options, args.force)
     with progress(4, f"convert {args.src}", unit="step") as bar:
         state, left_out = read_state(source, allow_pickle=args.allow_pickle)
         bar.update(2)
+        aside = _move_aside(args.dst, args.storage_options) if existing else None
+        fs, root = filesystem(args.dst, args.storage_options)
         try:
             _write(args, target, state, left_out)
         except BaseException:
             _remove_partial(args.dst, args.storage_options)
+            if aside is not None:  # the old DST comes back: a failed --force loses nothing
+                fs.mv(aside, root, recursive=fs.isdir(aside))
             raise
+        if aside is not None:
+            fs.rm(aside, recursive=fs.isdir(aside))
         bar.update(2)
     return target
 
