@@ -145,9 +145,6 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
         metadata = snapshot.metadata
     except Exception as e:  # noqa: BLE001 - any failure to read it makes it unusable
         return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=f"{type(e).__name__}: {e}")
-    if not isinstance(metadata, dict):
-        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail,
-                         problem=f"its manifest's metadata is a {type(metadata).__name__}, not an object")
     if isinstance(metadata.get("iteration"), int):
         iteration = metadata["iteration"]
     if isinstance(metadata.get("epoch_detail"), (int, float)):

@@ -43,7 +43,7 @@ def holds_iteration(location: str, storage_options: dict[str, Any] | None, itera
         metadata = Snapshot(location, pg=LOCAL, storage_options=storage_options).metadata
     except Exception:  # noqa: BLE001 - absent or unreadable: not a committed snapshot
         return False
-    return isinstance(metadata, dict) and metadata.get("iteration") == iteration
+    return metadata.get("iteration") == iteration
 
 
 def opened(candidate: Candidate, pg: Any, storage_options: dict[str, Any] | None,
@@ -54,9 +54,6 @@ def opened(candidate: Candidate, pg: Any, storage_options: dict[str, Any] | None
         metadata = snap.metadata
     except Exception as e:  # noqa: BLE001 - CorruptSnapshotError, UnsupportedFormatError, I/O: nothing touched yet
         raise Unusable(f"{type(e).__name__}: {e}") from e
-    if not isinstance(metadata, dict):
-        raise Unusable(f"its manifest's metadata is a {type(metadata).__name__}, not an object: the snapshot "
-                       "is damaged")
     return snap, metadata
 
 

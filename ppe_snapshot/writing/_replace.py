@@ -221,8 +221,6 @@ def _checked(path: str, storage_options: dict[str, Any] | None) -> tuple[bool, t
         metadata = snapshot.metadata
     except Exception:  # noqa: BLE001 - absent, incomplete or damaged
         return False, (-1, -1)
-    if not isinstance(metadata, dict):
-        return False, (-1, -1)
     position = tuple(value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1
                      for value in (metadata.get("iteration"), metadata.get("epoch_detail")))
     return True, position  # type: ignore[return-value]
