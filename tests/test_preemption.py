@@ -23,7 +23,9 @@ TIMEOUT = 240
 
 def _start(out: str, writer: str, mode: str, world: int, iterations: int = ITERS) -> list[subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
-    init = f"file://{out}/rendezvous"
+    # A fresh rendezvous file per run: a preempted run exits without destroying its group, and torch's
+    # FileStore must never be reused once its file may be left behind (a second run on it can hang).
+    init = f"file://{out}/rendezvous-{time.monotonic_ns()}"
     return [subprocess.Popen([sys.executable, os.path.join(HERE, "_preempt_child.py"), out, writer, mode, str(rank),
                               str(world), init, str(iterations)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env) for rank in range(world)]
