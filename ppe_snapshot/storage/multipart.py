@@ -4,11 +4,11 @@ s3fs's own file object uploads each part inside ``write()``, one at a time, on o
 cuts the stream into parts of ``Tuning.part_size`` and sends up to ``Tuning.upload_concurrency`` of them at
 once on s3fs's event loop, while the caller goes on (hashing, staging, copying the next part):
 
-``write()`` copies the bytes into part buffers before it returns (the caller may reuse its memory at once);
-a buffer is taken only while fewer than ``upload_concurrency`` parts are being filled or sent, so a writer
-holds at most ``upload_concurrency x part_size`` bytes. (botocore takes no memoryview as a body, and a
-file-like body costs aiohttp a thread hop per 64 KiB, more than the copy: a part is copied once, with the
-GIL released.)
+``write()`` copies the bytes into the part being filled before it returns (the caller may reuse its memory
+at once), and waits while ``upload_concurrency`` parts are in flight: a writer holds at most
+``(upload_concurrency + 1) x part_size`` bytes. A part is an ``io.BytesIO``: aiohttp sends it in 64 KiB pieces
+under the socket's back-pressure, where a ``bytes`` or ``bytearray`` body would be copied whole once more on
+its way out (measured: twice the memory).
 
 Every request goes through ``S3FileSystem._call_s3``, so each part is retried on its own by the store's retry
 policy (``storage/fsspec.py``'s ``S3_RETRIES``) and s3fs's. Any failure, or ``abort()``, cancels the parts in
@@ -18,11 +18,11 @@ part is one PUT at ``close()``.
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 from typing import Any, Sequence
 
 import fsspec.asyn
-import numpy as np
 
 from ppe_snapshot.storage.base import BlobWriter
 from ppe_snapshot.storage.tuning import Tuning
@@ -30,9 +30,6 @@ from ppe_snapshot.storage.tuning import Tuning
 #: S3's limits: every part but the last at least 5 MiB, at most 10,000 parts.
 MIN_PART = 5 << 20
 MAX_PARTS = 10_000
-# Copies at least this large go through numpy, which releases the GIL (the event loop keeps sending).
-_GIL_FREE_COPY = 64 << 10
-
 
 def supports_multipart(fs: Any) -> bool:
     """Whether ``fs`` speaks S3's multipart protocol through s3fs (``_call_s3`` on an event loop)."""
@@ -50,14 +47,6 @@ def _flat(view: memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _copy(dest: bytearray, offset: int, view: memoryview) -> None:
-    if view.nbytes < _GIL_FREE_COPY:
-        dest[offset:offset + view.nbytes] = view
-    else:
-        np.copyto(np.frombuffer(dest, dtype=np.uint8, count=view.nbytes, offset=offset),
-                  np.frombuffer(view, dtype=np.uint8))
-
-
 class MultipartWriter(BlobWriter):
     """Writes one object at ``path`` on an s3fs file system (see the module docstring)."""
 
@@ -67,10 +56,9 @@ class MultipartWriter(BlobWriter):
         self._bucket, self._key, _ = fs.split_path(path)
         # A file whose size is known gets parts large enough to stay within S3's 10,000.
         self._part_size = max(tuning.part_size, -(-(size or 0) // MAX_PARTS))
-        self._slots = threading.Semaphore(tuning.upload_concurrency)  # part buffers out (filling or sending)
+        self._slots = threading.Semaphore(tuning.upload_concurrency)  # parts in flight
         self._lock = threading.Lock()
-        self._free: list[bytearray] = []  # part buffers not in use
-        self._buffer: bytearray | None = None  # the part being filled by copies
+        self._part: io.BytesIO | None = None  # the part being filled
         self._fill = 0
         self._size = 0  # bytes accepted so far
         self._upload_id: str | None = None
@@ -92,11 +80,11 @@ class MultipartWriter(BlobWriter):
         try:
             self._check()
             if self._upload_id is None:  # smaller than one part: one PUT
-                body = self._buffer[:self._fill] if self._buffer is not None else b""
+                body = self._take_part() if self._part is not None else b""
                 self._sync(self._fs._call_s3, "put_object", Bucket=self._bucket, Key=self._key, Body=body)
             else:
                 if self._fill:
-                    self._submit_buffer()
+                    self._submit(self._take_part())
                 with self._done_parts:
                     self._done_parts.wait_for(lambda: self._pending == 0)
                 self._check()
@@ -121,8 +109,7 @@ class MultipartWriter(BlobWriter):
             self._sync(self._cancel_and_abort)
         except Exception:  # giving up anyway; without a manifest nothing here is visible as a snapshot
             pass
-        self._free.clear()
-        self._buffer = None
+        self._part = None
 
     # -- parts
     def _check(self) -> None:
@@ -134,30 +121,24 @@ class MultipartWriter(BlobWriter):
 
     def _copy_in(self, view: memoryview) -> None:
         while view.nbytes:
-            if self._buffer is None:
-                self._slots.acquire()  # waits while upload_concurrency parts are out
-                with self._lock:
-                    self._buffer = self._free.pop() if self._free else bytearray(self._part_size)
+            if self._part is None:
+                self._part = io.BytesIO()
             take = min(self._part_size - self._fill, view.nbytes)
-            _copy(self._buffer, self._fill, view[:take])
+            self._part.write(view[:take])
             self._fill += take
             self._size += take
             view = view[take:]
             if self._fill == self._part_size:
-                self._submit_buffer()
+                self._submit(self._take_part())
 
-    def _submit_buffer(self) -> None:
-        """Send the part being filled; its buffer (and slot) come back when the part has been sent."""
-        buffer, fill = self._buffer, self._fill
-        self._buffer, self._fill = None, 0
-        assert buffer is not None
-        try:
-            self._submit(buffer if fill == len(buffer) else buffer[:fill], buffer)
-        except BaseException:
-            self._slots.release()
-            raise
+    def _take_part(self) -> io.BytesIO:
+        part, self._part, self._fill = self._part, None, 0
+        assert part is not None
+        part.seek(0)
+        return part
 
-    def _submit(self, body: bytearray, buffer: bytearray) -> None:
+    def _submit(self, body: io.BytesIO) -> None:
+        """Send one part, once fewer than ``upload_concurrency`` are in flight."""
         self._check()
         if self._upload_id is None:
             self._upload_id = self._sync(self._fs._call_s3, "create_multipart_upload", Bucket=self._bucket,
@@ -167,13 +148,17 @@ class MultipartWriter(BlobWriter):
             raise OSError(f"{self._path}: more than {MAX_PARTS} parts of {self._part_size} bytes; give a larger "
                           "ppe_part_size in storage_options")
         self._next_part += 1
+        self._slots.acquire()
+        if self._error is not None:  # a part failed while this one waited: send no more
+            self._slots.release()
+            raise self._error
         with self._lock:
             self._pending += 1
             future = asyncio.run_coroutine_threadsafe(self._upload_part(number, body), self._fs.loop)
             self._futures.append(future)
-        future.add_done_callback(lambda f: self._part_done(f, buffer))
+        future.add_done_callback(self._part_done)
 
-    async def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+    async def _upload_part(self, number: int, body: io.BytesIO) -> dict[str, Any]:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -187,15 +172,13 @@ class MultipartWriter(BlobWriter):
             part["ChecksumSHA256"] = out["ChecksumSHA256"]
         return part
 
-    def _part_done(self, future: Any, buffer: bytearray) -> None:
+    def _part_done(self, future: Any) -> None:
         with self._done_parts:
             if not future.cancelled():
                 if future.exception() is not None:
                     self._error = self._error or future.exception()
                 else:
                     self._parts.append(future.result())
-            if not self._done:
-                self._free.append(buffer)
             self._pending -= 1
             self._done_parts.notify_all()
         self._slots.release()
