@@ -9,13 +9,18 @@ tensors (checked bit-exact once per method and state) after one untimed warm-up 
 gives medians, ratios to the best peer, and how many connections carried at least 1 MiB (save / restore).
 
     python benchmarks/bench_s3.py [--rounds 2] [--scale 1.0] [--rate-mb 40] [--latency-ms 15] [--no-dcp]
+                                  [--torchsnapshot DIR]
 
 Methods:
   ppe-snapshot    Snapshot.take / restore (defaults: 8 MiB parts, 16 in flight; 8 MiB ranges, 16 readers)
+  ppe-snapshot-x8 the same with 8 parts / 8 ranges in flight (the peers' connection count)
   s3fs            fs.pipe({key: bytes}) / fs.cat([keys]), one object per tensor, s3fs defaults
   boto3           s3transfer TransferManager, 16 MiB parts, 8 threads, one object per tensor (reads straight
                   into the tensors)
   dcp             torch.distributed.checkpoint with FsspecWriter(thread_count=8) / FsspecReader over s3fs
+  torchsnapshot   torchsnapshot 0.1.0 (aiobotocore), only with ``--torchsnapshot DIR``: a directory it is installed
+                  in (``pip install --target DIR --no-deps torchsnapshot psutil aiofiles pyyaml "importlib_metadata<8"
+                  zipp``; it is no dependency of this project), endpoint given through ``AWS_ENDPOINT_URL``
 Peak RSS of a ppe-snapshot take of the full state is measured in a fresh process (``--rss``).
 """
 from __future__ import annotations
@@ -77,6 +82,29 @@ class Peers:
     def ppe_restore(self, targets, prefix):
         import ppe_snapshot as ps
         ps.Snapshot(f"s3://{BUCKET}/{prefix}", storage_options=self.options).restore({"s": ps.StateDict(targets)})
+
+    def ppe8_save(self, state, prefix):
+        import ppe_snapshot as ps
+        ps.Snapshot.take(f"s3://{BUCKET}/{prefix}", {"s": ps.StateDict(state)},
+                         storage_options={**self.options, "ppe_upload_concurrency": 8})
+
+    def ppe8_restore(self, targets, prefix):
+        import ppe_snapshot as ps
+        ps.Snapshot(f"s3://{BUCKET}/{prefix}", storage_options={**self.options, "ppe_read_workers": 8}).restore(
+            {"s": ps.StateDict(targets)})
+
+    # torchsnapshot
+    def ts_save(self, state, prefix):
+        import torchsnapshot
+        torchsnapshot.Snapshot.take(path=f"s3://{BUCKET}/{prefix}", app_state={"s": torchsnapshot.StateDict(state)})
+
+    def ts_restore(self, targets, prefix):
+        import torchsnapshot
+        loaded = torchsnapshot.StateDict(targets)
+        torchsnapshot.Snapshot(path=f"s3://{BUCKET}/{prefix}").restore(app_state={"s": loaded})
+        for k, v in loaded.items():  # in place where it can; copy what it replaced
+            if v is not targets[k]:
+                targets[k].copy_(v)
 
     # s3fs
     def s3fs_save(self, state, prefix):
@@ -173,7 +201,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--rate-mb", type=float, default=40.0)
     parser.add_argument("--latency-ms", type=float, default=15.0)
-    parser.add_argument("--methods", default="ppe-snapshot,s3fs,boto3,dcp")
+    parser.add_argument("--methods", default="ppe-snapshot,ppe-snapshot-x8,s3fs,boto3,dcp,torchsnapshot")
+    parser.add_argument("--torchsnapshot", metavar="DIR", help="a directory torchsnapshot is installed in")
     parser.add_argument("--no-dcp", action="store_true", help="skip DCP (its restore takes tens of seconds)")
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--report", help="also write the markdown report here")
@@ -199,9 +228,16 @@ def main() -> None:
 def run(args, urls: dict) -> None:
     peers = Peers(urls["proxy"])
     peers.fs.mkdir(BUCKET)
-    methods = [m for m in args.methods.split(",") if not (args.no_dcp and m == "dcp")]
-    functions = {"ppe-snapshot": (peers.ppe_save, peers.ppe_restore), "s3fs": (peers.s3fs_save, peers.s3fs_restore),
-                 "boto3": (peers.boto3_save, peers.boto3_restore), "dcp": (peers.dcp_save, peers.dcp_restore)}
+    methods = [m for m in args.methods.split(",") if not (args.no_dcp and m == "dcp")
+               and not (m == "torchsnapshot" and not args.torchsnapshot)]
+    if args.torchsnapshot:
+        sys.path.insert(0, args.torchsnapshot)
+        os.environ.update(AWS_ENDPOINT_URL=urls["proxy"], AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                          AWS_DEFAULT_REGION="us-east-1")
+    functions = {"ppe-snapshot": (peers.ppe_save, peers.ppe_restore),
+                 "ppe-snapshot-x8": (peers.ppe8_save, peers.ppe8_restore),
+                 "s3fs": (peers.s3fs_save, peers.s3fs_restore), "boto3": (peers.boto3_save, peers.boto3_restore),
+                 "dcp": (peers.dcp_save, peers.dcp_restore), "torchsnapshot": (peers.ts_save, peers.ts_restore)}
     states = {kind: make_state(kind, args.scale) for kind in ("8x64MiB", "512x1MiB")}
     for method in methods:  # warm-up, untimed: sessions and connection pools, thread pools, imports
         tiny = {"t": torch.rand(1 << 20)}
@@ -260,9 +296,9 @@ def report(args, results: Results, states: dict, methods: list[str], rss: dict |
         for kind in states:
             for op in ("save", "restore"):
                 value = results.median(kind, method, op)
-                peers = [results.median(kind, m, op) for m in methods if m not in ("ppe-snapshot", method)]
+                peers = [results.median(kind, m, op) for m in methods if not m.startswith("ppe-snapshot")]
                 best = min((p for p in peers if p is not None), default=None)
-                ratio = f" ({value / best:.2f}x best peer)" if method == "ppe-snapshot" and best else ""
+                ratio = f" ({value / best:.2f}x best peer)" if method.startswith("ppe-snapshot") and best else ""
                 cells.append(f"{value:.2f} s{ratio}")
             conns.append(f"{results.median(kind, method, 'save_conns'):.0f} / "
                          f"{results.median(kind, method, 'restore_conns'):.0f}")

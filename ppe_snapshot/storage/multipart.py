@@ -42,6 +42,15 @@ def check_part_size(part_size: int) -> None:
                          "give at least 5 MiB")
 
 
+def part_size_for(tuning: Tuning, size: int | None) -> int:
+    """``tuning.part_size``; for a file of known ``size``: smaller (down to 5 MiB) where that gives every
+    connection a part, larger where the file would need more than 10,000 parts."""
+    if not size:
+        return tuning.part_size
+    part = max(MIN_PART, min(tuning.part_size, -(-size // tuning.upload_concurrency)))
+    return max(part, -(-size // MAX_PARTS))
+
+
 def _flat(view: memoryview) -> memoryview:
     view = memoryview(view)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -54,8 +63,7 @@ class MultipartWriter(BlobWriter):
         check_part_size(tuning.part_size)
         self._fs, self._path = fs, path
         self._bucket, self._key, _ = fs.split_path(path)
-        # A file whose size is known gets parts large enough to stay within S3's 10,000.
-        self._part_size = max(tuning.part_size, -(-(size or 0) // MAX_PARTS))
+        self._part_size = part_size_for(tuning, size)
         self._slots = threading.Semaphore(tuning.upload_concurrency)  # parts in flight
         self._lock = threading.Lock()
         self._part: io.BytesIO | None = None  # the part being filled

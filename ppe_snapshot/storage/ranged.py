@@ -1,7 +1,8 @@
 """Reads from object stores as ranged requests in parallel, straight into the destination memory.
 
 One read (``Storage.read_vectored``: consecutive bytes into a list of views) is cut into pieces of at most
-``Tuning.read_part_size`` bytes, fetched at once on a shared pool of ``Tuning.read_workers`` threads. On S3
+``Tuning.read_part_size`` bytes (fewer bytes, down to 1 MiB, where that gives every reader a piece), fetched at
+once on a shared pool of ``Tuning.read_workers`` threads. On S3
 (s3fs) each response body is streamed into its destination views (no intermediate bytes object of the
 piece), and a piece whose body breaks off is requested again; other file systems get ``cat_file`` of each
 range, copied into place.
@@ -21,6 +22,9 @@ from ppe_snapshot.storage.tuning import Tuning
 
 #: Attempts at one piece whose response body breaks off (the request itself is retried by the store's policy).
 STREAM_ATTEMPTS = 3
+
+#: Smallest range a read is split into: below it a request's round trip costs more than its transfer.
+MIN_RANGE = 1 << 20
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -69,7 +73,8 @@ class RangedReader:
         for view in flat:
             starts.append(total)
             total += view.nbytes
-        step = self._tuning.read_part_size
+        # ranges of at most read_part_size, smaller (down to MIN_RANGE) where that keeps every reader busy
+        step = min(self._tuning.read_part_size, max(MIN_RANGE, -(-total // self._tuning.read_workers)))
         pieces = [(offset + s, _targets(flat, starts, s, min(s + step, total))) for s in range(0, total, step)]
         if len(pieces) <= 1:
             for start, targets in pieces:
