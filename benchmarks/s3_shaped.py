@@ -129,8 +129,9 @@ class Server:
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = await _read_body(reader, headers)
                 status, extra, payload = self.route(method, target, headers, body)
-                head = [f"HTTP/1.1 {status} X", f"Content-Length: {extra.pop('Content-Length', None) or sum(len(p) for p in payload)}",
-                        "Server: lean-s3", f"x-amz-request-id: {uuid.uuid4().hex[:16]}"]
+                length = extra.pop("Content-Length", None) or sum(len(p) for p in payload)
+                head = [f"HTTP/1.1 {status} X", f"Content-Length: {length}", "Server: lean-s3",
+                        f"x-amz-request-id: {uuid.uuid4().hex[:16]}"]
                 head += [f"{k}: {v}" for k, v in extra.items()]
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
                 if method != "HEAD":

@@ -31,6 +31,7 @@ from ppe_snapshot.storage.tuning import Tuning
 MIN_PART = 5 << 20
 MAX_PARTS = 10_000
 
+
 def supports_multipart(fs: Any) -> bool:
     """Whether ``fs`` speaks S3's multipart protocol through s3fs (``_call_s3`` on an event loop)."""
     return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
@@ -51,7 +52,8 @@ def part_size_for(tuning: Tuning, size: int | None) -> int:
     return max(part, -(-size // MAX_PARTS))
 
 
-def _flat(view: memoryview) -> memoryview:
+def byte_view(view: memoryview) -> memoryview:
+    """``view`` as a flat view of unsigned bytes."""
     view = memoryview(view)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
@@ -82,7 +84,7 @@ class MultipartWriter(BlobWriter):
     # -- the caller's side
     def write(self, buffers: Sequence[memoryview]) -> None:
         for view in buffers:
-            self._copy_in(_flat(view))
+            self._copy_in(byte_view(view))
 
     def close(self) -> int:
         try:

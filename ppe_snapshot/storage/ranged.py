@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import fsspec.asyn
 
-from ppe_snapshot.storage.multipart import supports_multipart
+from ppe_snapshot.storage.multipart import byte_view, supports_multipart
 from ppe_snapshot.storage.tuning import Tuning
 
 #: Attempts at one piece whose response body breaks off (the request itself is retried by the store's policy).
@@ -35,11 +35,6 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         if workers not in _pools:
             _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ppe-snapshot-ranged-read")
         return _pools[workers]
-
-
-def _flat(view: memoryview) -> memoryview:
-    view = memoryview(view)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _targets(views: list[memoryview], starts: list[int], start: int, end: int) -> list[memoryview]:
@@ -68,7 +63,7 @@ class RangedReader:
 
     def read(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` in order from the consecutive bytes of ``path`` at ``offset``."""
-        flat = [_flat(v) for v in views if v.nbytes]
+        flat = [byte_view(v) for v in views if v.nbytes]
         starts, total = [], 0
         for view in flat:
             starts.append(total)
