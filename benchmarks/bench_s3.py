@@ -6,7 +6,8 @@ network where one connection is slow and many are fast. Two states of float32 te
 512 x 1 MiB (512 MiB each; ``--scale`` shrinks both). Every method saves, then restores into existing
 tensors (checked bit-exact once per method and state) after one untimed warm-up save and restore per method
 (sessions, connection pools); methods are interleaved round by round and the report
-gives medians, ratios to the best peer, and how many connections carried at least 1 MiB (save / restore).
+gives medians, ratios to the best peer, and the most connections that moved bytes within one 100 ms window
+(save / restore: the connections used in parallel).
 
     python benchmarks/bench_s3.py [--rounds 2] [--scale 1.0] [--rate-mb 40] [--latency-ms 15] [--no-dcp]
                                   [--torchsnapshot DIR]
@@ -258,12 +259,12 @@ def run(args, urls: dict) -> None:
                 start = time.perf_counter()
                 save(state, prefix)
                 metrics["save"] = time.perf_counter() - start
-                metrics["save_conns"] = _server_call(urls["endpoint"], "__stats")["busy"]
+                metrics["save_conns"] = _server_call(urls["endpoint"], "__stats")["peak_active"]
                 _server_call(urls["endpoint"], "__reset")
                 start = time.perf_counter()
                 restore(targets, prefix)
                 metrics["restore"] = time.perf_counter() - start
-                metrics["restore_conns"] = _server_call(urls["endpoint"], "__stats")["busy"]
+                metrics["restore_conns"] = _server_call(urls["endpoint"], "__stats")["peak_active"]
                 if (method, kind) not in checked:
                     assert all(torch.equal(targets[k], v) for k, v in state.items()), (method, kind)
                     checked.add((method, kind))
@@ -288,7 +289,7 @@ def report(args, results: Results, states: dict, methods: list[str], rss: dict |
     lines = [f"## bench_s3: {mib(total)} per state through a {args.rate_mb:g} MB/s per connection, "
              f"{args.latency_ms:g} ms proxy",
              "", f"{platform.node()} ({os.cpu_count()} cores), torch {torch.__version__}, medians of {args.rounds} "
-             "interleaved rounds; connections: those that carried at least 1 MiB (save / restore)", "",
+             "interleaved rounds; connections: the most that moved bytes within one 100 ms window (save / restore)", "",
              "| method | " + " | ".join(f"{k} save | {k} restore" for k in states) + " | connections |",
              "|---" * (2 * len(states) + 2) + "|"]
     for method in methods:

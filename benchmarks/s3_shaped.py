@@ -14,7 +14,8 @@ here hashes the data. ``aws-chunked`` bodies (checksum trailers) are decoded.
 The proxy gives every connection a bandwidth cap per direction (``--rate-mb`` MB/s) and delays every byte
 by half of ``--latency-ms`` in each direction (so each round trip gains the latency). ``GET /__stats`` on the
 server answers, for the connections through the proxy since the last ``POST /__reset``: how many carried
-at least 1 MiB (``busy``), and the most that were open at once (``peak_open``).
+at least 1 MiB (``busy``), the most that were open at once (``peak_open``), and the most that moved bytes
+within one 100 ms window (``peak_active``: the connections really used in parallel).
 """
 from __future__ import annotations
 
@@ -67,17 +68,36 @@ class Store:
 
 
 class Stats:
+    """What the proxied connections did since the last reset."""
+
+    WINDOW = 0.1  # seconds: a connection that moved bytes within the last window is active
+
     def __init__(self) -> None:
         self.conns: dict[int, int] = {}  # id -> bytes moved since reset
+        self.last_moved: dict[int, float] = {}  # id -> loop time bytes last moved
         self.open = 0
         self.peak_open = 0
+        self.peak_active = 0
+
+    def moved(self, key: int, n: int, now: float) -> None:
+        if key in self.conns:
+            self.conns[key] += n
+        self.last_moved[key] = now
+
+    def sample(self, now: float) -> None:
+        active = sum(1 for t in self.last_moved.values() if now - t <= self.WINDOW)
+        self.peak_active = max(self.peak_active, active)
+        for key in [k for k, t in self.last_moved.items() if now - t > 10]:
+            del self.last_moved[key]
 
     def reset(self) -> None:
         self.conns = {k: 0 for k in self.conns}
         self.peak_open = self.open
+        self.peak_active = 0
 
     def report(self) -> dict:
-        return {"busy": sum(1 for v in self.conns.values() if v >= 1 << 20), "peak_open": self.peak_open}
+        return {"busy": sum(1 for v in self.conns.values() if v >= 1 << 20), "peak_open": self.peak_open,
+                "peak_active": self.peak_active}
 
 
 async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
@@ -299,9 +319,7 @@ class _Direction:
         if not self.dest.is_closing():
             self.dest.write(data)
         self.queued -= len(data)
-        conns = self.proxy.stats.conns
-        if self.key in conns:
-            conns[self.key] += len(data)
+        self.proxy.stats.moved(self.key, len(data), self.proxy.loop.time())
         if self.paused and self.queued <= self.HIGH // 2 and self.source is not None:
             self.paused = False
             self.source.resume_reading()
@@ -381,6 +399,12 @@ async def serve(rate_mb: float, latency_ms: float) -> None:
     proxy_port = proxy.sockets[0].getsockname()[1]
     print(json.dumps({"endpoint": f"http://127.0.0.1:{port}", "proxy": f"http://127.0.0.1:{proxy_port}"}), flush=True)
     loop = asyncio.get_running_loop()
+
+    def sample() -> None:
+        stats.sample(loop.time())
+        loop.call_later(Stats.WINDOW / 2, sample)
+
+    sample()
     await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
     os._exit(0)  # without cancelling the connections' tasks one by one
 
