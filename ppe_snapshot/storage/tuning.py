@@ -3,20 +3,21 @@
 Each is read from ``storage_options`` (the key is removed before the options reach fsspec), else from
 :data:`ppe_snapshot.settings.SETTINGS` (environment variables). Local paths never use them.
 
-=========================  ==================================  =======  ==============================================
-``storage_options`` key    environment variable                default  meaning
-=========================  ==================================  =======  ==============================================
-``ppe_part_size``          ``PPE_SNAPSHOT_PART_MB`` (MiB)      8 MiB    bytes per part of a data file's multipart
-                                                                        upload (S3: at least 5 MiB; raised for a file
-                                                                        that would need more than 10,000 parts)
-``ppe_upload_concurrency`` ``PPE_SNAPSHOT_UPLOAD_CONCURRENCY`` 16       parts of one data file uploading at once
-``ppe_read_part_size``     ``PPE_SNAPSHOT_READ_PART_MB`` (MiB) 8 MiB    a read is split into ranged requests of at
-                                                                        most this many bytes
-``ppe_read_workers``       ``PPE_SNAPSHOT_READ_WORKERS``       16       ranged requests in flight per storage
-=========================  ==================================  =======  ==============================================
+``ppe_part_size`` (``PPE_SNAPSHOT_PART_MB``, in MiB; default 8 MiB)
+    bytes per part of a data file's multipart upload. S3 wants at least 5 MiB. For a file of known size the
+    part shrinks (down to 5 MiB) where that gives every connection a part, and grows where the file would
+    need more than S3's 10,000 parts.
+``ppe_upload_concurrency`` (``PPE_SNAPSHOT_UPLOAD_CONCURRENCY``; default 16)
+    parts of one data file in flight.
+``ppe_read_part_size`` (``PPE_SNAPSHOT_READ_PART_MB``, in MiB; default 8 MiB)
+    a read is split into ranged requests of at most this many bytes (of less, down to 1 MiB, where that gives
+    every reader a request).
+``ppe_read_workers`` (``PPE_SNAPSHOT_READ_WORKERS``; default 16)
+    ranged requests in flight (one thread pool per value, shared by the storages of a process), and runs the
+    engine reads at once.
 
-Memory: a writer holds at most ``(ppe_upload_concurrency + 1) x ppe_part_size`` bytes of copies beyond the
-state (parts cut from a staged file image are sent from the image itself). Reads land in their destination.
+Memory: a writer holds at most ``(ppe_upload_concurrency + 1) x ppe_part_size`` bytes of parts beyond the
+state. Reads land in their destination.
 """
 from __future__ import annotations
 
