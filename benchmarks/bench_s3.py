@@ -6,7 +6,7 @@ network where one connection is slow and many are fast. Two states of float32 te
 512 x 1 MiB (512 MiB each; ``--scale`` shrinks both). Every method saves, then restores into existing
 tensors (checked bit-exact once per method and state) after one untimed warm-up save and restore per method
 (sessions, connection pools); methods are interleaved round by round and the report
-gives medians, ratios to the best peer, and the most connections that moved bytes within one 100 ms window
+gives medians, ratios to the best peer, and the most connections with bytes in transit in the proxy at once
 (save / restore: the connections used in parallel).
 
     python benchmarks/bench_s3.py [--rounds 2] [--scale 1.0] [--rate-mb 40] [--latency-ms 15] [--no-dcp]
@@ -259,12 +259,12 @@ def run(args, urls: dict) -> None:
                 start = time.perf_counter()
                 save(state, prefix)
                 metrics["save"] = time.perf_counter() - start
-                metrics["save_conns"] = _server_call(urls["endpoint"], "__stats")["peak_active"]
+                metrics["save_conns"] = _server_call(urls["endpoint"], "__stats")["peak_carrying"]
                 _server_call(urls["endpoint"], "__reset")
                 start = time.perf_counter()
                 restore(targets, prefix)
                 metrics["restore"] = time.perf_counter() - start
-                metrics["restore_conns"] = _server_call(urls["endpoint"], "__stats")["peak_active"]
+                metrics["restore_conns"] = _server_call(urls["endpoint"], "__stats")["peak_carrying"]
                 if (method, kind) not in checked:
                     assert all(torch.equal(targets[k], v) for k, v in state.items()), (method, kind)
                     checked.add((method, kind))
@@ -289,7 +289,7 @@ def report(args, results: Results, states: dict, methods: list[str], rss: dict |
     lines = [f"## bench_s3: {mib(total)} per state through a {args.rate_mb:g} MB/s per connection, "
              f"{args.latency_ms:g} ms proxy",
              "", f"{platform.node()} ({os.cpu_count()} cores), torch {torch.__version__}, medians of {args.rounds} "
-             "interleaved rounds; connections: the most that moved bytes within one 100 ms window (save / restore)", "",
+             "interleaved rounds; connections: the most with bytes in transit at once (save / restore)", "",
              "| method | " + " | ".join(f"{k} save | {k} restore" for k in states) + " | connections |",
              "|---" * (2 * len(states) + 2) + "|"]
     for method in methods:

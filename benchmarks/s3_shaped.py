@@ -14,8 +14,9 @@ here hashes the data. ``aws-chunked`` bodies (checksum trailers) are decoded.
 The proxy gives every connection a bandwidth cap per direction (``--rate-mb`` MB/s) and delays every byte
 by half of ``--latency-ms`` in each direction (so each round trip gains the latency). ``GET /__stats`` on the
 server answers, for the connections through the proxy since the last ``POST /__reset``: how many carried
-at least 1 MiB (``busy``), the most that were open at once (``peak_open``), and the most that moved bytes
-within one 100 ms window (``peak_active``: the connections really used in parallel).
+at least 1 MiB (``busy``), the most that were open at once (``peak_open``), the most that moved bytes
+within one 100 ms window (``peak_active``), and the most that had bytes in transit in the proxy at once
+(``peak_carrying``: the connections really used in parallel).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ class Stats:
         self.open = 0
         self.peak_open = 0
         self.peak_active = 0
+        self.carrying: dict[int, int] = {}  # connection -> its directions holding bytes in the proxy
+        self.peak_carrying = 0
 
     def moved(self, key: int, n: int, now: float) -> None:
         if key in self.conns:
@@ -90,14 +93,24 @@ class Stats:
         for key in [k for k, t in self.last_moved.items() if now - t > 10]:
             del self.last_moved[key]
 
+    def carry(self, key: int, delta: int) -> None:
+        """A direction of connection ``key`` starts (+1) or stops (-1) holding bytes in the proxy."""
+        count = self.carrying.get(key, 0) + delta
+        if count:
+            self.carrying[key] = count
+        else:
+            self.carrying.pop(key, None)
+        self.peak_carrying = max(self.peak_carrying, len(self.carrying))
+
     def reset(self) -> None:
         self.conns = {k: 0 for k in self.conns}
         self.peak_open = self.open
         self.peak_active = 0
+        self.peak_carrying = len(self.carrying)
 
     def report(self) -> dict:
         return {"busy": sum(1 for v in self.conns.values() if v >= 1 << 20), "peak_open": self.peak_open,
-                "peak_active": self.peak_active}
+                "peak_active": self.peak_active, "peak_carrying": self.peak_carrying}
 
 
 async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
@@ -308,6 +321,8 @@ class _Direction:
         loop = self.proxy.loop
         send_at = max(loop.time() + self.proxy.delay, self.free_at)
         self.free_at = send_at + len(data) / self.proxy.rate
+        if not self.queued:
+            self.proxy.stats.carry(self.key, 1)
         self.queued += len(data)
         loop.call_at(send_at, self._send, data)
         if self.queued > self.HIGH and not self.paused and self.source is not None:
@@ -319,6 +334,8 @@ class _Direction:
         if not self.dest.is_closing():
             self.dest.write(data)
         self.queued -= len(data)
+        if not self.queued:
+            self.proxy.stats.carry(self.key, -1)
         self.proxy.stats.moved(self.key, len(data), self.proxy.loop.time())
         if self.paused and self.queued <= self.HIGH // 2 and self.source is not None:
             self.paused = False
