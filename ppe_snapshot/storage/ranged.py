@@ -98,6 +98,9 @@ class RangedReader:
             raise _short(path, start, 0, wanted) from None
         if data.nbytes < wanted:
             raise _short(path, start, data.nbytes, wanted)
+        if data.nbytes > wanted:  # an HTTP server that ignores Range answers with the whole file
+            raise OSError(f"{path}: asked for {wanted} bytes at {start}, got {data.nbytes}: the store ignored the "
+                          "range request")
         position = 0
         for target in targets:
             target[:] = data[position:position + target.nbytes]
