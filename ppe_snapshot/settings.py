@@ -5,18 +5,24 @@ every floor (storage included) may read it. The environment variables are
 the interface; :data:`SETTINGS` is what the code reads, at the moment it needs
 a value (tests may change its attributes).
 
-==================================  =======  ====================================================
-variable                            default  meaning
-==================================  =======  ====================================================
-``PPE_SNAPSHOT_DIRECT_IO``          ``1``    ``0``: local data files are written through the page
-                                             cache instead of with O_DIRECT
-``PPE_SNAPSHOT_BOUNCE_MB``          ``4``    size in MiB of each page-aligned bounce buffer of an
-                                             O_DIRECT writer (for bytes not page-aligned in memory)
-``PPE_SNAPSHOT_BOUNCE_N``           ``2``    number of those bounce buffers per writer
-``PPE_SNAPSHOT_DRAIN_THREADS``      ``1``    threads writing full bounce buffers out
-``PPE_SNAPSHOT_COMMIT_TIMEOUT``     ``1800`` seconds rank 0 waits for the other ranks' parts, and
-                                             they for its commit (also a replacing writer's wait)
-==================================  =======  ====================================================
+====================================  =======  ====================================================
+variable                              default  meaning
+====================================  =======  ====================================================
+``PPE_SNAPSHOT_DIRECT_IO``            ``1``    ``0``: local data files are written through the page
+                                               cache instead of with O_DIRECT
+``PPE_SNAPSHOT_BOUNCE_MB``            ``4``    size in MiB of each page-aligned bounce buffer of an
+                                               O_DIRECT writer (for bytes not page-aligned in memory)
+``PPE_SNAPSHOT_BOUNCE_N``             ``2``    number of those bounce buffers per writer
+``PPE_SNAPSHOT_DRAIN_THREADS``        ``1``    threads writing full bounce buffers out
+``PPE_SNAPSHOT_COMMIT_TIMEOUT``       ``1800`` seconds rank 0 waits for the other ranks' parts, and
+                                               they for its commit (also a replacing writer's wait)
+``PPE_SNAPSHOT_PART_MB``              ``8``    object stores: size in MiB of each part of a data
+                                               file's multipart upload (S3)
+``PPE_SNAPSHOT_UPLOAD_CONCURRENCY``   ``16``   object stores: parts of one data file in flight
+``PPE_SNAPSHOT_READ_PART_MB``         ``8``    object stores: reads are split into ranged requests
+                                               of at most this many MiB
+``PPE_SNAPSHOT_READ_WORKERS``         ``16``   object stores: ranged requests in flight per storage
+====================================  =======  ====================================================
 """
 from __future__ import annotations
 
@@ -33,6 +39,10 @@ class Settings:
     bounce_buffers: int = 2
     drain_threads: int = 1
     commit_timeout: float = 1800.0
+    part_bytes: int = 8 << 20
+    upload_concurrency: int = 16
+    read_part_bytes: int = 8 << 20
+    read_workers: int = 16
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -42,6 +52,10 @@ class Settings:
             bounce_buffers=int(env.get("PPE_SNAPSHOT_BOUNCE_N", "2")),
             drain_threads=int(env.get("PPE_SNAPSHOT_DRAIN_THREADS", "1")),
             commit_timeout=float(env.get("PPE_SNAPSHOT_COMMIT_TIMEOUT", "1800")),
+            part_bytes=int(env.get("PPE_SNAPSHOT_PART_MB", "8")) << 20,
+            upload_concurrency=int(env.get("PPE_SNAPSHOT_UPLOAD_CONCURRENCY", "16")),
+            read_part_bytes=int(env.get("PPE_SNAPSHOT_READ_PART_MB", "8")) << 20,
+            read_workers=int(env.get("PPE_SNAPSHOT_READ_WORKERS", "16")),
         )
 
 

@@ -3,7 +3,9 @@
 Requests pass through unchanged, except those matching a rule, which get the
 rule's status (an S3-style XML error) instead of reaching the server. Every
 request is logged as ``(method, path with query, status)`` for the tests to
-count attempts.
+count attempts. A gate (``hold_until``) holds the first matching requests
+until that many are in the proxy at once: proof that a client sends them in
+parallel (a client sending one at a time gets 500s when the gate gives up).
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class FaultProxy:
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         self.log: list[tuple[str, str, int]] = []
+        self._gates: list[tuple[str, re.Pattern, threading.Barrier, list[int], float]] = []
+        self.gates_passed = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -54,6 +58,12 @@ class FaultProxy:
     def fail_always(self, method: str, pattern: str, status: int) -> None:
         with self._lock:
             self._rules.append(_Rule(method, re.compile(pattern), [status], True))
+
+    def hold_until(self, method: str, pattern: str, count: int, timeout: float = 30.0) -> None:
+        """Hold the first ``count`` requests of ``method`` matching ``pattern`` until all ``count`` have arrived;
+        if they do not within ``timeout`` seconds, those held get 500. :attr:`gates_passed` counts gates opened."""
+        with self._lock:
+            self._gates.append((method, re.compile(pattern), threading.Barrier(count), [count], timeout))
 
     def clear(self) -> None:
         with self._lock:
@@ -74,6 +84,23 @@ class FaultProxy:
                 status = rule.take(method, path)
                 if status is not None:
                     return status
+        return None
+
+    def _gate(self, method: str, path: str) -> int | None:
+        """Wait at the first open gate this request matches; 500 when the gate gave up."""
+        with self._lock:
+            for gate_method, pattern, barrier, left, timeout in self._gates:
+                if gate_method == method and pattern.search(path) and left[0] > 0:
+                    left[0] -= 1
+                    break
+            else:
+                return None
+        try:
+            if barrier.wait(timeout) == 0:
+                with self._lock:
+                    self.gates_passed += 1
+        except threading.BrokenBarrierError:
+            return 500
         return None
 
     def _record(self, method: str, path: str, status: int) -> None:
@@ -104,7 +131,7 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
-                status = proxy._injected(self.command, self.path)
+                status = proxy._gate(self.command, self.path) or proxy._injected(self.command, self.path)
                 if status is not None:
                     code = _ERROR_CODES.get(status, "InternalError")
                     data = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'

@@ -94,9 +94,9 @@ def _multipart_state() -> dict[str, torch.Tensor]:
     return {name: torch.randn(6 << 18, generator=g) for name in ("a", "b", "c")}
 
 
-def test_multipart_parts_are_retried(proxied, monkeypatch):
+def test_multipart_parts_are_retried(proxied):
     path, options, proxy, _ = proxied
-    monkeypatch.setattr(fsspec_storage, "_BLOCK_SIZE", 5 << 20)
+    options = {**options, "ppe_part_size": 5 << 20}
     proxy.fail("PUT", r"data/rank0\.bin\?partNumber=2&", [503, 503, 500])
     Snapshot.take(path, {"s": StateDict(_multipart_state())}, storage_options=options)
     assert proxy.requests("PUT", r"data/rank0\.bin\?partNumber=2&") == [503, 503, 500, 200]
@@ -104,9 +104,9 @@ def test_multipart_parts_are_retried(proxied, monkeypatch):
     _assert_restores(path, options, _multipart_state())
 
 
-def test_failed_multipart_upload_leaves_no_object_and_no_open_upload(proxied, monkeypatch):
+def test_failed_multipart_upload_leaves_no_object_and_no_open_upload(proxied):
     path, options, proxy, client = proxied
-    monkeypatch.setattr(fsspec_storage, "_BLOCK_SIZE", 5 << 20)
+    options = {**options, "ppe_part_size": 5 << 20}
     proxy.fail_always("PUT", r"data/rank0\.bin\?partNumber=2&", 500)
     with pytest.raises(OSError):
         Snapshot.take(path, {"s": StateDict(_multipart_state())}, storage_options=options)

@@ -82,14 +82,15 @@ class ReadBatch:
     failure. Without a batch, reads happen at once.
     """
 
-    #: Reads in flight. Two is this machine's best for a cold disk: one reader left it half idle,
-    #: and four per process (eight for two ranks) made the 4 -> 2 FSDP restore 1.5x slower.
+    #: Reads in flight on a local disk (``Storage.read_workers``; object stores ask for more). Two is this
+    #: machine's best for a cold disk: one reader left it half idle, and four per process (eight for two
+    #: ranks) made the 4 -> 2 FSDP restore 1.5x slower.
     WORKERS = 2
     #: Neighbouring chunks at most this far apart share one vectored read ...
     MAX_GAP = 4096
     #: ... of at most this many bytes.
     MAX_RUN = 32 << 20
-    _pool: ThreadPoolExecutor | None = None
+    _pools: dict[int, ThreadPoolExecutor] = {}
     _pool_lock = threading.Lock()
 
     def __init__(self) -> None:
@@ -99,11 +100,12 @@ class ReadBatch:
         self._futures: list[Future[None]] = []
 
     @classmethod
-    def _executor(cls) -> ThreadPoolExecutor:
+    def _executor(cls, storage: Storage) -> ThreadPoolExecutor:
+        workers = getattr(storage, "read_workers", cls.WORKERS)
         with cls._pool_lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(cls.WORKERS, thread_name_prefix="ppe-snapshot-read")
-            return cls._pool
+            if workers not in cls._pools:
+                cls._pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ppe-snapshot-read")
+            return cls._pools[workers]
 
     def read_into(self, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
         position = 0
@@ -123,7 +125,7 @@ class ReadBatch:
             self._reads = [read for run in short for read in run]
         self._pending_bytes = sum(read[1].nbytes for read in self._reads)
         self._next_start = self._pending_bytes + self.MAX_RUN
-        self._futures.extend(self._executor().submit(_read_run, run) for run in runs)
+        self._futures.extend(self._executor(run[0][0]).submit(_read_run, run) for run in runs)
 
     def join(self) -> None:
         if not self._futures and len(runs := self._runs()) == 1:  # one read: no thread hand-off

@@ -17,6 +17,7 @@ from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage
 from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.swap import exchange, sync_directory
+from ppe_snapshot.storage.tuning import Tuning, split_tuning
 
 
 def is_local(path: str) -> bool:
@@ -27,7 +28,7 @@ def is_local(path: str) -> bool:
 def open_storage(path: str, storage_options: dict[str, Any] | None = None) -> Storage:
     """The storage rooted at snapshot location ``path`` (a local path or any fsspec URL)."""
     path = str(path)
-    if is_local(path) and not storage_options:
+    if is_local(path) and not split_tuning(storage_options)[1]:  # the object-store knobs alone: still local
         return LocalStorage(path[len("file://"):] if path.startswith("file://") else path, url=path)
     return fsspec_storage(path, storage_options)
 
@@ -50,4 +51,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
-           "exchange", "is_local", "is_safe_relative", "join", "open_storage", "sync_directory"]
+           "Tuning", "exchange", "is_local", "is_safe_relative", "join", "open_storage", "split_tuning",
+           "sync_directory"]

@@ -43,6 +43,8 @@ class Storage(abc.ABC):
 
     #: The snapshot location as the user gave it (a path or a URL).
     url: str
+    #: Reads the engine keeps in flight on this storage (two for a local disk: see ``engine/reads.py``).
+    read_workers: int = 2
 
     @abc.abstractmethod
     def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:

@@ -8,12 +8,17 @@ from typing import Any, Callable, Sequence, TypeVar
 import fsspec
 
 from ppe_snapshot.storage.base import BlobWriter, Storage
+from ppe_snapshot.storage.multipart import MultipartWriter, check_part_size, supports_multipart
+from ppe_snapshot.storage.ranged import RangedReader
+from ppe_snapshot.storage.tuning import Tuning, split_tuning
 
 #: File systems of keys rather than directories: nothing to create, and there ``makedirs`` would create a
 #: missing bucket, hiding a mistyped name. Every other file system gets a file's parent directories created
 #: when opening the file fails for want of them (SFTP, HDFS, ``LocalFileSystem(auto_mkdir=False)``, ...).
 _OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "gcsfs", "az", "abfs", "abfss", "adl", "oss", "r2", "memory",
                            "http", "https"}
+#: Stores across a network: reads there are split into ranged requests in parallel (``storage/ranged.py``).
+_REMOTE_PROTOCOLS = _OBJECT_STORE_PROTOCOLS - {"memory"}
 
 T = TypeVar("T")
 
@@ -22,7 +27,7 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
-# Object stores upload in parts; buffering this much per part keeps requests few.
+# File systems without S3's multipart protocol stream through fsspec's file object, in blocks of this size.
 _BLOCK_SIZE = 64 << 20
 
 
@@ -62,10 +67,15 @@ class _FsspecBlobWriter(BlobWriter):
 class FsspecStorage(Storage):
     """A snapshot directory (a key prefix on object stores) on an fsspec file system."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, tuning: Tuning | None = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+        self.tuning = tuning or split_tuning(None)[0]
+        self._multipart = supports_multipart(fs)
+        self._ranged = RangedReader(fs, self.tuning) if set(_protocols(fs)) & _REMOTE_PROTOCOLS else None
+        if self._ranged is not None:
+            self.read_workers = self.tuning.read_workers
 
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -85,6 +95,8 @@ class FsspecStorage(Storage):
 
     def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:
         path = self._abs(rel)
+        if self._multipart:  # S3: parts in parallel
+            return MultipartWriter(self.fs, path, self.tuning, size)
         return self._with_parent(path, lambda: _FsspecBlobWriter(self.fs, path))
 
     def put_atomic(self, rel: str, data: bytes) -> None:
@@ -107,6 +119,9 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self._abs(rel))
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
+        if self._ranged is not None:
+            self._ranged.read(self._abs(rel), offset, [out])
+            return
         path = self._abs(rel)
         try:
             data = self.fs.cat_file(path, start=offset, end=offset + out.nbytes)
@@ -120,12 +135,17 @@ class FsspecStorage(Storage):
             raise EOFError(f"{path} ends at byte {offset + len(data)}, expected at least {offset + out.nbytes}")
         out[:] = data
 
+    def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
+        if self._ranged is not None:  # ranged requests in parallel, into the views
+            self._ranged.read(self._abs(rel), offset, views)
+        else:
+            super().read_vectored(rel, offset, views)
+
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self._abs(rel))
 
     def size(self, rel: str) -> int:
         return self.fs.size(self._abs(rel))
-
 
     def remove(self, rel: str) -> None:
         try:
@@ -156,7 +176,21 @@ def with_retry_policy(url: str, storage_options: dict[str, Any] | None) -> dict[
     return options
 
 
+def with_connections(url: str, options: dict[str, Any], tuning: Tuning) -> dict[str, Any]:
+    """``options`` with a connection pool for ``s3://`` as large as the parts and reads in flight (botocore
+    keeps 10 by default), unless the caller chose ``config_kwargs["max_pool_connections"]``."""
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", tuning.connections)
+    return {**options, "config_kwargs": config}
+
+
 def fsspec_storage(url: str, storage_options: dict[str, Any] | None) -> FsspecStorage:
-    """The snapshot directory at ``url``; ``storage_options`` go to the fsspec file system (see :data:`S3_RETRIES`)."""
-    fs, root = fsspec.core.url_to_fs(url, **with_retry_policy(url, storage_options))
-    return FsspecStorage(fs, root, url)
+    """The snapshot directory at ``url``; ``storage_options`` go to the fsspec file system (see :data:`S3_RETRIES`)
+    but for the knobs of ``storage/tuning.py``."""
+    tuning, options = split_tuning(storage_options)
+    fs, root = fsspec.core.url_to_fs(url, **with_connections(url, with_retry_policy(url, options), tuning))
+    if supports_multipart(fs):
+        check_part_size(tuning.part_size)
+    return FsspecStorage(fs, root, url, tuning)

@@ -1,0 +1,134 @@
+"""Reads from object stores as ranged requests in parallel, straight into the destination memory.
+
+One read (``Storage.read_vectored``: consecutive bytes into a list of views) is cut into pieces of at most
+``Tuning.read_part_size`` bytes (fewer bytes, down to 1 MiB, where that gives every reader a piece), fetched at
+once on a shared pool of ``Tuning.read_workers`` threads. On S3
+(s3fs) each response body is streamed into its destination views (no intermediate bytes object of the
+piece), and a piece whose body breaks off is requested again; other file systems get ``cat_file`` of each
+range, copied into place.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Sequence
+
+import fsspec.asyn
+
+from ppe_snapshot.storage.multipart import byte_view, supports_multipart
+from ppe_snapshot.storage.tuning import Tuning
+
+#: Attempts at one piece whose response body breaks off (the request itself is retried by the store's policy).
+STREAM_ATTEMPTS = 3
+
+#: Smallest range a read is split into: below it a request's round trip costs more than its transfer.
+MIN_RANGE = 1 << 20
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ppe-snapshot-ranged-read")
+        return _pools[workers]
+
+
+def _targets(views: list[memoryview], starts: list[int], start: int, end: int) -> list[memoryview]:
+    """The parts of ``views`` (laid end to end; ``starts`` their offsets) that cover bytes ``start..end``."""
+    out = []
+    index = bisect.bisect_right(starts, start) - 1
+    while start < end:
+        view, base = views[index], starts[index]
+        piece = view[start - base:min(end - base, view.nbytes)]
+        out.append(piece)
+        start += piece.nbytes
+        index += 1
+    return out
+
+
+def _short(path: str, start: int, got: int, wanted: int) -> EOFError:
+    return EOFError(f"{path} ends at byte {start + got}, expected at least {start + wanted}")
+
+
+class RangedReader:
+    """Parallel ranged reads of the objects of one fsspec file system (see the module docstring)."""
+
+    def __init__(self, fs: Any, tuning: Tuning) -> None:
+        self._fs, self._tuning = fs, tuning
+        self._streams = supports_multipart(fs)  # s3fs: responses streamed into place
+
+    def read(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order from the consecutive bytes of ``path`` at ``offset``."""
+        flat = [byte_view(v) for v in views if v.nbytes]
+        starts, total = [], 0
+        for view in flat:
+            starts.append(total)
+            total += view.nbytes
+        # ranges of at most read_part_size, smaller (down to MIN_RANGE) where that keeps every reader busy
+        step = min(self._tuning.read_part_size, max(MIN_RANGE, -(-total // self._tuning.read_workers)))
+        pieces = [(offset + s, _targets(flat, starts, s, min(s + step, total))) for s in range(0, total, step)]
+        if len(pieces) <= 1:
+            for start, targets in pieces:
+                self._fetch(path, start, targets)
+            return
+        futures: list[Future[None]] = [_pool(self._tuning.read_workers).submit(self._fetch, path, start, targets)
+                                       for start, targets in pieces]
+        wait(futures)  # every piece ends before the caller may reuse the memory, even when one failed
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise error
+
+    def _fetch(self, path: str, start: int, targets: list[memoryview]) -> None:
+        wanted = sum(t.nbytes for t in targets)
+        try:
+            if self._streams:
+                fsspec.asyn.sync(self._fs.loop, self._stream_into, path, start, targets)
+                return
+            data = memoryview(self._fs.cat_file(path, start=start, end=start + wanted))
+        except (EOFError, FileNotFoundError):
+            raise
+        except OSError:  # object stores refuse a range that starts past the end of the object
+            if start < self._fs.size(path):
+                raise
+            raise _short(path, start, 0, wanted) from None
+        if data.nbytes < wanted:
+            raise _short(path, start, data.nbytes, wanted)
+        if data.nbytes > wanted:  # an HTTP server that ignores Range answers with the whole file
+            raise OSError(f"{path}: asked for {wanted} bytes at {start}, got {data.nbytes}: the store ignored the "
+                          "range request")
+        position = 0
+        for target in targets:
+            target[:] = data[position:position + target.nbytes]
+            position += target.nbytes
+
+    async def _stream_into(self, path: str, start: int, targets: list[memoryview]) -> None:
+        from aiohttp import ClientPayloadError
+        from botocore.exceptions import ResponseStreamingError
+
+        bucket, key, version = self._fs.split_path(path)
+        wanted = sum(t.nbytes for t in targets)
+        extra = {"VersionId": version} if version else {}
+        for attempt in range(STREAM_ATTEMPTS):
+            response = await self._fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                                Range=f"bytes={start}-{start + wanted - 1}", **extra)
+            body, got = response["Body"], 0
+            try:
+                for target in targets:
+                    filled = 0
+                    while filled < target.nbytes:
+                        n = await body.readinto(target[filled:])
+                        if not n:
+                            raise _short(path, start, got, wanted)
+                        filled += n
+                        got += n
+                return
+            except (ResponseStreamingError, ClientPayloadError, ConnectionError, asyncio.TimeoutError):
+                if attempt + 1 == STREAM_ATTEMPTS:
+                    raise
+            finally:
+                body.close()
