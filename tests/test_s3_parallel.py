@@ -177,3 +177,17 @@ def test_the_generic_ranged_path_scatters_cat_file_ranges(s3_bucket):
     assert b"".join(bytes(v) for v in views) == data[1000:1000 + 850_000]
     with pytest.raises(EOFError, match="expected at least"):
         reader.read(f"{storage.root}/blob", 1_000_000, [memoryview(bytearray(50_000))])
+
+
+def test_every_opener_of_a_url_takes_the_knobs_out_and_shares_one_file_system(s3_bucket):
+    """The run-directory listing, the replacing writer and the single-file writer open the same s3fs instance as
+    the engine, with the retry policy and without the ``ppe_*`` keys."""
+    from ppe_snapshot.run_dir.listing import filesystem
+
+    url, options = s3_bucket
+    knobs = {**options, "ppe_read_workers": 4, "ppe_part_size": 6 << 20}
+    engine_fs = open_storage(f"{url}/run/snap", knobs).fs
+    listing_fs, root = filesystem(f"{url}/run", knobs)
+    assert listing_fs is engine_fs and root.endswith("/run")
+    assert not any(key.startswith("ppe_") for key in listing_fs.storage_options)
+    assert listing_fs.storage_options["config_kwargs"]["retries"]["total_max_attempts"] == 5

@@ -29,7 +29,7 @@ import fsspec
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, Snapshot, takes_in_progress
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
-from ppe_snapshot.storage import join
+from ppe_snapshot.storage import join, url_to_fs
 from ppe_snapshot.writing import replaced_name
 
 class CandidateKind:
@@ -83,7 +83,7 @@ class Candidate:
 
 def filesystem(out_dir: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec file system of ``out_dir`` and its root path there."""
-    fs, root = fsspec.core.url_to_fs(str(out_dir), **(storage_options or {}))
+    fs, root = url_to_fs(out_dir, storage_options)
     return fs, root.rstrip("/")
 
 

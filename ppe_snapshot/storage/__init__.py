@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
-from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage
+from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.swap import exchange, sync_directory
 from ppe_snapshot.storage.tuning import Tuning, split_tuning
@@ -52,4 +52,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
            "Tuning", "exchange", "is_local", "is_safe_relative", "join", "open_storage", "split_tuning",
-           "sync_directory"]
+           "sync_directory", "url_to_fs"]

@@ -186,11 +186,18 @@ def with_connections(url: str, options: dict[str, Any], tuning: Tuning) -> dict[
     return {**options, "config_kwargs": config}
 
 
-def fsspec_storage(url: str, storage_options: dict[str, Any] | None) -> FsspecStorage:
-    """The snapshot directory at ``url``; ``storage_options`` go to the fsspec file system (see :data:`S3_RETRIES`)
-    but for the knobs of ``storage/tuning.py``."""
+def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec file system of ``url`` and the path there, as every part of ppe-snapshot opens it: the knobs of
+    ``storage/tuning.py`` taken out of ``storage_options``, the retry policy (:data:`S3_RETRIES`) and connection
+    pool of ``s3://`` added (so every user of one URL shares fsspec's cached file system instance)."""
     tuning, options = split_tuning(storage_options)
-    fs, root = fsspec.core.url_to_fs(url, **with_connections(url, with_retry_policy(url, options), tuning))
+    return fsspec.core.url_to_fs(str(url), **with_connections(str(url), with_retry_policy(str(url), options), tuning))
+
+
+def fsspec_storage(url: str, storage_options: dict[str, Any] | None) -> FsspecStorage:
+    """The snapshot directory at ``url`` (see :func:`url_to_fs`)."""
+    tuning = split_tuning(storage_options)[0]
+    fs, root = url_to_fs(url, storage_options)
     if supports_multipart(fs):
         check_part_size(tuning.part_size)
     return FsspecStorage(fs, root, url, tuning)

@@ -13,11 +13,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import fsspec
 import torch
 
 from ppe_snapshot.engine import align
-from ppe_snapshot.storage import is_local
+from ppe_snapshot.storage import is_local, url_to_fs
 
 #: Gives a host buffer of at least ``nbytes``, pinned when asked (``provider(nbytes, pin)``).
 BufferProvider = Callable[[int, bool], torch.Tensor]
@@ -61,7 +60,7 @@ class FileSave:
         return nbytes
 
     def _run_fsspec(self, obj: Any) -> int:
-        fs, path = fsspec.core.url_to_fs(self.dest, **(self.storage_options or {}))
+        fs, path = url_to_fs(self.dest, self.storage_options)
         directory, _, name = path.rpartition("/")
         if directory:
             fs.makedirs(directory, exist_ok=True)

@@ -38,7 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage import exchange, is_local, sync_directory
+from ppe_snapshot.storage import exchange, is_local, sync_directory, url_to_fs
 
 #: Where a snapshot replacing ``<name>`` is written until it takes the name.
 SIDE_SUFFIX = ".ppe-snapshot-next"
@@ -75,7 +75,7 @@ def remove_snapshot(location: str, storage_options: dict[str, Any] | None = None
         elif os.path.lexists(local):
             os.unlink(local)
         return
-    fs, target = fsspec.core.url_to_fs(location, **(storage_options or {}))
+    fs, target = url_to_fs(location, storage_options)
     target = target.rstrip("/")
     if not fs.exists(target):
         return
@@ -110,14 +110,14 @@ class Replacement:
         return is_local(self.final) and not self.storage_options
 
     def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        fs, path = fsspec.core.url_to_fs(self.final, **(self.storage_options or {}))
+        fs, path = url_to_fs(self.final, self.storage_options)
         return fs, path.rstrip("/")
 
     def exists(self, path: str) -> bool:
         if self._local:
             return os.path.lexists(_local_path(path))
         fs, _ = self._fs()
-        return fs.exists(fsspec.core.url_to_fs(path, **(self.storage_options or {}))[1])
+        return fs.exists(url_to_fs(path, self.storage_options)[1])
 
     def occupied(self, path: str) -> bool:
         """Whether ``path`` holds something a take there would not simply complete: a committed (or
@@ -128,7 +128,7 @@ class Replacement:
                 return os.path.lexists(os.path.join(local, MANIFEST_NAME))
             return os.path.lexists(local)
         fs, _ = self._fs()
-        target = fsspec.core.url_to_fs(path, **(self.storage_options or {}))[1].rstrip("/")
+        target = url_to_fs(path, self.storage_options)[1].rstrip("/")
         return fs.exists(f"{target}/{MANIFEST_NAME}") or fs.isfile(target)
 
     def remove(self, path: str) -> None:
@@ -189,7 +189,7 @@ class Ack:
     storage_options: dict[str, Any] | None = None
 
     def promote(self) -> None:
-        fs, final = fsspec.core.url_to_fs(self.final, **(self.storage_options or {}))
+        fs, final = url_to_fs(self.final, self.storage_options)
         acks = final.rstrip("/") + ACKS_SUFFIX
         fs.makedirs(acks, exist_ok=True)
         fs.pipe_file(f"{acks}/{self.take_id}.rank{self.rank}", b"")
