@@ -5,10 +5,10 @@ cuts the stream into parts of ``Tuning.part_size`` and sends up to ``Tuning.uplo
 once on s3fs's event loop, while the caller goes on (hashing, staging, copying the next part):
 
 ``write()`` copies the bytes into the part being filled before it returns (the caller may reuse its memory
-at once), and waits while ``upload_concurrency`` parts are in flight: a writer holds at most
-``(upload_concurrency + 1) x part_size`` bytes. A part is an ``io.BytesIO``: aiohttp sends it in 64 KiB pieces
-under the socket's back-pressure, where a ``bytes`` or ``bytearray`` body would be copied whole once more on
-its way out (measured: twice the memory).
+at once); a part takes one of ``upload_concurrency`` slots when it begins to fill and gives it back once sent,
+so a writer holds at most ``upload_concurrency x part_size`` bytes of parts. A part is an ``io.BytesIO``:
+aiohttp sends it in 64 KiB pieces under the socket's back-pressure, where a ``bytes`` or ``bytearray`` body
+would be copied whole once more on its way out (measured: twice the memory).
 
 Every request goes through ``S3FileSystem._call_s3``, so each part is retried on its own by the store's retry
 policy (``storage/fsspec.py``'s ``S3_RETRIES``) and s3fs's. Any failure, or ``abort()``, cancels the parts in
@@ -131,7 +131,11 @@ class MultipartWriter(BlobWriter):
 
     def _copy_in(self, view: memoryview) -> None:
         while view.nbytes:
-            if self._part is None:
+            if self._part is None:  # a part begins: it holds a slot until it has been sent
+                self._slots.acquire()
+                if self._error is not None:  # a part failed while this one waited: send no more
+                    self._slots.release()
+                    raise self._error
                 self._part = io.BytesIO()
             take = min(self._part_size - self._fill, view.nbytes)
             self._part.write(view[:take])
@@ -148,7 +152,7 @@ class MultipartWriter(BlobWriter):
         return part
 
     def _submit(self, body: io.BytesIO) -> None:
-        """Send one part, once fewer than ``upload_concurrency`` are in flight."""
+        """Send one part (its slot was taken when it began to fill)."""
         self._check()
         if self._upload_id is None:
             self._upload_id = self._sync(self._fs._call_s3, "create_multipart_upload", Bucket=self._bucket,
@@ -158,10 +162,6 @@ class MultipartWriter(BlobWriter):
             raise OSError(f"{self._path}: more than {MAX_PARTS} parts of {self._part_size} bytes; give a larger "
                           "ppe_part_size in storage_options")
         self._next_part += 1
-        self._slots.acquire()
-        if self._error is not None:  # a part failed while this one waited: send no more
-            self._slots.release()
-            raise self._error
         with self._lock:
             self._pending += 1
             future = asyncio.run_coroutine_threadsafe(self._upload_part(number, body), self._fs.loop)

@@ -16,7 +16,7 @@ Each is read from ``storage_options`` (the key is removed before the options rea
     ranged requests in flight (one thread pool per value, shared by the storages of a process), and runs the
     engine reads at once.
 
-Memory: a writer holds at most ``(ppe_upload_concurrency + 1) x ppe_part_size`` bytes of parts beyond the
+Memory: a writer holds at most ``ppe_upload_concurrency x ppe_part_size`` bytes of parts beyond the
 state. Reads land in their destination.
 """
 from __future__ import annotations
