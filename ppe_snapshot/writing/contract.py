@@ -28,6 +28,8 @@ import abc
 from collections.abc import Mapping
 from typing import Any, Callable, TypedDict
 
+from typing_extensions import NotRequired
+
 from ppe_snapshot.engine import LOCAL
 
 __all__ = ["SaveStats", "SnapshotWriter"]
@@ -43,6 +45,8 @@ class SaveStats(TypedDict):
     bytes: int | None
     blocking_s: float
     write_s: float | None
+    #: Async writers of engine snapshots: the part of ``blocking_s`` spent copying the state to the staging buffer.
+    staging_s: NotRequired[float]
 
 
 class SnapshotWriter(abc.ABC):
