@@ -219,7 +219,7 @@ def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[C
 
 
 def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
-    """A zeroed, page-aligned host buffer for one rank's file image, its pages already faulted in.
+    """A zeroed, page-aligned host buffer for one rank's file image.
 
     Page alignment lets O_DIRECT write it as it is. Unpinned buffers are
     private memory that a fork leaves alone (see :mod:`~ppe_snapshot.engine.hostmem`):
