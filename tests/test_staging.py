@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import ctypes
+import fractions
 import os
+import pickle
 import resource
 
 import numpy as np
@@ -169,3 +171,20 @@ def test_a_fork_leaves_the_staging_buffer_to_the_parent():
             os.close(fd)
     assert seen in (0, 7)
     assert faults < nbytes // PAGE // 20  # 4,096 if each page had turned copy-on-write
+
+
+def test_a_staged_job_pickles_whole(tmp_path):
+    """A ProcessWriter sends each staged job to its worker: the layout (pickled by columns) comes back the same."""
+    state, _ = mixed_state()
+    state["pickled"] = fractions.Fraction(1, 3)  # a payload of bytes
+    job = prepare_take(str(tmp_path / "s"), {"state": StateDict(state)}, pg=LOCAL, allow_pickle=True)
+    job.stage()
+    job.release_staging()
+    copy = pickle.loads(pickle.dumps(job))
+    assert copy.layout.file == job.layout.file and copy.layout.size == job.layout.size
+    assert len(copy.layout.placements) == len(job.layout.placements) > 300
+    assert {p.payload.kind for p in copy.layout.placements} == {"tensor", "ndarray", "pickle"}
+    for a, b in zip(copy.layout.placements, job.layout.placements):
+        assert (a.path, a.offset, a.nbytes, a.payload.kind, a.payload.replicated) == \
+            (b.path, b.offset, b.nbytes, b.payload.kind, b.payload.replicated)
+        assert a.payload.data == b.payload.data  # what the entry needs: dtype and shape, or the bytes

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from ctypes import memmove
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -82,6 +82,20 @@ class FileLayout:
     def on_cuda(self) -> bool:
         """Whether any payload is a CUDA tensor (staging then wants pinned memory and a synchronize)."""
         return any(p.payload.kind == Raw.TENSOR and p.payload.data.is_cuda for p in self.placements)
+
+    def __reduce__(self) -> tuple:
+        """Pickled column by column (a ProcessWriter sends every take's layout to its worker): lists of plain
+        values pickle about 5x faster than two objects per payload (0.14 s against 0.5-0.9 s for 10^5)."""
+        ps = self.placements
+        return _layout_from_columns, (self.file, self.size, [p.path for p in ps], [p.offset for p in ps],
+                                      [p.nbytes for p in ps], [p.payload.kind for p in ps],
+                                      [p.payload.data for p in ps], [p.payload.replicated for p in ps])
+
+
+def _layout_from_columns(file: str, size: int, paths: list[str], offsets: list[int], sizes: list[int],
+                         kinds: list[str], data: list[Any], replicated: list[bool]) -> FileLayout:
+    placements = [Placement(*column) for column in zip(paths, map(Payload, kinds, data, replicated), offsets, sizes)]
+    return FileLayout(file, placements, size)
 
 
 def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
