@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ppe_snapshot import Snapshot
-from ppe_snapshot.engine import LOCAL, StateDict, new_shared_buffer, new_staging_buffer, prepare_take
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, StateDict, new_shared_buffer, new_staging_buffer, prepare_take
 from ppe_snapshot.engine.packing import SMALL_COPY_BYTES, stage
 from ppe_snapshot.writing import ProcessQueueWriter, ProcessWriter, ThreadQueueWriter, ThreadWriter
 from _asserts import assert_same
@@ -188,3 +188,15 @@ def test_a_staged_job_pickles_whole(tmp_path):
         assert (a.path, a.offset, a.nbytes, a.payload.kind, a.payload.replicated) == \
             (b.path, b.offset, b.nbytes, b.payload.kind, b.payload.replicated)
         assert a.payload.data == b.payload.data  # what the entry needs: dtype and shape, or the bytes
+
+
+@pytest.mark.parametrize("bad", ["small", "float", "strided"])
+def test_a_staging_buffer_that_cannot_hold_the_image_is_refused(bad, tmp_path):
+    state = {"x": torch.randn(1000), "y": torch.arange(10)}
+    buffer = {"small": torch.zeros(100, dtype=torch.uint8), "float": torch.zeros(10_000),
+              "strided": torch.zeros(20_000, dtype=torch.uint8)[::2]}[bad]
+    before = buffer.clone()
+    with pytest.raises(ValueError, match="staging buffer must be a contiguous CPU uint8 tensor"):
+        Snapshot.async_take(str(tmp_path / "s"), {"state": StateDict(state)}, staging=lambda nbytes: buffer)
+    assert torch.equal(buffer, before)
+    assert not (tmp_path / "s" / MANIFEST_NAME).exists()

@@ -257,14 +257,20 @@ def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
     anything else (device, non-contiguous, conjugate or negative views,
     subclasses) with ``copy_`` too, which resolves it.
     """
+    if buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous() or buffer.numel() < layout.size:
+        raise ValueError(f"a staging buffer must be a contiguous CPU uint8 tensor of at least {layout.size} bytes, "
+                         f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
+                         f"{'' if buffer.is_contiguous() else ', not contiguous'}; the staging provider gave it")
     base, cuda = buffer.data_ptr(), False
     for p in layout.placements:
         data, n = p.payload.data, p.nbytes
         if p.payload.kind == Raw.TENSOR:
+            if not n:
+                continue
             if n < SMALL_COPY_BYTES and type(data) is torch.Tensor and data.is_cpu and data.is_contiguous() \
                     and not data.is_conj() and not data.is_neg():
                 memmove(base + p.offset, data.data_ptr(), n)
-            elif n:
+            else:
                 on_cuda = data.is_cuda
                 cuda |= on_cuda
                 buffer[p.offset:p.offset + n].view(data.dtype).view(data.shape).copy_(data, non_blocking=on_cuda)

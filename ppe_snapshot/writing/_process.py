@@ -211,7 +211,7 @@ class _ProcessBase(AsyncWriter):
         return worker
 
     def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
-        buffer = new_shared_buffer(nbytes)  # zeroed, faulted in, sent to the worker without a copy
+        buffer = new_shared_buffer(nbytes)  # zeroed; the worker maps the same pages
         if pin and torch.cuda.is_available():  # page-locked, so device-to-host copies run at full speed
             try:
                 torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
