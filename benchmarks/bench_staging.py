@@ -14,10 +14,12 @@ round runs every method once, in a rotating order, each right after the same
 
 It also times the first call of each writer (buffer allocation), one
 ``Snapshot.async_take`` (a fresh buffer per call), and the writers' calls for
-64 MiB in ``--many`` small tensors (the cost per tensor). Report: medians,
-and the writers' blocking time over the 2-thread copy of the same round.
+64 MiB in ``--many`` small tensors (the cost per tensor), and the RSS over
+``--rss`` consecutive snapshots of 128 MiB per writer (reused buffers: flat).
+Report: medians, and the writers' blocking time over the 2-thread copy of
+the same round.
 
-    python benchmarks/bench_staging.py [--rounds 5] [--scale 1.0] [--steps 1] [--many 10000 100000]
+    python benchmarks/bench_staging.py [--rounds 5] [--scale 1.0] [--steps 1] [--many 10000 100000] [--rss 100]
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import large_state, state_bytes  # noqa: E402
-from bench_writers import train_step  # noqa: E402
-from common import Results, emit, gib, secs  # noqa: E402
+from bench_writers import rss_over_many, train_step  # noqa: E402
+from common import Results, emit, gib, mib, secs  # noqa: E402
 
 import ppe_snapshot as ps  # noqa: E402
 from ppe_snapshot import writing  # noqa: E402
@@ -181,6 +183,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="training steps before each method's snapshot")
     parser.add_argument("--many", type=int, nargs="*", default=[10_000, 100_000],
                         help="tensor counts of the 64 MiB many-tensor case")
+    parser.add_argument("--rss", type=int, default=100, help="consecutive snapshots for the RSS check (0: none)")
     parser.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     parser.add_argument("--report")
     args = parser.parse_args()
@@ -225,6 +228,8 @@ def main() -> None:
                 results.add(case, name, metrics)
                 print(f"round {r}: {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()), flush=True)
         many = many_tensors(args.many, args.rounds, root)
+        rss = {name: rss_over_many(cls, os.path.join(root, "rss"), args.rss) for name, cls in
+               [(THREAD, writing.ThreadWriter), (PROCESS, writing.ProcessWriter)]} if args.rss else {}
     finally:
         for method in table.values():
             method.close()
@@ -232,7 +237,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     copy2 = results.samples[(case, COPY2, "blocking")]
     lines = [f"Command: `python benchmarks/bench_staging.py --rounds {args.rounds} --scale {args.scale} "
-             f"--steps {args.steps} --many {' '.join(map(str, args.many))}`  ",
+             f"--steps {args.steps} --many {' '.join(map(str, args.many))} --rss {args.rss}`  ",
              f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}; state {gib(nbytes)} "
              f"in {len(tensors({'m': model.state_dict(), 'o': optim.state_dict()}))} tensors; "
              f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; medians of {args.rounds} rounds, "
@@ -263,6 +268,9 @@ def main() -> None:
                 cells = [many.median(f"{count}", name, m) for m in ("blocking", "planning", "staging")]
                 cells = " | ".join("-" if c is None else secs(c) for c in cells)
                 lines.append(f"| {count:,} | {name} | {cells} |")
+    for name, samples in rss.items():
+        lines.append(f"- {name}: RSS over {args.rss} snapshots of 128 MiB: first {mib(samples[0])}, "
+                     f"last {mib(samples[-1])}, max {mib(max(samples))}")
     emit("\n".join(lines), args.report)
 
 
