@@ -25,8 +25,9 @@ Values and their bytes
     ``escape`` / ``child_path`` (logical paths), ``inflate`` (rebuild a value from entries), ``leaf_loader``
     (THE loader of one stored value, by its kind), ``read_into`` (verified reads), ``Payload`` and
     ``PayloadAppender`` (append payloads to a data file), ``align``, ``needs_bounce``, ``host_copy_buffer``,
-    ``is_direct``, ``tensor_bytes``, ``new_staging_buffer``, the value encoding (``encode_value``,
-    ``decode_value``, ``dtype_name``, ``torch_dtype``, ``can_store_raw``).
+    ``is_direct``, ``tensor_bytes``, ``new_staging_buffer`` and ``new_shared_buffer`` (staging buffers; the
+    shared one for another process to map), the value encoding (``encode_value``, ``decode_value``,
+    ``dtype_name``, ``torch_dtype``, ``can_store_raw``).
 """
 from ppe_snapshot.engine.commit import commit as commit_manifest
 from ppe_snapshot.engine.commit import refuse_overwrite
@@ -35,6 +36,7 @@ from ppe_snapshot.engine.format import (
     MANIFEST_NAME, PARTS_DIR, Container, InProgress, Kind, Raw, abort_name, data_file, new_take_id,
     parse_parts_name, part_name, takes_in_progress,
 )
+from ppe_snapshot.engine.hostmem import new_shared_buffer
 from ppe_snapshot.engine.loading import leaf_loader
 from ppe_snapshot.engine.manifest import (
     BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
@@ -65,5 +67,5 @@ __all__ = [
     # values and their bytes
     "LoadLeaf", "Payload", "PayloadAppender", "align", "can_store_raw", "child_path", "decode_value", "dtype_name",
     "encode_value", "escape", "host_copy_buffer", "inflate", "is_direct", "leaf_loader", "needs_bounce",
-    "new_staging_buffer", "read_into", "tensor_bytes", "torch_dtype",
+    "new_shared_buffer", "new_staging_buffer", "read_into", "tensor_bytes", "torch_dtype",
 ]

@@ -113,8 +113,11 @@ class AsyncWriter(WriterBase):
             self._claim_path(slot, path)  # a save to the same name in flight must end before it is replaced
             job, step = self._prepare(path, app_state, metadata, pg, allow_pickle)
             pin = job.layout.on_cuda()
+            began = time.perf_counter()
             job.stage(lambda nbytes: self._buffer(slot, nbytes, pin))
-            self._submit_take(Ticket(slot, self._new_stats(path, start, job.layout.size)), job, step)
+            stats = self._new_stats(path, start, job.layout.size)
+            stats["staging_s"] = time.perf_counter() - began
+            self._submit_take(Ticket(slot, stats), job, step)
         except BaseException:
             self._release(slot)
             raise

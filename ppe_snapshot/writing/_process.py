@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing
 from pytorch_pfn_extras.writing import QueueWriter, StandardWriter
 
-from ppe_snapshot.engine import TakeJob
+from ppe_snapshot.engine import TakeJob, new_shared_buffer
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._async import AsyncWriter, Ticket
 from ppe_snapshot.writing._base import SimpleWriter, add_note, logger
@@ -211,7 +211,7 @@ class _ProcessBase(AsyncWriter):
         return worker
 
     def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
-        buffer = torch.zeros(nbytes, dtype=torch.uint8).share_memory_()
+        buffer = new_shared_buffer(nbytes)  # zeroed; the worker maps the same pages
         if pin and torch.cuda.is_available():  # page-locked, so device-to-host copies run at full speed
             try:
                 torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))

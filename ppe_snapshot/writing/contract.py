@@ -33,16 +33,21 @@ from ppe_snapshot.engine import LOCAL
 __all__ = ["SaveStats", "SnapshotWriter"]
 
 
-class SaveStats(TypedDict):
+class _EverySaveStats(TypedDict):
+    path: str
+    bytes: int | None
+    blocking_s: float
+    write_s: float | None
+
+
+class SaveStats(_EverySaveStats, total=False):
     """What a :class:`SnapshotWriter` tells of its last save (``last_stats``).
 
     An asynchronous writer returns before the write ends: ``write_s`` is None
     then, and set in the same dict once the snapshot is committed.
     """
-    path: str
-    bytes: int | None
-    blocking_s: float
-    write_s: float | None
+    #: Async writers of engine snapshots: the part of ``blocking_s`` spent copying the state to the staging buffer.
+    staging_s: float
 
 
 class SnapshotWriter(abc.ABC):

