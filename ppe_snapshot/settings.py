@@ -16,6 +16,8 @@ variable                            default  meaning
 ``PPE_SNAPSHOT_DRAIN_THREADS``      ``1``    threads writing full bounce buffers out
 ``PPE_SNAPSHOT_COMMIT_TIMEOUT``     ``1800`` seconds rank 0 waits for the other ranks' parts, and
                                              they for its commit (also a replacing writer's wait)
+``PPE_SNAPSHOT_FORMAT_VERSION``     ``2``    the format version takes write: ``1`` (one JSON
+                                             manifest) or ``2`` (a small manifest and index files)
 ==================================  =======  ====================================================
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Settings:
     bounce_buffers: int = 2
     drain_threads: int = 1
     commit_timeout: float = 1800.0
+    format_version: int = 2
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -42,6 +45,7 @@ class Settings:
             bounce_buffers=int(env.get("PPE_SNAPSHOT_BOUNCE_N", "2")),
             drain_threads=int(env.get("PPE_SNAPSHOT_DRAIN_THREADS", "1")),
             commit_timeout=float(env.get("PPE_SNAPSHOT_COMMIT_TIMEOUT", "1800")),
+            format_version=int(env.get("PPE_SNAPSHOT_FORMAT_VERSION", "2")),
         )
 
 

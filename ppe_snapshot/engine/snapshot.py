@@ -153,7 +153,7 @@ class Snapshot:
         try:
             manifest = self._read_manifest(storage)
             rank, logical = self._split(manifest, path)
-            if manifest.lookup(rank, logical) is None:
+            if manifest.lookup(rank, logical, own_shards=True) is None:
                 raise KeyError(f"{path!r} is not in snapshot {self.path}; get_manifest() lists its entries")
             return read_value(storage, manifest, rank, logical, obj_out, allow_pickle, memory_budget_bytes)
         finally:

@@ -24,7 +24,8 @@ from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import is_safe_relative
 
 FORMAT_NAME = "ppe-snapshot"
-FORMAT_VERSION = 1
+#: The newest format version this code reads; it writes ``SETTINGS.format_version`` (2 unless told otherwise).
+FORMAT_VERSION = 2
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 _CONTAINER_KINDS = frozenset({Container.DICT, Container.ORDERED_DICT, Container.LIST, Container.TUPLE})
@@ -68,7 +69,11 @@ def check_document(doc: Any, where: str) -> None:
     if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
         raise UnsupportedFormatError(f"{where} uses checksum {doc.get('checksum_algorithm')!r}, "
                                      f"this ppe-snapshot knows only {CHECKSUM_ALGORITHM!r}")
-    problem = _document_problem(doc)
+    if version == 2:
+        from ppe_snapshot.engine.manifest_v2 import document_problem  # the entries are in its index files
+        problem = document_problem(doc)
+    else:
+        problem = _document_problem(doc)
     if problem:
         raise CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
 
@@ -192,6 +197,14 @@ def _itemsize(kind: str, dtype: Any) -> int:
             raise CorruptSnapshotError(f"dtype {dtype!r:.60} is not a numpy dtype of plain data")
         size = _ARRAY_ITEMSIZES[dtype] = np_dtype.itemsize
     return size
+
+
+def dtype_itemsize(kind: str, dtype: Any) -> int:
+    """The element size of a stored dtype (``kind`` ``"tensor"``: a torch name; ``"ndarray"``: numpy's
+    ``dtype.str``); raises :class:`CorruptSnapshotError` for a name that is neither."""
+    if type(dtype) is not str:
+        raise CorruptSnapshotError(f"dtype {dtype!r:.60} is not a name")
+    return _itemsize(kind, dtype)
 
 
 def _element_count(shape: Any, what: str = "shape") -> int:
