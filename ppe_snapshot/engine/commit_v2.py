@@ -55,16 +55,31 @@ def publish(storage: Storage, take_id: str, part: RankPart, shared: tuple[list[s
         "sharded_digest": xxhash.xxh3_64_hexdigest(jsonio.dumps(table)),
         "covered": [sum(math.prod(s.sizes) for s in e.shards) for e in part.sharded.values()],
         "shared_digest": shared_digest(*shared),
-        # Read by rank 0 only where this rank differs from the first (a JSON text: not parsed otherwise).
-        "detail": jsonio.dumps({"sharded": table, "shared": shared[0]}).decode(),
     }
+    # Read by rank 0 only for the first rank and where a rank differs from it: a file of its own.
+    storage.put_atomic(detail_name(take_id, part.rank), jsonio.dumps({"sharded": table, "shared": shared[0]}))
     storage.put_atomic(part_name(take_id, part.rank), jsonio.dumps(doc))
 
 
-def _sharded_totals(parts: list[dict[str, Any]]) -> tuple[dict[str, tuple[str, list[int]]], dict[str, int]]:
+def detail_name(take_id: str, rank: int) -> str:
+    """What a rank's part leaves out: its table of sharded tensors and the shared paths it expects."""
+    return part_name(take_id, rank).removesuffix(".json") + ".detail.json"
+
+
+def _detail(storage: Storage, take_id: str, part: dict[str, Any]) -> dict[str, Any]:
+    return jsonio.loads(storage.read_bytes(detail_name(take_id, part["rank"])))
+
+
+def clean_details(storage: Storage, take_id: str, world_size: int) -> None:
+    for rank in range(world_size):
+        storage.remove(detail_name(take_id, rank))
+
+
+def _sharded_totals(storage: Storage, take_id: str, parts: list[dict[str, Any]]
+                    ) -> tuple[dict[str, tuple[str, list[int]]], dict[str, int]]:
     """Every sharded tensor (dtype, shape) and the elements its shards hold over all ranks."""
     first = parts[0]
-    table = jsonio.loads(first["detail"].encode())["sharded"]
+    table = _detail(storage, take_id, first)["sharded"]
     tensors = {path: (dtype, shape) for path, dtype, shape in table}
     covered = np.zeros(len(table), dtype=object)
     extra: dict[str, int] = {}
@@ -72,7 +87,7 @@ def _sharded_totals(parts: list[dict[str, Any]]) -> tuple[dict[str, tuple[str, l
         if part["sharded_digest"] == first["sharded_digest"] and len(part["covered"]) == len(table):
             covered += np.asarray(part["covered"], dtype=object)
             continue
-        for (path, dtype, shape), count in zip(jsonio.loads(part["detail"].encode())["sharded"], part["covered"]):
+        for (path, dtype, shape), count in zip(_detail(storage, take_id, part)["sharded"], part["covered"]):
             known = tensors.setdefault(path, (dtype, shape))
             if known != (dtype, shape):
                 raise SnapshotError(
@@ -109,13 +124,14 @@ def _check_coverage(storage: Storage, take_id: str, world_size: int, tensors: di
                                     "sharded tensor (some overlap); the ranks disagree on its sharding")
 
 
-def _check_shared(parts: list[dict[str, Any]], replicated: dict[str, Entry], sharded: Iterable[str]) -> None:
+def _check_shared(storage: Storage, take_id: str, parts: list[dict[str, Any]], replicated: dict[str, Entry],
+                  sharded: Iterable[str]) -> None:
     written = set(replicated) | set(sharded)
     containers = {p: entry_to_json(e) for p, e in replicated.items() if isinstance(e, ContainerEntry)}
     digest = shared_digest(written, containers)
     for part in parts:
         if part["shared_digest"] != digest:
-            expects = set(jsonio.loads(part["detail"].encode())["shared"])
+            expects = set(_detail(storage, take_id, part)["shared"])
             missing, unexpected = sorted(expects - written), sorted(written - expects)
             detail = (f"it expects {missing[:5]!r} that no rank wrote; " if missing else "") + (
                 f"it does not know {unexpected[:5]!r}; " if unexpected else "") + (
@@ -138,9 +154,9 @@ def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: 
             replicated.update(entries_from_json(part["replicated"]))
         files.update(part["files"])
     try:
-        tensors, totals = _sharded_totals(parts)
+        tensors, totals = _sharded_totals(storage, take_id, parts)
         _check_coverage(storage, take_id, world_size, tensors, totals)
-        _check_shared(parts, replicated, tensors)
+        _check_shared(storage, take_id, parts, replicated, tensors)
         for path, entry in replicated.items():
             for chunk in getattr(entry, "chunks", []):
                 if chunk.offset + chunk.nbytes > files.get(chunk.file, -1):

@@ -158,6 +158,7 @@ class TakeJob:
             commit_protocol.abort(self.storage, self.take_id, reason)
             raise SnapshotAbortedError(f"snapshot {self.storage.url} was not committed: {reason}")
         commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
+        commit_v2.clean_details(self.storage, self.take_id, self.world_size)
 
     def fail(self, error: BaseException) -> None:
         """Tell the other ranks this rank cannot finish, so that none of them waits in vain."""
