@@ -17,7 +17,7 @@ from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.flatten import child_path
 from ppe_snapshot.engine.format import MANIFEST_NAME, PARTS_DIR, Container, abort_name, part_name
 from ppe_snapshot.engine.manifest import (
-    Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, entries_from_json,
+    Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
     entries_to_json,
 )
 from ppe_snapshot.engine.serialization import decode_value
@@ -78,12 +78,12 @@ def gather_documents(storage: Storage, take_id: str, world_size: int, timeout: f
 
     def ready():
         for r in range(world_size):
-            if r not in parts and storage.exists(part_name(take_id, r)):
-                try:
+            if r not in parts:
+                try:  # no exists() first: one call per rank and poll, thousands of ranks
                     doc = jsonio.loads(storage.read_bytes(part_name(take_id, r)))
                     if type(doc) is dict and "rank" in doc and "error" in doc:
                         parts[r] = doc
-                except (ValueError, OSError):  # still being written: read it again later
+                except (ValueError, OSError):  # not there yet, or still being written: read it again later
                     pass
         return [parts[r] for r in range(world_size)] if len(parts) == world_size else None
 
@@ -129,7 +129,11 @@ def check_restorable(manifest: Manifest) -> None:
     for rank, table in tables:
         own = table if rank is not None else {}
         for path, entry in table.items():
-            if isinstance(entry, ContainerEntry):
+            if type(entry) is TensorEntry:  # most entries: the short way
+                for chunk in entry.chunks:
+                    if chunk.offset + chunk.nbytes > files.get(chunk.file, -1):
+                        _check_chunks(path, entry.chunks, files)
+            elif isinstance(entry, ContainerEntry):
                 for child in _children(path, entry):
                     if child in own or child in replicated or child in sharded:
                         continue

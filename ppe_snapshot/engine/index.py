@@ -83,7 +83,6 @@ class IndexBuilder:
             for chunk in _entry_chunks(entry):
                 self.add_file(chunk.file, files)
             return
-        assert not self._cols["shard_tensor"], "tensors are added before shards"
         key = (entry.kind, entry.dtype)
         did = self._dtypes.get(key)
         if did is None:
@@ -93,12 +92,21 @@ class IndexBuilder:
         cols["tensor_dtype"].append(did)
         cols["tensor_ndim"].append(len(entry.shape))
         cols["dims"].extend(entry.shape)
-        self._add_chunks(entry.chunks, files)
+        chunks = entry.chunks
+        if len(chunks) == 1:  # most tensors: inline
+            c = chunks[0]
+            fid = self._file_ids.get(c.file)
+            cols["chunk_file"].append(fid if fid is not None else self.add_file(c.file, files))
+            cols["chunk_offset"].append(c.offset)
+            cols["chunk_nbytes"].append(c.nbytes)
+            cols["chunk_checksum"].append(int(c.checksum, 16))
+        else:
+            self._add_chunks(chunks, files)
         cols["tensor_chunk_end"].append(len(cols["chunk_file"]))
 
     def add_shards(self, path: str, dtype: str, shape: list[int], shards: list[Shard],
                    files: Mapping[str, int]) -> None:
-        """The shards of sharded tensor ``path`` that this rank wrote."""
+        """The shards of sharded tensor ``path`` that this rank wrote (after every tensor)."""
         tid = len(self.sharded)
         self.sharded.append([path, dtype, list(shape)])
         cols = self._cols
@@ -343,6 +351,7 @@ class IndexTable(Mapping[str, Entry]):
 
     def __init__(self, index: Index, where: str, replicated: bool) -> None:
         self._index, self._where, self._replicated = index, where, replicated
+        self.index = index
         self._others: dict[str, Any] = index.header["entries"]
         self._decoded: dict[str, Entry] = {}
         self.files = index.files

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppe_snapshot.engine.bulk import BulkTensors
 from ppe_snapshot.engine.flatten import LoadLeaf, check_tensor_target, escape, inflate
 from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.manifest import (
@@ -51,9 +52,10 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
                budget: int | None = None) -> Any:
     """The value stored at logical ``path`` (and everything under it), into ``obj_out`` where it fits."""
     reads = ReadBatch()
+    bulk = BulkTensors(storage, manifest, rank, reads).children if manifest.version == 2 else None
     try:
         return inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
-                       leaf_loader(storage, allow_pickle, budget, reads), obj_out)
+                       leaf_loader(storage, allow_pickle, budget, reads), obj_out, load_children=bulk)
     except RecursionError:
         raise _too_deep(storage, path) from None
     finally:

@@ -116,11 +116,18 @@ class TakeJob:
         """This rank's entries, now that its data is written."""
         part = commit_protocol.RankPart(self.rank, files={self.layout.file: self.layout.size} if chunks else {})
         part.sharded = sharded_entries(self.sharded, chunks)
+        sharded, own, shared = bool(self.sharded), part.entries, part.replicated
         for placement in self.layout.placements:
-            if is_shard_key(placement.path):
+            path, payload = placement.path, placement.payload
+            if sharded and is_shard_key(path):
                 continue
-            entry = _entry(placement.payload, chunks[placement.path])
-            (part.replicated if placement.payload.replicated else part.entries)[placement.path] = entry
+            if payload.kind == Raw.TENSOR:  # most payloads: inline
+                data = payload.data
+                entry = TensorEntry(dtype_name(data.dtype), list(data.shape), chunks[path], Raw.TENSOR,
+                                    payload.replicated)
+            else:
+                entry = _entry(payload, chunks[path])
+            (shared if payload.replicated else own)[path] = entry
         for path, entry in self.entries.items():
             (part.replicated if entry.replicated else part.entries)[path] = entry
         return part
