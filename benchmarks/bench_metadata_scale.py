@@ -34,7 +34,8 @@ from ppe_snapshot.engine import commit_v2  # noqa: E402
 from ppe_snapshot.engine.flatten import Payload  # noqa: E402
 from ppe_snapshot.engine.gcpause import gc_paused  # noqa: E402
 from ppe_snapshot.engine.format import MANIFEST_NAME, Container, Raw, data_file, new_take_id  # noqa: E402
-from ppe_snapshot.engine.manifest import Chunk, ContainerEntry, TensorEntry, read_manifest  # noqa: E402
+from ppe_snapshot.engine.manifest import Chunk, ContainerEntry, TensorEntry  # noqa: E402
+from ppe_snapshot.engine.manifest_v2 import read_manifest  # noqa: E402
 from ppe_snapshot.engine.planner import assign_replicated  # noqa: E402
 from ppe_snapshot.engine.sharded import ShardedPayload, ShardPlan, shard_key, sharded_entries  # noqa: E402
 from ppe_snapshot.storage import open_storage  # noqa: E402

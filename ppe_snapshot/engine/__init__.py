@@ -41,9 +41,10 @@ from ppe_snapshot.engine.format import (
 from ppe_snapshot.engine.loading import leaf_loader
 from ppe_snapshot.engine.manifest import (
     BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
-    TensorEntry, read_manifest,
+    TensorEntry,
 )
-from ppe_snapshot.engine.manifest_v2 import upgrade as upgrade_snapshot
+from ppe_snapshot.engine.commit_v2 import upgrade as upgrade_snapshot
+from ppe_snapshot.engine.manifest_v2 import read_manifest
 from ppe_snapshot.engine.packing import (
     PayloadAppender, align, host_copy_buffer, is_direct, needs_bounce, new_staging_buffer, tensor_bytes,
 )

@@ -20,6 +20,7 @@ from ppe_snapshot.engine.manifest import (
     Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
     entries_to_json,
 )
+from ppe_snapshot.engine.manifest_v2 import write_manifest
 from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError, SnapshotExistsError
@@ -160,7 +161,6 @@ def commit(storage: Storage, manifest: Manifest, version: int | None = None) -> 
         raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
     check_sizes(storage, manifest.files)
     if (version or SETTINGS.format_version) == 2:
-        from ppe_snapshot.engine.manifest_v2 import write_manifest  # it builds on this module's floor
         write_manifest(storage, manifest)
     else:
         storage.put_atomic(MANIFEST_NAME, manifest.to_bytes())

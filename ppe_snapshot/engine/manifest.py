@@ -18,13 +18,12 @@ from typing import Any, Callable, NamedTuple, Union
 import torch
 
 from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.format import MANIFEST_NAME, Kind, Raw
+from ppe_snapshot.engine.format import Kind, Raw
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.validation import (
     CHECKSUM_ALGORITHM, FORMAT_NAME, check_document, check_entry, tensor_chunks,
 )
-from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
-from ppe_snapshot.storage import Storage
+from ppe_snapshot.errors import CorruptSnapshotError
 
 
 class Chunk(NamedTuple):
@@ -312,21 +311,17 @@ class Manifest:
 
     @classmethod
     @gc_paused()
-    def from_bytes(cls, data: bytes, where: str = "manifest", storage: Storage | None = None) -> "Manifest":
-        """Parse and check a manifest (its entries are checked when decoded, or by :meth:`check_entries`).
+    def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        """Parse and check a version-1 manifest (its entries are checked when decoded, or by
+        :meth:`check_entries`). A snapshot of any version is read with ``read_manifest(storage)``."""
+        doc = parse_document(data, where)
+        if doc["version"] != 1:
+            raise ValueError(f"{where} has format version {doc['version']}: read it with read_manifest(storage)")
+        return cls.from_doc(doc, where)
 
-        A version-2 manifest reads its index files from ``storage`` when they are first needed.
-        """
-        try:
-            doc = jsonio.loads(data)
-        except ValueError as e:  # not JSON, not UTF-8, or nested too deeply
-            raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
-        check_document(doc, where)
-        if doc["version"] == 2:
-            from ppe_snapshot.engine import manifest_v2  # it builds on this module
-            if storage is None:
-                raise ValueError("reading a version-2 manifest needs the snapshot's storage")
-            return manifest_v2.read(storage, doc, where)
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "Manifest":
+        """The manifest of a checked version-1 document."""
         files = doc["files"]
         return cls(
             world_size=doc["world_size"],
@@ -342,6 +337,16 @@ class Manifest:
         )
 
 
+def parse_document(data: bytes, where: str) -> dict[str, Any]:
+    """The checked top level of a manifest of any version (``CorruptSnapshotError`` / ``UnsupportedFormatError``)."""
+    try:
+        doc = jsonio.loads(data)
+    except ValueError as e:  # not JSON, not UTF-8, or nested too deeply
+        raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
+    check_document(doc, where)
+    return doc
+
+
 def writer_versions() -> dict[str, str]:
     """The versions recorded in a manifest as ``written_by``."""
     try:
@@ -349,16 +354,3 @@ def writer_versions() -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
         ours = "unknown"
     return {"ppe_snapshot": ours, "torch": torch.__version__}
-
-
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest of the snapshot at ``storage`` (entries checked when decoded).
-
-    Raises :class:`SnapshotNotFoundError` when there is none (never taken, being written, or crashed).
-    """
-    try:
-        data = storage.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
-        raise SnapshotNotFoundError(f"no snapshot at {storage.url}: {MANIFEST_NAME} is missing (never taken, still "
-                                    "being written, or its save crashed before the commit)") from None
-    return Manifest.from_bytes(data, where=f"{storage.url}/{MANIFEST_NAME}", storage=storage)

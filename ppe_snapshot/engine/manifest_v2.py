@@ -19,9 +19,12 @@ from typing import Any, Callable
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, rank_index
 from ppe_snapshot.engine.index import Index, IndexBuilder, IndexTable, decode_index
-from ppe_snapshot.engine.manifest import Entry, Manifest, Shard, ShardedTensorEntry, writer_versions
+from ppe_snapshot.engine.gcpause import gc_paused
+from ppe_snapshot.engine.manifest import (
+    Entry, Manifest, Shard, ShardedTensorEntry, parse_document, writer_versions,
+)
 from ppe_snapshot.engine.validation import CHECKSUM_ALGORITHM, FORMAT_NAME
-from ppe_snapshot.errors import CorruptSnapshotError
+from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
 from ppe_snapshot.storage import Storage
 
 VERSION = 2
@@ -97,18 +100,6 @@ def write_manifest(storage: Storage, manifest: Manifest) -> None:
 
 # -- reading ----------------------------------------------------------------------------------------
 
-def document_problem(doc: dict[str, Any]) -> str | None:
-    """What is wrong with a version-2 manifest's top level (format and version were checked)."""
-    world_size, take_id = doc.get("world_size"), doc.get("take_id")
-    if type(world_size) is not int or world_size < 1:
-        return f"world_size {world_size!r:.60} is not a positive integer"
-    if type(take_id) is not str or not take_id:
-        return "take_id is not a non-empty string"
-    if type(doc.get("metadata", {})) is not dict:
-        return "metadata is not an object"
-    return None
-
-
 class _Indexes:
     """The index files of one snapshot, each read, checked and decoded once, when first needed."""
 
@@ -172,15 +163,31 @@ class _LazyTable(Mapping[str, Entry]):
 
 
 class _Ranks(Sequence[Mapping[str, Entry]]):
+    """Every rank's entries; a rank's table is made when first asked for (nothing per rank up front)."""
+
     def __init__(self, indexes: _Indexes) -> None:
-        self._tables = [_LazyTable(lambda r=r: IndexTable(indexes.rank(r), f"{indexes.where} (rank {r})", False))
-                        for r in range(indexes.world_size)]
+        self._indexes = indexes
+        self._tables: dict[int, _LazyTable] = {}
+
+    def _table(self, rank: int) -> _LazyTable:
+        table = self._tables.get(rank)
+        if table is None:
+            indexes = self._indexes
+            table = self._tables[rank] = _LazyTable(
+                lambda: IndexTable(indexes.rank(rank), f"{indexes.where} (rank {rank})", False))
+        return table
 
     def __getitem__(self, rank):  # type: ignore[override]
-        return self._tables[rank]
+        if isinstance(rank, slice):
+            return [self._table(r) for r in range(len(self))[rank]]
+        if rank < 0:
+            rank += len(self)
+        if not 0 <= rank < len(self):
+            raise IndexError(rank)
+        return self._table(rank)
 
     def __len__(self) -> int:
-        return len(self._tables)
+        return self._indexes.world_size
 
 
 class ShardedTable(Mapping[str, Entry]):
@@ -303,28 +310,19 @@ def read(storage: Storage, doc: dict[str, Any], where: str) -> Manifest:
     return manifest
 
 
-def upgrade(source: Storage, dest: Storage) -> None:
-    """Write the version-1 snapshot at ``source`` as a version-2 snapshot at ``dest`` (where nothing is): its
-    data files copied byte for byte, then its index files and the manifest, last. The source is checked
-    first (every entry, every file's size)."""
-    from ppe_snapshot.engine.commit import commit, refuse_overwrite
-    from ppe_snapshot.engine.manifest import read_manifest
 
-    manifest = read_manifest(source)
-    if manifest.version != 1:
-        raise ValueError(f"{source.url} is already a version-{manifest.version} snapshot")
-    manifest.check_entries()
-    refuse_overwrite(dest)
-    block = bytearray(64 << 20)
-    for name, size in manifest.files.items():
-        writer = dest.open_writer(name, size)
-        try:
-            for start in range(0, size, len(block)):
-                view = memoryview(block)[: min(len(block), size - start)]
-                source.read_into(name, start, view)
-                writer.write([view])
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-    commit(dest, manifest, version=VERSION)
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest of the snapshot at ``storage``, of either version (entries checked when decoded;
+    a version-2 manifest reads its index files when first needed).
+
+    Raises :class:`SnapshotNotFoundError` when there is none (never taken, being written, or crashed).
+    """
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(f"no snapshot at {storage.url}: {MANIFEST_NAME} is missing (never taken, still "
+                                    "being written, or its save crashed before the commit)") from None
+    where = f"{storage.url}/{MANIFEST_NAME}"
+    with gc_paused():
+        doc = parse_document(data, where)
+        return read(storage, doc, where) if doc["version"] == VERSION else Manifest.from_doc(doc, where)

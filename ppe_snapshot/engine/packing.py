@@ -210,7 +210,8 @@ class PayloadAppender:
     def append(self, payload: Payload, bounce: torch.Tensor | None) -> list[Chunk]:
         """Write ``payload`` at the current position; its chunks (one empty chunk when it has no bytes)."""
         data = payload.data
-        if payload.kind == Raw.TENSOR and data.is_cpu and data.is_contiguous() and data.nbytes <= GATHER_BYTES:
+        if payload.kind == Raw.TENSOR and data.is_cpu and data.is_contiguous() \
+                and data.nbytes <= min(GATHER_BYTES, CHUNK_BYTES):  # CHUNK_BYTES at call time: tests shrink it
             return [self._append_small(data.data_ptr(), data.nbytes)]
         self._end_gather()
         start, bounced, chunks = self.position, needs_bounce(payload), []

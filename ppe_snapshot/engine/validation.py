@@ -69,13 +69,21 @@ def check_document(doc: Any, where: str) -> None:
     if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
         raise UnsupportedFormatError(f"{where} uses checksum {doc.get('checksum_algorithm')!r}, "
                                      f"this ppe-snapshot knows only {CHECKSUM_ALGORITHM!r}")
-    if version == 2:
-        from ppe_snapshot.engine.manifest_v2 import document_problem  # the entries are in its index files
-        problem = document_problem(doc)
-    else:
-        problem = _document_problem(doc)
+    problem = _document_v2_problem(doc) if version == 2 else _document_problem(doc)
     if problem:
         raise CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
+
+
+def _document_v2_problem(doc: dict[str, Any]) -> str | None:
+    """A version-2 manifest's top level: its entries are in index files (``manifest_v2.py``, ``index.py``)."""
+    world_size, take_id = doc.get("world_size"), doc.get("take_id")
+    if type(world_size) is not int or world_size < 1:
+        return f"world_size {world_size!r:.60} is not a positive integer"
+    if type(take_id) is not str or not take_id:
+        return "take_id is not a non-empty string"
+    if type(doc.get("metadata", {})) is not dict:
+        return "metadata is not an object"
+    return None
 
 
 def _document_problem(doc: dict[str, Any]) -> str | None:
