@@ -139,7 +139,8 @@ def report(results: Results, args) -> str:
         lines.append(f"| {case} | {secs(t)} | {secs(tt)} | {tt / t:.1f}x | {secs(r)} | {secs(tr)} | {tr / r:.1f}x |")
     cold = "5,000 small tensors, cold"
     if results.median(cold, "ppe-snapshot", "restore") is not None:
-        lines += ["", "| case | cold restore | disk cold read of the data file | restore vs disk |", "|---|---|---|---|",
+        lines += ["", "| case | cold restore | disk cold read of the data file | restore vs disk |",
+                  "|---|---|---|---|",
                   f"| {cold} | {secs(results.median(cold, 'ppe-snapshot', 'restore'))} | "
                   f"{secs(results.median(cold, 'ppe-snapshot', 'disk'))} | "
                   f"{results.median(cold, 'ppe-snapshot', 'ratio'):.0%} |"]

@@ -166,8 +166,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "DCP directory or a safetensors file) to DST. Targets: snapshot (this library's "
                                    "format), torch (a torch.save file, as ppe writes), dcp (torch's own DCP format, "
                                    "read by plain dcp.load), safetensors (tensors only, nested keys joined with "
-                                   "'.'). A snapshot of format version 1 converted to a snapshot is upgraded to version 2 (its data files "
-                                   "copied as they are). Default: from DST's suffix (.pt/.pth: torch, .safetensors), else a "
+                                   "'.'). A snapshot of format version 1 converted to a snapshot is upgraded to "
+                                   "version 2 (its data files copied as they are). Default: from DST's suffix "
+                                   "(.pt/.pth: torch, .safetensors), else a "
                                    "snapshot becomes a torch file and anything else a snapshot. What the target "
                                    "cannot hold is named on stderr.")
     p.add_argument("src", metavar="SRC")

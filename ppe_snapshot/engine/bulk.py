@@ -1,12 +1,12 @@
 """Restoring many small tensors of a version-2 snapshot in bulk: no entry object per tensor.
 
-A dict's children that are plain tensors stored in one chunk, restored into existing CPU tensors of the same
-dtype and shape, are read straight from the index's columns: the children are matched to index rows and
-targets in one loop, the rows are sorted into runs of neighbouring bytes of a file, and each run is read
-into a buffer, every chunk's checksum verified, and copied into its target (``ctypes.memmove``), on the
-read pool while the walk goes on. Everything else goes the usual way (``loading.leaf_loader``); what a
-reader must check (sizes vs shapes, files inside the snapshot, checksums) was checked when the index was
-decoded or is checked here, before a byte reaches a target.
+A dict's children that are small plain tensors (up to ``SMALL_BYTES``) stored in one chunk, restored into
+existing CPU tensors of the same dtype and shape, are read straight from the index's columns: the children
+are matched to index rows and targets in one loop, the rows are sorted into runs of neighbouring bytes of a
+file, and each run is read into a buffer, every chunk's checksum verified, and copied into its target
+(``ctypes.memmove``), on the read pool while the walk goes on. Everything else goes the usual way
+(``loading.leaf_loader``); what a reader must check (sizes vs shapes, files inside the snapshot, checksums)
+was checked when the index was decoded or is checked here, before a byte reaches a target.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from ppe_snapshot.storage import Storage
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: Neighbouring chunks at most this far apart share a read, of at most this many bytes.
 MAX_GAP, MAX_RUN = 4096, 32 << 20
+#: Tensors up to this size are loaded in bulk; larger ones are read straight into their targets.
+SMALL_BYTES = 1 << 20
 
 
 class _Rows:
@@ -46,6 +48,12 @@ class _Rows:
             position += n
         self.shape = shapes
         self.chunk = starts
+        #: Large tensors are read straight into their targets the usual way (no copy through a run buffer).
+        first = index.tensor_chunk_start
+        single = cols["tensor_chunk_end"] - first == 1  # a tensor of no chunk (crafted, or empty) stays out
+        small = np.zeros(len(first), dtype=bool)
+        small[single] = cols["chunk_nbytes"][first[single]] <= SMALL_BYTES
+        self.small = small.tolist()
         self.rows = index.tensor_rows
         self.others = index.header["entries"]
 
@@ -94,8 +102,9 @@ class BulkTensors:
             if row is None:
                 continue
             dtype = rows.dtype[row]
-            if dtype is None or target.dtype is not dtype or target.shape != rows.shape[row] \
-                    or target.layout is not torch.strided or not target.is_cpu or not target.is_contiguous():
+            if dtype is None or not rows.small[row] or target.dtype is not dtype \
+                    or target.shape != rows.shape[row] or target.layout is not torch.strided or not target.is_cpu \
+                    or not target.is_contiguous():
                 continue
             picked.setdefault(number, []).append((child, rows.chunk[row], target.data_ptr()))
             loaded[key] = target

@@ -100,5 +100,5 @@ class Container:
     KEYED: Final = (DICT, ORDERED_DICT)
 
 
-__all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "rank_index", "Raw", "abort_name", "data_file",
-           "new_take_id", "parse_parts_name", "part_name", "takes_in_progress"]
+__all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "Raw", "abort_name",
+           "data_file", "new_take_id", "parse_parts_name", "part_name", "rank_index", "takes_in_progress"]

@@ -111,7 +111,8 @@ class IndexBuilder:
     def to_bytes(self, take_id: str, section: str, rank: int | None = None, extra: dict[str, Any] | None = None
                  ) -> bytes:
         arrays = {name: np.asarray(values, dtype=COLUMNS[name]) for name, values in self._cols.items()}
-        header = {"take_id": take_id, "section": section, "rank": rank, "files": [[n, s] for n, s in self.files.items()],
+        header = {"take_id": take_id, "section": section, "rank": rank,
+                  "files": [[n, s] for n, s in self.files.items()],
                   "dtypes": [list(k) for k in self._dtypes], "tensors": self.paths, "entries": self.others,
                   "sharded": self.sharded, "columns": {name: len(a) for name, a in arrays.items()}, **(extra or {})}
         return encode(header, arrays)
