@@ -11,6 +11,7 @@ entry it restores (``Manifest.lookup(..., own_shards=True)``), timed, counting t
 ``--v1-up-to N`` the same parts also go through format version 1 (one JSON manifest) up to N ranks.
 
     python benchmarks/bench_metadata_scale.py [--ranks 8,64,512,4096] [--params 333] [--dir /path] [--v1-up-to 512]
+    python benchmarks/bench_metadata_scale.py --compare 8,4096 [--rounds 9]  # parse times interleaved, same load
 """
 from __future__ import annotations
 
@@ -146,6 +147,27 @@ def tree_bytes(root: str) -> int:
     return total
 
 
+def compare(worlds: list[int], params: int, directory: str | None, rounds: int) -> None:
+    """The restoring rank's parse + lookup time for each world size, measured alternately (same machine load)."""
+    items, sharded = model(params)
+    roots = {}
+    try:
+        for world in worlds:
+            roots[world] = tempfile.mkdtemp(prefix=f"ppe-meta-{world}-", dir=directory)
+            storage, take_id = publish_all(roots[world], world, params, 2)
+            merge(storage, take_id, world, 2)
+        times: dict[int, list[float]] = {world: [] for world in worlds}
+        for _ in range(rounds):
+            for world in worlds:
+                times[world].append(restore_metadata(roots[world], world, sharded, list(items))[1])
+        for world in worlds:
+            print(f"N={world}: parse + lookup median {statistics.median(times[world]) * 1e3:.1f} ms over {rounds} "
+                  f"alternated runs: " + ", ".join(f"{t * 1e3:.1f}" for t in times[world]))
+    finally:
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="8,64,512,4096")
@@ -153,7 +175,12 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     parser.add_argument("--v1-up-to", type=int, default=512)
     parser.add_argument("--report", default=None)
+    parser.add_argument("--compare", default=None, help="world sizes whose parse times are measured alternately")
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
+    if args.compare:
+        compare([int(n) for n in args.compare.split(",")], args.params, args.dir, args.rounds)
+        return
     items, sharded = model(args.params)
     paths = list(items)
     rows = []
