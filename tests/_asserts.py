@@ -1,7 +1,8 @@
 """Assertions shared by the tests."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -23,3 +24,26 @@ def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
             assert_same(a, e, f"{where}/{i}")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def manifest_doc(path: Any) -> dict[str, Any]:
+    """The manifest of the committed snapshot at ``path`` as one version-1 JSON document, whatever version it
+    was written as (the engine renders a version-2 snapshot's index files in the version-1 layout)."""
+    import json
+
+    from ppe_snapshot.engine import read_manifest
+    from ppe_snapshot.storage import open_storage
+
+    return json.loads(read_manifest(open_storage(str(path))).to_bytes())
+
+
+@contextlib.contextmanager
+def written_as(version: int) -> Iterator[None]:
+    """Takes in this process write format ``version`` inside the block."""
+    from ppe_snapshot.settings import SETTINGS
+
+    before, SETTINGS.format_version = SETTINGS.format_version, version
+    try:
+        yield
+    finally:
+        SETTINGS.format_version = before

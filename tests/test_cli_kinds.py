@@ -20,6 +20,7 @@ from ppe_snapshot.cli import main
 from ppe_snapshot.dcp import SnapshotStorageWriter
 from ppe_snapshot.retention import METRICS_KEY
 
+from _asserts import manifest_doc
 from _extension_workers import flip_byte
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +117,7 @@ def test_inspect_every_kind(kinds, capsys):
 
 def test_verify_names_every_damaged_entry_and_accepts_ppe_files(kinds, capsys):
     snap = kinds / "run" / "snapshot_iter_10"
-    manifest = json.loads((snap / "manifest.json").read_text())["ranks"][0]
+    manifest = manifest_doc(snap)["ranks"][0]
     for key in ("state/models/main/weight", "state/models/main/bias"):
         flip_byte(snap / "data" / "rank0.bin", manifest[key]["chunks"][0]["offset"] + 1)
     paths = [str(kinds / "run" / "snapshot_iter_5"), str(kinds / "adapter"), str(kinds / "torchdcp"),

@@ -24,6 +24,7 @@ from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotExistsError, Sn
 from ppe_snapshot.engine import packing
 from ppe_snapshot.engine.manifest import BytesEntry, ShardedTensorEntry, TensorEntry
 from ppe_snapshot.storage import SnapshotStorageReader, SnapshotStorageWriter
+from _asserts import manifest_doc
 
 # DCP warns that it runs in one process when torch.distributed is not initialized; that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
@@ -150,15 +151,15 @@ def test_dcp_snapshot_is_an_engine_snapshot(tmp_path):
     assert isinstance(manifest["0/optim.state.0.weight.exp_avg"], TensorEntry)
     assert isinstance(manifest["0/extra.step"], BytesEntry)
     assert isinstance(manifest["0/optim.param_groups.0.betas"], BytesEntry)
-    assert sorted(os.listdir(path)) == ["data", "manifest.json"]
+    assert sorted(os.listdir(path)) == ["data", "index", "manifest.json"]  # format version 2
     assert os.listdir(os.path.join(path, "data")) == ["rank0.bin"]
+    assert sorted(os.listdir(os.path.join(path, "index"))) == ["rank0.idx", "shared.idx"]
     # the engine reads plain tensors, and hands DCP's serialized values back as bytes without unpickling them
     assert torch.equal(snap.read_object("model.0.weight"), model[0].weight)
     assert torch.equal(snap.read_object("extra.transposed"), extra["transposed"])
     raw = snap.read_object("extra.name")
     assert isinstance(raw, bytes) and torch.load(io.BytesIO(raw), weights_only=True) == "run-1"
-    with open(os.path.join(path, "manifest.json"), "rb") as f:
-        doc = json.load(f)
+    doc = manifest_doc(path)
     assert doc["metadata"]["dcp"]["adapter_version"] == 1
     assert doc["metadata"]["dcp"]["planner_data"]  # DCP's flatten mapping, as tagged JSON
     assert doc["ranks"] == [{}] and doc["files"] == {"data/rank0.bin": os.path.getsize(f"{path}/data/rank0.bin")}

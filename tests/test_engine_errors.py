@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from _asserts import manifest_doc
 from ppe_snapshot import (
     CorruptSnapshotError, Snapshot, SnapshotExistsError, SnapshotNotFoundError, StateDict, StateMismatchError,
     UnsupportedFormatError,
@@ -106,8 +107,8 @@ def test_damaged_manifest(snap, damage):
         manifest.write_text("")
     elif damage == "not-a-manifest":
         manifest.write_text(json.dumps({"hello": "world"}))
-    else:
-        doc = json.loads(text)
+    else:  # the version-1 layout: one document holds every entry (version 2: see test_untrusted_index.py)
+        doc = manifest_doc(path)
         del doc["ranks"][0]["model/weight"]["chunks"]
         manifest.write_text(json.dumps(doc))
     with pytest.raises(CorruptSnapshotError, match=str(manifest)) as info:
@@ -122,7 +123,7 @@ def test_damaged_manifest(snap, damage):
 def test_newer_format_version(snap):
     path, _ = snap
     doc = json.loads((path / "manifest.json").read_text())
-    assert doc["version"] == 1
+    assert doc["version"] == 2
     doc["version"] = 999
     (path / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(UnsupportedFormatError, match="upgrade ppe-snapshot") as info:

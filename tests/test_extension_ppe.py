@@ -389,7 +389,7 @@ def test_writer_allow_pickle(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("metadata", ["not", "an", "object"]), ("version", 999),
-                                          ("world_size", "1"), ("files", [])])
+                                          ("world_size", "1"), ("take_id", 5)])
 def test_autoload_skips_a_malformed_manifest_and_training_goes_on(tmp_path, field, value):
     Run(str(tmp_path), 4, {}).train()  # snapshot_iter_2, snapshot_iter_4
     manifest = tmp_path / "snapshot_iter_4" / "manifest.json"

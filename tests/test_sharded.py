@@ -19,7 +19,7 @@ import torch.distributed as dist
 import _sharded_workers as W
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError
 from ppe_snapshot.engine.manifest import ShardedTensorEntry
-from _asserts import assert_same
+from _asserts import assert_same, manifest_doc
 
 
 def _plain() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -47,8 +47,7 @@ def runs(dist_run, tmp_path_factory) -> dict[str, Any]:
 
 
 def manifest(root: str, name: str) -> dict[str, Any]:
-    with open(os.path.join(root, name, "manifest.json")) as f:
-        return json.load(f)
+    return manifest_doc(os.path.join(root, name))
 
 
 def spans(doc: dict[str, Any], path: str) -> list[tuple[list[int], list[int]]]:

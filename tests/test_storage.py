@@ -173,7 +173,7 @@ def test_engine_on_s3(s3_bucket):
     Snapshot.take(path, {"model": model, "optim": optim}, storage_options=options, metadata={"iteration": 2})
     fs = fsspec.filesystem("s3", **options)
     stored = sorted(p.split("/snap/", 1)[1] for p in fs.find(path.removeprefix("s3://")))
-    assert stored == ["data/rank0.bin", "manifest.json"]
+    assert stored == ["data/rank0.bin", "index/rank0.idx", "index/shared.idx", "manifest.json"]
 
     fresh = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
     fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.01)

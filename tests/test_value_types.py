@@ -7,6 +7,7 @@ value gives ``CorruptSnapshotError``.
 from __future__ import annotations
 
 import base64
+import json
 import collections
 import dataclasses
 import enum
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from _asserts import manifest_doc
 import ppe_snapshot
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedValueError
 from ppe_snapshot.engine.manifest import ObjectEntry, PickleEntry
@@ -232,7 +234,7 @@ def test_a_module_the_process_has_not_imported_is_never_imported():
 def test_crafted_manifest_entry_naming_os_system_is_refused_on_restore(tmp_path):
     path = tmp_path / "s"
     Snapshot.take(str(path), {"s": StateDict(v=Color.RED)})
-    manifest = (path / "manifest.json").read_text()
+    manifest = json.dumps(manifest_doc(path))  # the version-1 layout, written back as such
     assert f'"$enum":["{__name__}","Color","RED"]' in manifest.replace(" ", "")
     crafted = manifest.replace(f'"{__name__}"', '"os"').replace('"Color"', '"system"')
     (path / "manifest.json").write_text(crafted)
@@ -301,7 +303,7 @@ def test_deeply_nested_containers_in_a_manifest_are_corrupt(tmp_path):
 
     path = tmp_path / "s"
     Snapshot.take(str(path), {"s": StateDict(x=[[1, torch.ones(1)]])})
-    doc = json.loads((path / "manifest.json").read_text())
+    doc = manifest_doc(path)  # the version-1 layout, written back as such
     entries = doc["ranks"][0]
     entries["s"] = {"type": "container", "kind": "dict", "keys": ["x"], "length": 0}
     chain = "s/x"

@@ -15,7 +15,8 @@ import fsspec
 import torch
 
 from ppe_snapshot.cli.common import Kind, UsageError, flatten, open_source, progress, read_state
-from ppe_snapshot.engine import Snapshot, StateDict
+from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
+from ppe_snapshot.storage import open_storage
 from ppe_snapshot.retention import filesystem
 
 TARGETS = ("snapshot", "torch", "dcp", "safetensors")
@@ -88,20 +89,33 @@ def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None) ->
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dst.removeprefix("file://")), no_dist=True)
 
 
+def _format_version(path: str, storage_options: dict | None) -> int:
+    storage = open_storage(path, storage_options)
+    try:
+        return read_manifest(storage).version
+    finally:
+        storage.close()
+
+
 def convert(args: argparse.Namespace) -> str:
     """Convert; returns the target format written."""
     source = open_source(args.src, args.storage_options)
     target = args.to or _default_target(source.kind, args.dst)
-    if source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT:
-        raise UsageError(f"{args.src}: already a snapshot; copy the directory instead")
+    upgrade = source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT
+    if upgrade and _format_version(args.src, args.storage_options) >= 2:
+        raise UsageError(f"{args.src}: already a snapshot of the current format; copy the directory instead")
     existing = _check_destination(args.dst, args.storage_options, args.force)
     with progress(4, f"convert {args.src}", unit="step") as bar:
-        state, left_out = read_state(source, allow_pickle=args.allow_pickle)
+        state, left_out = ({}, []) if upgrade else read_state(source, allow_pickle=args.allow_pickle)
         bar.update(2)
         aside = _move_aside(args.dst, args.storage_options) if existing else None
         fs, root = filesystem(args.dst, args.storage_options)
         try:
-            _write(args, target, state, left_out)
+            if upgrade:  # format version 1 -> 2: the data files copied as they are, new index files
+                upgrade_snapshot(open_storage(args.src, args.storage_options),
+                                 open_storage(args.dst, args.storage_options))
+            else:
+                _write(args, target, state, left_out)
         except BaseException:
             _remove_partial(args.dst, args.storage_options)
             if aside is not None:  # the old DST comes back: a failed --force loses nothing
@@ -152,7 +166,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "DCP directory or a safetensors file) to DST. Targets: snapshot (this library's "
                                    "format), torch (a torch.save file, as ppe writes), dcp (torch's own DCP format, "
                                    "read by plain dcp.load), safetensors (tensors only, nested keys joined with "
-                                   "'.'). Default: from DST's suffix (.pt/.pth: torch, .safetensors), else a "
+                                   "'.'). A snapshot of format version 1 converted to a snapshot is upgraded to "
+                                   "version 2 (its data files copied as they are). Default: from DST's suffix "
+                                   "(.pt/.pth: torch, .safetensors), else a "
                                    "snapshot becomes a torch file and anything else a snapshot. What the target "
                                    "cannot hold is named on stderr.")
     p.add_argument("src", metavar="SRC")

@@ -19,8 +19,11 @@ The format, in one place (``engine/format.py``)
     entry kinds ``Kind`` (manifest entry types), ``Raw`` (what a data file holds for a leaf), ``Container``.
 The manifest
     :class:`Manifest`, ``read_manifest(storage)`` (raises ``SnapshotNotFoundError`` when none is committed),
-    the entry classes, ``commit_manifest(storage, manifest)`` (checks, then writes the manifest last),
-    ``refuse_overwrite(storage)``.
+    the entry classes, ``commit_manifest(storage, manifest)`` (checks, then writes the manifest last, as the
+    format version the settings say: 2 by default), ``refuse_overwrite(storage)``, ``upgrade_snapshot(source,
+    dest)`` (a version-1 snapshot rewritten as version 2). A version-2 manifest reads its index files when first
+    needed; ``manifest.lookup(rank, path, own_shards=True)`` gives a sharded entry with the shards of ``rank``'s
+    own index only (``entry.complete()`` gives all).
 Values and their bytes
     ``escape`` / ``child_path`` (logical paths), ``inflate`` (rebuild a value from entries), ``leaf_loader``
     (THE loader of one stored value, by its kind), ``read_into`` (verified reads), ``Payload`` and
@@ -40,8 +43,10 @@ from ppe_snapshot.engine.hostmem import new_shared_buffer
 from ppe_snapshot.engine.loading import leaf_loader
 from ppe_snapshot.engine.manifest import (
     BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
-    TensorEntry, read_manifest,
+    TensorEntry,
 )
+from ppe_snapshot.engine.commit_v2 import upgrade as upgrade_snapshot
+from ppe_snapshot.engine.manifest_v2 import read_manifest
 from ppe_snapshot.engine.packing import (
     PayloadAppender, align, host_copy_buffer, is_direct, needs_bounce, new_staging_buffer, tensor_bytes,
 )
@@ -63,7 +68,7 @@ __all__ = [
     "parse_parts_name", "part_name", "takes_in_progress",
     # the manifest
     "BytesEntry", "Chunk", "ContainerEntry", "Entry", "Manifest", "ObjectEntry", "PickleEntry", "Shard",
-    "ShardedTensorEntry", "TensorEntry", "commit_manifest", "read_manifest", "refuse_overwrite",
+    "ShardedTensorEntry", "TensorEntry", "commit_manifest", "read_manifest", "refuse_overwrite", "upgrade_snapshot",
     # values and their bytes
     "LoadLeaf", "Payload", "PayloadAppender", "align", "can_store_raw", "child_path", "decode_value", "dtype_name",
     "encode_value", "escape", "host_copy_buffer", "inflate", "is_direct", "leaf_loader", "needs_bounce",

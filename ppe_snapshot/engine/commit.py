@@ -17,9 +17,10 @@ from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.flatten import child_path
 from ppe_snapshot.engine.format import MANIFEST_NAME, PARTS_DIR, Container, abort_name, part_name
 from ppe_snapshot.engine.manifest import (
-    Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, entries_from_json,
+    Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
     entries_to_json,
 )
+from ppe_snapshot.engine.manifest_v2 import write_manifest
 from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError, SnapshotExistsError
@@ -45,8 +46,7 @@ class RankPart:
         })
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "RankPart":
-        doc = jsonio.loads(data)
+    def from_doc(cls, doc: dict) -> "RankPart":
         return cls(doc["rank"], entries_from_json(doc["entries"]), entries_from_json(doc["replicated"]),
                    doc["files"], doc["error"], entries_from_json(doc.get("sharded", {})))
 
@@ -70,14 +70,21 @@ def _poll(what: Callable[[], str], ready, timeout: float):
 
 def gather_parts(storage: Storage, take_id: str, world_size: int, timeout: float | None = None) -> list[RankPart]:
     """Rank 0: wait until every rank has published its part (at most ``timeout``, default the settings')."""
-    parts: dict[int, RankPart] = {}
+    return [RankPart.from_doc(doc) for doc in gather_documents(storage, take_id, world_size, timeout)]
+
+
+def gather_documents(storage: Storage, take_id: str, world_size: int, timeout: float | None = None) -> list[dict]:
+    """Rank 0: every rank's part as parsed JSON, once all are published (at most ``timeout``)."""
+    parts: dict[int, dict] = {}
 
     def ready():
         for r in range(world_size):
-            if r not in parts and storage.exists(part_name(take_id, r)):
-                try:
-                    parts[r] = RankPart.from_bytes(storage.read_bytes(part_name(take_id, r)))
-                except (ValueError, KeyError, TypeError, OSError):  # still being written: read it again later
+            if r not in parts:
+                try:  # no exists() first: one call per rank and poll, thousands of ranks
+                    doc = jsonio.loads(storage.read_bytes(part_name(take_id, r)))
+                    if type(doc) is dict and "rank" in doc and "error" in doc:
+                        parts[r] = doc
+                except (ValueError, OSError):  # not there yet, or still being written: read it again later
                     pass
         return [parts[r] for r in range(world_size)] if len(parts) == world_size else None
 
@@ -123,7 +130,11 @@ def check_restorable(manifest: Manifest) -> None:
     for rank, table in tables:
         own = table if rank is not None else {}
         for path, entry in table.items():
-            if isinstance(entry, ContainerEntry):
+            if type(entry) is TensorEntry:  # most entries: the short way
+                for chunk in entry.chunks:
+                    if chunk.offset + chunk.nbytes > files.get(chunk.file, -1):
+                        _check_chunks(path, entry.chunks, files)
+            elif isinstance(entry, ContainerEntry):
                 for child in _children(path, entry):
                     if child in own or child in replicated or child in sharded:
                         continue
@@ -141,17 +152,26 @@ def check_restorable(manifest: Manifest) -> None:
                 _check_chunks(path, entry.chunks, files)
 
 
-def commit(storage: Storage, manifest: Manifest) -> None:
-    """Make the snapshot visible: check the manifest restores and every data file, then write the manifest last."""
+def commit(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
+    """Make the snapshot visible: check the manifest restores and every data file, then write the manifest last
+    (as format ``version``, by default the settings'; version 2 writes its index files first)."""
     try:
         check_restorable(manifest)
     except SnapshotError as e:
         raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
-    for name, size in manifest.files.items():
+    check_sizes(storage, manifest.files)
+    if (version or SETTINGS.format_version) == 2:
+        write_manifest(storage, manifest)
+    else:
+        storage.put_atomic(MANIFEST_NAME, manifest.to_bytes())
+
+
+def check_sizes(storage: Storage, files: dict[str, int]) -> None:
+    """Raise unless every data file holds the bytes its manifest will record."""
+    for name, size in files.items():
         stored = storage.size(name)
         if stored != size:
             raise SnapshotError(f"{storage.url}/{name} holds {stored} bytes, expected {size}; not committing")
-    storage.put_atomic(MANIFEST_NAME, manifest.to_bytes())
 
 
 def refuse_overwrite(storage: Storage) -> None:
@@ -181,10 +201,11 @@ def wait_for_commit(storage: Storage, take_id: str, timeout: float | None = None
             return reason or "rank 0 aborted the take"
         if storage.exists(MANIFEST_NAME):
             try:
-                if Manifest.from_bytes(storage.read_bytes(MANIFEST_NAME)).take_id == take_id:
-                    return ""
-            except SnapshotError:
+                doc = jsonio.loads(storage.read_bytes(MANIFEST_NAME))
+            except (ValueError, OSError):
                 return None
+            if type(doc) is dict and doc.get("take_id") == take_id:
+                return ""
         return None
 
     reason = _poll(lambda: f"rank 0 to commit snapshot {storage.url}", ready,

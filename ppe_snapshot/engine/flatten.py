@@ -37,7 +37,7 @@ class Payload:
     @property
     def nbytes(self) -> int:
         if self.kind == Raw.TENSOR:
-            return self.data.numel() * self.data.element_size()
+            return self.data.nbytes
         return self.data.nbytes if self.kind == Raw.NDARRAY else len(self.data)
 
 
@@ -52,6 +52,9 @@ def escape(key: Any) -> str:
 def child_path(prefix: str, key: Any) -> str:
     """The logical path of a container's child (``prefix`` empty: a top-level key)."""
     return f"{prefix}/{escape(key)}" if prefix else escape(key)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _is_plain(value: Any) -> bool:
@@ -80,11 +83,14 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         out[path] = ContainerEntry(kind, keys=[encode_value(k) for k in value])
         seen: dict[str, Any] = {}
         for k, v in value.items():
-            child = child_path(path, k)
+            child = f"{path}/{k}" if type(k) is str and "%" not in k and "/" not in k and path else child_path(path, k)
             if child in seen:
                 raise UnsupportedValueError(
                     f"keys {seen[child]!r} and {k!r} of {path or 'the state'} map to the same path {child!r}")
             seen[child] = k
+            if type(v) in _PLAIN_TENSORS and can_store_raw(v):  # most values of a model's state: the short way
+                out[child] = Payload(Raw.TENSOR, v.detach() if v.requires_grad else v)
+                continue
             _flatten(child, v, out, allow_pickle)
         return
     elif type(value) in (list, tuple) and not all(_is_plain(v) for v in value):
@@ -116,6 +122,8 @@ def flatten(key: str, state: Any, allow_pickle: bool = False) -> dict[str, FlatI
 def mark_replicated(items: dict[str, FlatItem], patterns: Iterable[str]) -> None:
     """Mark items matching a glob (or containers whose children all are) as replicated."""
     patterns = list(patterns)
+    if not patterns and not any(item.replicated for item in items.values()):
+        return  # nothing is replicated, so no container is
     children: dict[str, list[str]] = collections.defaultdict(list)
     for path in items:
         if "/" in path:
@@ -145,9 +153,14 @@ def _template_children(template: Any) -> Callable[[Any], Any]:
 MAX_CONTAINER_DEPTH = 200
 
 
+#: ``(path of a dict, its stored keys, the target dict) -> {key: value}`` for the children loaded at once.
+LoadChildren = Callable[[str, list[Any], Any], dict[Any, Any]]
+
+
 def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLeaf, template: Any = None,
-            depth: int = 0) -> Any:
-    """Rebuild the value stored under ``path``; ``load_leaf`` loads tensors, arrays and pickles."""
+            depth: int = 0, load_children: LoadChildren | None = None) -> Any:
+    """Rebuild the value stored under ``path``; ``load_leaf`` loads tensors, arrays and pickles, and
+    ``load_children`` may load some children of a dict at once (the rest go one by one)."""
     entry = lookup(path)
     if entry is None:
         raise CorruptSnapshotError(f"the manifest lists no entry for {path!r}, which its parent refers to")
@@ -158,11 +171,16 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
         child, depth = _template_children(template), depth + 1
         if entry.kind in Container.KEYED:
             out = collections.OrderedDict() if entry.kind == Container.ORDERED_DICT else {}
+            loaded = load_children(path, entry.keys, template) if load_children is not None else None
             for key in entry.keys:  # a loop, not a generator: thousands of children in a model's state
+                if loaded and type(key) is str and key in loaded:
+                    out[key] = loaded[key]
+                    continue
                 key = decode_value(key)
-                out[key] = inflate(child_path(path, key), lookup, load_leaf, child(key), depth)
+                out[key] = inflate(child_path(path, key), lookup, load_leaf, child(key), depth, load_children)
             return out
-        items = [inflate(child_path(path, i), lookup, load_leaf, child(i), depth) for i in range(entry.length)]
+        items = [inflate(child_path(path, i), lookup, load_leaf, child(i), depth, load_children)
+                 for i in range(entry.length)]
         return tuple(items) if entry.kind == Container.TUPLE else items
     if isinstance(entry, ObjectEntry):
         try:

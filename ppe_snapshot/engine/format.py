@@ -11,6 +11,16 @@ from typing import Final, NamedTuple
 
 #: The manifest, written last: its presence commits the snapshot.
 MANIFEST_NAME: Final = "manifest.json"
+#: Format version 2: the shared index (replicated entries, the table of sharded tensors), written by the committing
+#: rank, and each rank's index (its entries and the shards it wrote), written by that rank; both before the manifest.
+SHARED_INDEX: Final = "index/shared.idx"
+
+
+def rank_index(rank: int) -> str:
+    """The index file of rank ``rank`` (format version 2)."""
+    return f"index/rank{rank}.idx"
+
+
 #: Where the ranks of a take being committed publish their parts (and rank 0 an abort marker).
 PARTS_DIR: Final = ".parts"
 
@@ -90,5 +100,5 @@ class Container:
     KEYED: Final = (DICT, ORDERED_DICT)
 
 
-__all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "Raw", "abort_name", "data_file",
-           "new_take_id", "parse_parts_name", "part_name", "takes_in_progress"]
+__all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "Raw", "abort_name",
+           "data_file", "new_take_id", "parse_parts_name", "part_name", "rank_index", "takes_in_progress"]

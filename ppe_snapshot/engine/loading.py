@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppe_snapshot.engine.bulk import BulkTensors
 from ppe_snapshot.engine.flatten import LoadLeaf, check_tensor_target, escape, inflate
 from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.manifest import (
@@ -51,9 +52,10 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
                budget: int | None = None) -> Any:
     """The value stored at logical ``path`` (and everything under it), into ``obj_out`` where it fits."""
     reads = ReadBatch()
+    bulk = BulkTensors(storage, manifest, rank, reads).children if manifest.version == 2 else None
     try:
-        return inflate(path, lambda p: manifest.lookup(rank, p), leaf_loader(storage, allow_pickle, budget, reads),
-                       obj_out)
+        return inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
+                       leaf_loader(storage, allow_pickle, budget, reads), obj_out, load_children=bulk)
     except RecursionError:
         raise _too_deep(storage, path) from None
     finally:
@@ -61,7 +63,7 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
 
 
 def _check_present(storage: Storage, manifest: Manifest, rank: int, key: str, path: str) -> None:
-    if manifest.lookup(rank, path) is not None:
+    if manifest.lookup(rank, path, own_shards=True) is not None:
         return
     owners = [r for r, entries in enumerate(manifest.ranks) if path in entries]
     if owners:
@@ -185,19 +187,18 @@ def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | Tensor
     if isinstance(entry, TensorEntry):
         entry = ShardedTensorEntry(entry.dtype, entry.shape, [Shard([0] * len(entry.shape), entry.shape, entry.chunks)])
     if not isinstance(target, torch.Tensor):
+        if entry.complete is not None:  # the whole tensor: every rank's shards
+            entry = ShardedTensorEntry(entry.dtype, entry.shape, entry.complete())
         check_stored(storage, [c for shard in entry.shards for c in shard.chunks], path)
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     _check_target(path, entry, target)
     regions = _target_regions(target)
     if not regions:
         return target
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    saved = TensorStorageMetadata(
-        TensorProperties(dtype=target.dtype), torch.Size(entry.shape),
-        [ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.sizes)) for s in entry.shards])
-    reads = create_read_items_for_chunk_list(path, saved, [chunk for chunk, _ in regions])
+    reads = _read_items(path, entry, target, regions)
+    if entry.complete is not None and _uncovered(reads, regions):  # version 2: beyond this rank's own shards
+        entry = ShardedTensorEntry(entry.dtype, entry.shape, entry.complete())
+        reads = _read_items(path, entry, target, regions)
     _check_covered(path, reads, regions)
     by_shard: dict[int, list[Any]] = defaultdict(list)
     for item in reads:
@@ -207,6 +208,25 @@ def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | Tensor
         for index, items in sorted(by_shard.items()):
             _read_shard(storage, path, entry.shards[index], items, dests, budget, batch)
     return target
+
+
+def _read_items(path: str, entry: ShardedTensorEntry, target: torch.Tensor,
+                regions: list[tuple[Any, torch.Tensor]]) -> list[Any]:
+    """DCP's read items: which part of which saved shard goes where in the target's regions."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    saved = TensorStorageMetadata(
+        TensorProperties(dtype=target.dtype), torch.Size(entry.shape),
+        [ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.sizes)) for s in entry.shards])
+    return create_read_items_for_chunk_list(path, saved, [chunk for chunk, _ in regions])
+
+
+def _uncovered(reads: list[Any], regions: list[tuple[Any, torch.Tensor]]) -> bool:
+    got: dict[int, int] = defaultdict(int)
+    for item in reads:
+        got[item.dest_index.index] += math.prod(item.lengths)
+    return any(got[index] != local.numel() for index, (_, local) in enumerate(regions))
 
 
 def _check_covered(path: str, reads: list[Any], regions: list[tuple[Any, torch.Tensor]]) -> None:

@@ -13,18 +13,17 @@ import importlib.metadata
 import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
 from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.format import MANIFEST_NAME, Kind, Raw
+from ppe_snapshot.engine.format import Kind, Raw
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.validation import (
-    CHECKSUM_ALGORITHM, FORMAT_NAME, FORMAT_VERSION, check_document, check_entry, tensor_chunks,
+    CHECKSUM_ALGORITHM, FORMAT_NAME, check_document, check_entry, tensor_chunks,
 )
-from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
-from ppe_snapshot.storage import Storage
+from ppe_snapshot.errors import CorruptSnapshotError
 
 
 class Chunk(NamedTuple):
@@ -62,11 +61,16 @@ class Shard:
 
 @dataclass(slots=True)
 class ShardedTensorEntry:
-    """A tensor split over ranks (DTensor, ShardedTensor, FSDP); each shard is written once."""
+    """A tensor split over ranks (DTensor, ShardedTensor, FSDP); each shard is written once.
+
+    As a restoring rank of a version-2 snapshot looks it up, ``shards`` may hold only the shards of its own
+    rank's index; ``complete()`` then gives them all (reading the other ranks' indexes).
+    """
     dtype: str
     shape: list[int]
     shards: list[Shard]
     replicated: bool = False
+    complete: Callable[[], list[Shard]] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -253,20 +257,32 @@ class Manifest:
     committed_at: str | None = None
     #: The versions that wrote it (``{"ppe_snapshot": ..., "torch": ...}``); empty for older snapshots.
     written_by: dict[str, str] = field(default_factory=dict)
+    #: The format version it was read from (a manifest being written: the version it will be written as).
+    version: int = 1
+    #: Version 2: the snapshot's index files, read when first needed (``bytes_read`` counts them).
+    indexes: Any = field(default=None, repr=False, compare=False)
 
-    def lookup(self, rank: int, path: str) -> Entry | None:
-        """The entry of ``path`` as seen by ``rank``: its own, else the replicated or sharded one."""
+    def lookup(self, rank: int, path: str, own_shards: bool = False) -> Entry | None:
+        """The entry of ``path`` as seen by ``rank``: its own, else the replicated or sharded one.
+
+        ``own_shards``: a sharded entry of a version-2 manifest may list only the shards of ``rank``'s own
+        index (its ``complete()`` gives all): what a restore needs first, without reading every rank's index.
+        """
         own = self.ranks[rank].get(path) if rank < len(self.ranks) else None
         if own is not None:
             return own
         shared = self.replicated.get(path)
-        return shared if shared is not None else self.sharded.get(path)
+        if shared is not None:
+            return shared
+        for_rank = getattr(self.sharded, "for_rank", None) if own_shards else None
+        return for_rank(rank, path) if for_rank is not None else self.sharded.get(path)
 
     def check_entries(self) -> None:
         """Check every entry now: raises :class:`CorruptSnapshotError` for a malformed one."""
         for table in (*self.ranks, self.replicated, self.sharded):
-            if isinstance(table, EntryTable):  # a parsed manifest's; the entries of a new one are built by the take
-                table.check_all()
+            check_all = getattr(table, "check_all", None)  # a parsed manifest's; a new one's are built by the take
+            if check_all is not None:
+                check_all()
 
     def paths_for(self, rank: int) -> dict[str, Entry]:
         merged = {**self.sharded, **self.replicated}
@@ -278,12 +294,12 @@ class Manifest:
     def to_bytes(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": 1,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "world_size": self.world_size,
             "take_id": self.take_id,
             "metadata": self.metadata,
-            "files": self.files,
+            "files": dict(self.files),
             "replicated": entries_to_json(self.replicated),
             "sharded": entries_to_json(self.sharded),
             "ranks": [entries_to_json(r) for r in self.ranks],
@@ -296,12 +312,16 @@ class Manifest:
     @classmethod
     @gc_paused()
     def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
-        """Parse and check a manifest (its entries are checked when decoded, or by :meth:`check_entries`)."""
-        try:
-            doc = jsonio.loads(data)
-        except ValueError as e:  # not JSON, not UTF-8, or nested too deeply
-            raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
-        check_document(doc, where)
+        """Parse and check a version-1 manifest (its entries are checked when decoded, or by
+        :meth:`check_entries`). A snapshot of any version is read with ``read_manifest(storage)``."""
+        doc = parse_document(data, where)
+        if doc["version"] != 1:
+            raise ValueError(f"{where} has format version {doc['version']}: read it with read_manifest(storage)")
+        return cls.from_doc(doc, where)
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "Manifest":
+        """The manifest of a checked version-1 document."""
         files = doc["files"]
         return cls(
             world_size=doc["world_size"],
@@ -317,6 +337,16 @@ class Manifest:
         )
 
 
+def parse_document(data: bytes, where: str) -> dict[str, Any]:
+    """The checked top level of a manifest of any version (``CorruptSnapshotError`` / ``UnsupportedFormatError``)."""
+    try:
+        doc = jsonio.loads(data)
+    except ValueError as e:  # not JSON, not UTF-8, or nested too deeply
+        raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
+    check_document(doc, where)
+    return doc
+
+
 def writer_versions() -> dict[str, str]:
     """The versions recorded in a manifest as ``written_by``."""
     try:
@@ -324,16 +354,3 @@ def writer_versions() -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
         ours = "unknown"
     return {"ppe_snapshot": ours, "torch": torch.__version__}
-
-
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest of the snapshot at ``storage`` (entries checked when decoded).
-
-    Raises :class:`SnapshotNotFoundError` when there is none (never taken, being written, or crashed).
-    """
-    try:
-        data = storage.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
-        raise SnapshotNotFoundError(f"no snapshot at {storage.url}: {MANIFEST_NAME} is missing (never taken, still "
-                                    "being written, or its save crashed before the commit)") from None
-    return Manifest.from_bytes(data, where=f"{storage.url}/{MANIFEST_NAME}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import xxhash
@@ -16,7 +17,7 @@ from ppe_snapshot.storage import Storage
 ALIGN_STEP = 1 << 16
 
 
-def _truncated(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
+def truncated_error(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
     return CorruptSnapshotError(f"data file {file} of {storage.url} is missing or truncated: {error}")
 
 
@@ -24,7 +25,7 @@ def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
     try:
         storage.read_into(chunk.file, chunk.offset + offset, out)
     except (EOFError, FileNotFoundError) as e:
-        raise _truncated(storage, chunk.file, e) from e
+        raise truncated_error(storage, chunk.file, e) from e
 
 
 def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
@@ -40,7 +41,7 @@ def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
             try:
                 size = storage.known_size(chunk.file)
             except FileNotFoundError as e:
-                raise _truncated(storage, chunk.file, e) from e
+                raise truncated_error(storage, chunk.file, e) from e
             if chunk.offset + chunk.nbytes > size:
                 raise CorruptSnapshotError(
                     f"data file {chunk.file} of {storage.url} is missing or truncated: it holds {size} bytes, and "
@@ -48,9 +49,13 @@ def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
 
 
 def _mismatch(storage: Storage, chunk: Chunk, what: str) -> CorruptSnapshotError:
+    return mismatch_error(storage, chunk.file, chunk.offset, chunk.nbytes, what)
+
+
+def mismatch_error(storage: Storage, file: str, offset: int, nbytes: int, what: str) -> CorruptSnapshotError:
     return CorruptSnapshotError(
-        f"checksum mismatch in {storage.url}/{chunk.file} at bytes {chunk.offset}..{chunk.offset + chunk.nbytes} "
-        f"({what}): the snapshot is damaged")
+        f"checksum mismatch in {storage.url}/{file} at bytes {offset}..{offset + nbytes} ({what}): the snapshot "
+        "is damaged")
 
 
 def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
@@ -116,6 +121,10 @@ class ReadBatch:
         if self._pending_bytes >= self._next_start:
             self._start(only_long=True)
 
+    def submit(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the read pool now; ``join()`` waits for it and raises its failure."""
+        self._futures.append(self._executor().submit(fn, *args))
+
     def _start(self, only_long: bool = False) -> None:
         """Hand pending reads to the pool, as runs in file order: all of them, or the long runs only."""
         runs, self._reads = self._runs(), []
@@ -172,7 +181,7 @@ def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
     try:
         storage.read_vectored(first.file, first.offset, views)
     except (EOFError, FileNotFoundError) as e:
-        raise _truncated(storage, first.file, e) from e
+        raise truncated_error(storage, first.file, e) from e
     for _, chunk, view, what in run:
         if checksum(view) != chunk.checksum:
             raise _mismatch(storage, chunk, what)

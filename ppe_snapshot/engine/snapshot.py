@@ -6,7 +6,8 @@ from typing import Any, TypeVar
 
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.loading import load_state, read_value
-from ppe_snapshot.engine.manifest import Entry, Manifest, read_manifest
+from ppe_snapshot.engine.manifest import Entry, Manifest
+from ppe_snapshot.engine.manifest_v2 import read_manifest
 from ppe_snapshot.engine.ranks import group_rank
 from ppe_snapshot.engine.reads import verify_chunks
 from ppe_snapshot.engine.stateful import check_restorable, restore_order
@@ -153,7 +154,7 @@ class Snapshot:
         try:
             manifest = self._read_manifest(storage)
             rank, logical = self._split(manifest, path)
-            if manifest.lookup(rank, logical) is None:
+            if manifest.lookup(rank, logical, own_shards=True) is None:
                 raise KeyError(f"{path!r} is not in snapshot {self.path}; get_manifest() lists its entries")
             return read_value(storage, manifest, rank, logical, obj_out, allow_pickle, memory_budget_bytes)
         finally:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
+from ppe_snapshot.engine import commit_v2
 from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
 from ppe_snapshot.engine.format import Raw, data_file, new_take_id
 from ppe_snapshot.engine.gcpause import gc_paused
@@ -22,6 +23,7 @@ from ppe_snapshot.engine.serialization import can_store_raw, dtype_name, raw_sto
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
 from ppe_snapshot.engine.stateful import take_states
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
+from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, open_storage
 
 #: Gives a host buffer of at least the requested number of bytes (writers reuse theirs).
@@ -52,6 +54,10 @@ class TakeJob:
     metadata: dict[str, Any]
     staged: torch.Tensor | None = None
     sharded: dict[str, ShardPlan] = field(default_factory=dict)
+    #: The format version to write (rank 0's setting, agreed by every rank).
+    version: int = 1
+    #: Version 2: the shared state this rank expects (paths, replicated containers), see ``commit_v2``.
+    shared: tuple[list[str], dict[str, Any]] = field(default_factory=lambda: ([], {}))
 
     @gc_paused()  # a state of many tensors makes as many objects here: no collection walks them meanwhile
     def stage(self, provider: StagingProvider | None = None) -> None:
@@ -88,9 +94,13 @@ class TakeJob:
         finally:
             self.staged = None
         if self.world_size == 1:
-            commit_protocol.commit(self.storage, commit_protocol.merge([part], self.take_id, self.metadata))
+            commit_protocol.commit(self.storage, commit_protocol.merge([part], self.take_id, self.metadata),
+                                   self.version)
             return
-        commit_protocol.publish_part(self.storage, self.take_id, part)
+        if self.version == 2:
+            commit_v2.publish(self.storage, self.take_id, part, self.shared)
+        else:
+            commit_protocol.publish_part(self.storage, self.take_id, part)
         if self.rank == 0:
             self._commit_all()
         else:
@@ -109,16 +119,26 @@ class TakeJob:
         """This rank's entries, now that its data is written."""
         part = commit_protocol.RankPart(self.rank, files={self.layout.file: self.layout.size} if chunks else {})
         part.sharded = sharded_entries(self.sharded, chunks)
+        sharded, own, shared = bool(self.sharded), part.entries, part.replicated
         for placement in self.layout.placements:
-            if is_shard_key(placement.path):
+            path, payload = placement.path, placement.payload
+            if sharded and is_shard_key(path):
                 continue
-            entry = _entry(placement.payload, chunks[placement.path])
-            (part.replicated if placement.payload.replicated else part.entries)[placement.path] = entry
+            if payload.kind == Raw.TENSOR:  # most payloads: inline
+                data = payload.data
+                entry = TensorEntry(dtype_name(data.dtype), list(data.shape), chunks[path], Raw.TENSOR,
+                                    payload.replicated)
+            else:
+                entry = _entry(payload, chunks[path])
+            (shared if payload.replicated else own)[path] = entry
         for path, entry in self.entries.items():
             (part.replicated if entry.replicated else part.entries)[path] = entry
         return part
 
     def _commit_all(self) -> None:
+        if self.version == 2:
+            self._commit_all_v2()
+            return
         try:
             parts = commit_protocol.gather_parts(self.storage, self.take_id, self.world_size)
         except BaseException as e:
@@ -135,6 +155,20 @@ class TakeJob:
             commit_protocol.abort(self.storage, self.take_id, f"rank 0 could not commit: {e!r}")
             raise
         commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
+
+    def _commit_all_v2(self) -> None:
+        try:
+            parts = commit_v2.merge_and_commit(self.storage, self.take_id, self.world_size, self.metadata)
+        except BaseException as e:
+            commit_protocol.abort(self.storage, self.take_id, f"rank 0 could not commit: {e!r}")
+            raise
+        failed = [f"rank {p['rank']}: {p['error']}" for p in parts if p["error"]]
+        if failed:
+            reason = "; ".join(failed)
+            commit_protocol.abort(self.storage, self.take_id, reason)
+            raise SnapshotAbortedError(f"snapshot {self.storage.url} was not committed: {reason}")
+        commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
+        commit_v2.clean_details(self.storage, self.take_id, self.world_size)
 
     def fail(self, error: BaseException) -> None:
         """Tell the other ranks this rank cannot finish, so that none of them waits in vain."""
@@ -171,6 +205,8 @@ class _Agreement:
     take_id: str
     #: The ``replicated`` globs given by every rank (a glob given by some ranks only counts for none).
     replicated: list[str]
+    #: The format version rank 0 writes.
+    version: int = 1
 
 
 def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, replicated: list[str],
@@ -181,7 +217,8 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, rep
     failed still joins this exchange, so the others raise instead of waiting.
     """
     proposal: dict[str, Any] = {"path": path, "take_id": new_take_id(), "replicated": replicated,
-                                "error": repr(local_error) if local_error else None}
+                                "error": repr(local_error) if local_error else None,
+                                "version": SETTINGS.format_version}
     if rank == 0 and local_error is None:
         try:
             commit_protocol.refuse_overwrite(storage)
@@ -199,7 +236,7 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, rep
     if failed:
         raise SnapshotAbortedError(f"snapshot {path} not taken: {'; '.join(failed)}")
     common = [g for g in proposals[0]["replicated"] if all(g in p["replicated"] for p in proposals)]
-    return _Agreement(proposals[0]["path"], proposals[0]["take_id"], common)
+    return _Agreement(proposals[0]["path"], proposals[0]["take_id"], common, proposals[0]["version"])
 
 
 def _globs(replicated: Iterable[str] | None) -> list[str]:
@@ -283,8 +320,9 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     try:
         plan = _plan(app_state, items, agreed.replicated, rank, world_size)
         layout = lay_out(data_file(rank), plan.payloads)
+        shared = commit_v2.expected_shared(items) if agreed.version == 2 and world_size > 1 else ([], {})
     except BaseException as e:  # the others are about to write: make them raise, not wait
         _announce_failure(storage, agreed.take_id, rank, world_size, e)
         raise
     return TakeJob(storage, agreed.take_id, rank, world_size, layout, plan.entries, dict(metadata or {}),
-                   sharded=plan.sharded)
+                   sharded=plan.sharded, version=agreed.version, shared=shared)

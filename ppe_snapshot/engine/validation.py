@@ -24,7 +24,8 @@ from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import is_safe_relative
 
 FORMAT_NAME = "ppe-snapshot"
-FORMAT_VERSION = 1
+#: The newest format version this code reads; it writes ``SETTINGS.format_version`` (2 unless told otherwise).
+FORMAT_VERSION = 2
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 _CONTAINER_KINDS = frozenset({Container.DICT, Container.ORDERED_DICT, Container.LIST, Container.TUPLE})
@@ -68,9 +69,21 @@ def check_document(doc: Any, where: str) -> None:
     if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
         raise UnsupportedFormatError(f"{where} uses checksum {doc.get('checksum_algorithm')!r}, "
                                      f"this ppe-snapshot knows only {CHECKSUM_ALGORITHM!r}")
-    problem = _document_problem(doc)
+    problem = _document_v2_problem(doc) if version == 2 else _document_problem(doc)
     if problem:
         raise CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
+
+
+def _document_v2_problem(doc: dict[str, Any]) -> str | None:
+    """A version-2 manifest's top level: its entries are in index files (``manifest_v2.py``, ``index.py``)."""
+    world_size, take_id = doc.get("world_size"), doc.get("take_id")
+    if type(world_size) is not int or world_size < 1:
+        return f"world_size {world_size!r:.60} is not a positive integer"
+    if type(take_id) is not str or not take_id:
+        return "take_id is not a non-empty string"
+    if type(doc.get("metadata", {})) is not dict:
+        return "metadata is not an object"
+    return None
 
 
 def _document_problem(doc: dict[str, Any]) -> str | None:
@@ -192,6 +205,14 @@ def _itemsize(kind: str, dtype: Any) -> int:
             raise CorruptSnapshotError(f"dtype {dtype!r:.60} is not a numpy dtype of plain data")
         size = _ARRAY_ITEMSIZES[dtype] = np_dtype.itemsize
     return size
+
+
+def dtype_itemsize(kind: str, dtype: Any) -> int:
+    """The element size of a stored dtype (``kind`` ``"tensor"``: a torch name; ``"ndarray"``: numpy's
+    ``dtype.str``); raises :class:`CorruptSnapshotError` for a name that is neither."""
+    if type(dtype) is not str:
+        raise CorruptSnapshotError(f"dtype {dtype!r:.60} is not a name")
+    return _itemsize(kind, dtype)
 
 
 def _element_count(shape: Any, what: str = "shape") -> int:

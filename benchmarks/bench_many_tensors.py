@@ -1,0 +1,200 @@
+"""The cost per tensor: many small tensors, one process (issue 14).
+
+Cases, each against torch.save+fsync / torch.load+copy_ in the same run:
+
+* 64 MiB in N float32 tensors, N = 10^4 and 10^5: take (durable) and restore into the existing tensors
+  (page cache);
+* 10^5 0-d float32 tensors: take and restore;
+* 5,000 small tensors (0.19 GiB): cold restore (page cache dropped) vs the disk's cold read of the same
+  bytes (the snapshot's data file read sequentially, cache dropped), in the same round.
+
+Every method runs once per round, rounds interleave them; the report gives medians.
+
+    python benchmarks/bench_many_tensors.py [--rounds 3] [--dir /path/on/the/disk] [--cases 1e4,1e5,0d,cold]
+    python benchmarks/bench_many_tensors.py --profile take|restore [--count 100000]  # cProfile, top 25
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import platform
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, drop_cache, emit, fsync_path, secs, warm_cache  # noqa: E402
+
+import ppe_snapshot as ps  # noqa: E402
+
+TOTAL = 64 << 20
+
+
+def many(count: int) -> ps.StateDict:
+    torch.manual_seed(0)
+    per = TOTAL // 4 // count
+    return ps.StateDict({f"t{i}": torch.randn(per) for i in range(count)})
+
+
+def scalars(count: int) -> ps.StateDict:
+    torch.manual_seed(0)
+    return ps.StateDict({f"t{i}": torch.tensor(float(i)) for i in range(count)})
+
+
+def small(count: int = 5000) -> ps.StateDict:
+    torch.manual_seed(0)
+    return ps.StateDict({f"t{i}": torch.randn(10240) for i in range(count)})
+
+
+def take(app: dict, path: str) -> float:
+    start = time.perf_counter()
+    ps.Snapshot.take(path, app)
+    return time.perf_counter() - start
+
+
+def restore(app: dict, path: str) -> float:
+    start = time.perf_counter()
+    ps.Snapshot(path).restore(app)
+    return time.perf_counter() - start
+
+
+def torch_save(app: dict, path: str) -> float:
+    start = time.perf_counter()
+    torch.save({k: dict(v.state_dict()) for k, v in app.items()}, path)
+    fsync_path(path)
+    return time.perf_counter() - start
+
+
+def torch_load(app: dict, path: str) -> float:
+    start = time.perf_counter()
+    loaded = torch.load(path, weights_only=True)
+    with torch.no_grad():
+        for key, obj in app.items():
+            own = obj.state_dict()
+            for name, tensor in loaded[key].items():
+                own[name].copy_(tensor)
+    return time.perf_counter() - start
+
+
+def cold_read(path: str) -> float:
+    """The disk's cold sequential read of the snapshot's data files (the same bytes the restore reads)."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(path, "data")) for f in fs]
+    drop_cache(path)
+    block = bytearray(16 << 20)
+    start = time.perf_counter()
+    for name in files:
+        with open(name, "rb", buffering=0) as f:
+            while f.readinto(block):
+                pass
+    return time.perf_counter() - start
+
+
+def run_round(case: str, app: dict, root: str, r: int, results: Results) -> None:
+    snap, pt = os.path.join(root, f"{r}-snap"), os.path.join(root, f"{r}.pt")
+    metrics = {"take": take(app, snap)}
+    warm_cache(snap)
+    metrics["restore"] = restore(app, snap)
+    results.add(case, "ppe-snapshot", metrics)
+    base = {"take": torch_save(app, pt)}
+    warm_cache(pt)
+    base["restore"] = torch_load(app, pt)
+    results.add(case, "torch.save+fsync / torch.load+copy_", base)
+    print(f"   {case} round {r}: snapshot take {metrics['take']:.3f} s restore {metrics['restore']:.3f} s; "
+          f"torch {base['take']:.3f} s / {base['restore']:.3f} s", flush=True)
+    shutil.rmtree(snap)
+    os.remove(pt)
+
+
+def run_cold(app: dict, root: str, r: int, results: Results) -> None:
+    case = "5,000 small tensors, cold"
+    snap = os.path.join(root, f"{r}-cold")
+    ps.Snapshot.take(snap, app)
+    fsync_path(snap)
+    disk = cold_read(snap)
+    drop_cache(snap)
+    cold = restore(app, snap)
+    results.add(case, "ppe-snapshot", {"restore": cold, "disk": disk, "ratio": disk / cold})
+    print(f"   {case} round {r}: restore {cold:.3f} s, disk cold read {disk:.3f} s ({disk / cold:.0%})", flush=True)
+    shutil.rmtree(snap)
+
+
+def report(results: Results, args) -> str:
+    lines = ["### Many tensors (bench_many_tensors.py)", "",
+             f"`python benchmarks/bench_many_tensors.py --rounds {args.rounds}`; {platform.node()}, "
+             f"{os.cpu_count()} cores, torch {torch.__version__}; medians of {args.rounds} rounds.", "",
+             "| case | snapshot take | torch.save+fsync | ratio | snapshot restore | torch.load+copy_ | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for case in dict.fromkeys(c for c, _, _ in results.samples):
+        if "cold" in case:
+            continue
+        t, tt = results.median(case, "ppe-snapshot", "take"), results.median(case, "torch.save+fsync / "
+                                                                             "torch.load+copy_", "take")
+        r, tr = results.median(case, "ppe-snapshot", "restore"), results.median(case, "torch.save+fsync / "
+                                                                                "torch.load+copy_", "restore")
+        lines.append(f"| {case} | {secs(t)} | {secs(tt)} | {tt / t:.1f}x | {secs(r)} | {secs(tr)} | {tr / r:.1f}x |")
+    cold = "5,000 small tensors, cold"
+    if results.median(cold, "ppe-snapshot", "restore") is not None:
+        lines += ["", "| case | cold restore | disk cold read of the data file | restore vs disk |",
+                  "|---|---|---|---|",
+                  f"| {cold} | {secs(results.median(cold, 'ppe-snapshot', 'restore'))} | "
+                  f"{secs(results.median(cold, 'ppe-snapshot', 'disk'))} | "
+                  f"{results.median(cold, 'ppe-snapshot', 'ratio'):.0%} |"]
+    return "\n".join(lines)
+
+
+def profile(what: str, count: int, root: str) -> None:
+    app = {"state": many(count)}
+    path = os.path.join(root, "profiled")
+    ps.Snapshot.take(path, app)  # warm-up (imports); the profiled take goes to a fresh path
+    shutil.rmtree(path)
+    profiler = cProfile.Profile()
+    if what == "take":
+        profiler.runcall(ps.Snapshot.take, path, app)
+    else:
+        ps.Snapshot.take(path, app)
+        warm_cache(path)
+        profiler.runcall(ps.Snapshot(path).restore, app)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--cases", default="1e4,1e5,0d,cold")
+    parser.add_argument("--profile", choices=("take", "restore"))
+    parser.add_argument("--count", type=int, default=100_000)
+    parser.add_argument("--report", default=None, help="also write the markdown report to this file")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="ppe-many-", dir=args.dir)
+    try:
+        if args.profile:
+            profile(args.profile, args.count, root)
+            return
+        cases = args.cases.split(",")
+        states = {"64 MiB in 10^4 float32": (lambda: many(10_000)) if "1e4" in cases else None,
+                  "64 MiB in 10^5 float32": (lambda: many(100_000)) if "1e5" in cases else None,
+                  "10^5 0-d float32": (lambda: scalars(100_000)) if "0d" in cases else None}
+        results = Results()
+        for case, build in states.items():
+            if build is None:
+                continue
+            app = {"state": build()}
+            for r in range(args.rounds):
+                run_round(case, app, root, r, results)
+        if "cold" in cases:
+            app = {"state": small()}
+            for r in range(args.rounds):
+                run_cold(app, root, r, results)
+        emit(report(results, args), args.report)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

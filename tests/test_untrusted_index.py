@@ -1,0 +1,271 @@
+"""Format version 2 as untrusted input: crafted index files and manifests are refused (docs/format.md, sections 8
+and 11), and version 1 snapshots written by this code keep reading, and upgrade.
+
+The index files are read and rewritten here from the format document alone (magic, header length, JSON header,
+padding, the columns in their documented order, the xxh3_64 of everything before): a crafted file carries a
+checksum that matches, as a hostile writer's would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from _asserts import assert_same, written_as
+from _crafted import ARRAY, BIAS, BOTTOM, TOP, WEIGHT, craft, make_sharded, take_small
+from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedFormatError
+from ppe_snapshot.engine import upgrade_snapshot
+from ppe_snapshot.storage import open_storage
+
+#: The columns of an index file, in file order, with their little-endian numpy types (docs/format.md, section 11).
+COLUMNS = [("tensor_dtype", "<u4"), ("tensor_ndim", "<u4"), ("tensor_chunk_end", "<i8"), ("dims", "<i8"),
+           ("chunk_file", "<u4"), ("chunk_offset", "<i8"), ("chunk_nbytes", "<i8"), ("chunk_checksum", "<u8"),
+           ("shard_tensor", "<u4"), ("shard_box", "<i8"), ("shard_chunk_end", "<i8")]
+RANK0 = "index/rank0.idx"
+
+
+def read_index(file: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    data = file.read_bytes()
+    assert data[:8] == b"PPESIDX2"
+    (length,) = struct.unpack_from("<Q", data, 8)
+    header = json.loads(data[16:16 + length])
+    position = 16 + length + (-(16 + length)) % 8
+    cols = {}
+    for name, dtype in COLUMNS:
+        count = header["columns"][name]
+        cols[name] = np.frombuffer(data, dtype=dtype, count=count, offset=position).copy()
+        position += cols[name].nbytes
+    return header, cols
+
+
+def write_index(file: Path, header: dict[str, Any], cols: dict[str, np.ndarray], fix_counts: bool = True) -> None:
+    if fix_counts:
+        header["columns"] = {name: len(cols[name]) for name, _ in COLUMNS}
+    head = json.dumps(header).encode()
+    body = struct.pack("<8sQ", b"PPESIDX2", len(head)) + head + bytes((-(16 + len(head))) % 8)
+    body += b"".join(np.asarray(cols[name], dtype=dtype).tobytes() for name, dtype in COLUMNS)
+    file.write_bytes(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))
+
+
+def craft_index(path: Path, mutate: Callable[[dict[str, Any], dict[str, np.ndarray]], Any], name: str = RANK0,
+                fix_counts: bool = True) -> Path:
+    header, cols = read_index(path / name)
+    mutate(header, cols)
+    write_index(path / name, header, cols, fix_counts)
+    return path
+
+
+def row(header: dict[str, Any], tensor: str) -> int:
+    return header["tensors"].index(tensor)
+
+
+def _first_chunk(header: dict[str, Any], cols: dict[str, np.ndarray], tensor: str) -> int:
+    i = row(header, tensor)
+    return 0 if i == 0 else int(cols["tensor_chunk_end"][i - 1])
+
+
+@pytest.fixture
+def small(tmp_path) -> Path:
+    """The small snapshot of _crafted, written as format version 2."""
+    return take_small(tmp_path / "s")
+
+
+def _reads(path: Path) -> None:
+    """What a reader does first: restore the whole state without targets (allocates from the index)."""
+    Snapshot(str(path)).read_object("0/m")
+
+
+def _set(cols, name, index, value):
+    cols[name][index] = value
+
+
+CRAFTED = {
+    "a stale index of another take": (lambda h, c: h.__setitem__("take_id", "0123456789abcdef"),
+                                      "belongs to take '0123456789abcdef'"),
+    "another rank's index": (lambda h, c: h.__setitem__("rank", 1), "rank 1"),
+    "a file name leaving the snapshot": (lambda h, c: h["files"][0].__setitem__(0, "../outside.bin"),
+                                         "not a normalised relative path"),
+    "an absolute file name": (lambda h, c: h["files"][0].__setitem__(0, "/etc/passwd"),
+                              "not a normalised relative path"),
+    "a file size not a count": (lambda h, c: h["files"][0].__setitem__(1, -1), "files is not a list"),
+    "a chunk beyond its file": (lambda h, c: _set(c, "chunk_offset", 0, 1 << 40), "beyond its recorded size"),
+    "a negative offset": (lambda h, c: _set(c, "chunk_offset", 0, -64), "negative or out of range"),
+    "a chunk naming no listed file": (lambda h, c: _set(c, "chunk_file", 0, 7), "beyond the file table"),
+    "a doubled shape": (lambda h, c: _set(c, "dims", 0, 6), "need"),
+    "a shape claiming 4 TiB": (lambda h, c: _set(c, "dims", 0, 1 << 40), "need"),
+    "a shape overflowing 64 bits": (lambda h, c: c["dims"].__setitem__(slice(0, 2), 1 << 55), "need"),
+    "a negative size": (lambda h, c: _set(c, "dims", 0, -3), "negative or out-of-range"),
+    "an unknown torch dtype": (lambda h, c: h["dtypes"][0].__setitem__(1, "float99"), "float99"),
+    "an object numpy dtype": (lambda h, c: h["dtypes"].__setitem__(
+        int(c["tensor_dtype"][row(h, "m/n")]), ["ndarray", "|O8"]), "plain data"),
+    "a dtype id beyond the table": (lambda h, c: _set(c, "tensor_dtype", 0, 99), "beyond the dtype table"),
+    "chunk ranges out of order": (lambda h, c: _set(c, "tensor_chunk_end", 0, 5), "not consecutive"),
+    "a path listed twice": (lambda h, c: h["tensors"].__setitem__(1, h["tensors"][0]), "distinct paths"),
+    "a tensor also among the other entries": (lambda h, c: h["entries"].__setitem__(h["tensors"][0],
+                                                                                  {"type": "object", "value": 1}),
+                                              "other than the tensors'"),
+    "ndim not matching the dims": (lambda h, c: _set(c, "tensor_ndim", 0, 3), "do not add up"),
+    "a header that is not an object": (lambda h, c: h.clear(), "belongs to take None"),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_crafted_rank_index_is_refused(small, name):
+    mutate, message = CRAFTED[name]
+    craft_index(small, mutate)
+    with pytest.raises(CorruptSnapshotError, match=message):
+        _reads(small)
+    with pytest.raises(CorruptSnapshotError):
+        Snapshot(str(small)).verify(deep=False)
+
+
+@pytest.mark.parametrize("damage", ["checksum", "magic", "truncated", "empty", "column count", "header json"])
+def test_damaged_index_file_is_refused(small, damage):
+    file = small / RANK0
+    data = bytearray(file.read_bytes())
+    if damage == "checksum":
+        data[40] ^= 0xFF
+    elif damage == "magic":
+        data[:8] = b"NOTANIDX"
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    if damage == "column count":
+        craft_index(small, lambda h, c: h["columns"].__setitem__("dims", 10_000), fix_counts=False)
+    elif damage == "header json":
+        head = b"{not json"
+        body = struct.pack("<8sQ", b"PPESIDX2", len(head)) + head + bytes((-(16 + len(head))) % 8)
+        file.write_bytes(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))
+    else:
+        file.write_bytes(bytes(data))
+    with pytest.raises(CorruptSnapshotError, match="index"):
+        _reads(small)
+
+
+def test_missing_index_file_is_refused(small):
+    os.remove(small / RANK0)
+    with pytest.raises(CorruptSnapshotError, match="index file index/rank0.idx is missing"):
+        _reads(small)
+
+
+def test_malformed_other_entry_is_refused_when_used(small):
+    craft_index(small, lambda h, c: h["entries"]["m/step"].__setitem__("type", "bogus"))
+    with pytest.raises(CorruptSnapshotError, match="'m/step' is malformed"):
+        _reads(small)
+    with pytest.raises(CorruptSnapshotError, match="'m/step' is malformed"):
+        Snapshot(str(small)).verify(deep=False)
+
+
+def test_inflated_file_size_is_checked_against_the_disk_before_allocating(small):
+    """Index sizes say 4 TiB; the data file is small: refused before a 4 TiB tensor is allocated."""
+    def inflate(h, c):
+        h["files"][0][1] = 1 << 42
+        c["dims"][row(h, "m/w") * 0:2] = [1 << 20, 1 << 20]  # m/w is the first tensor: [3, 4] -> [2^20, 2^20]
+        c["chunk_nbytes"][_first_chunk(h, c, "m/w")] = (1 << 40) * 4
+    header, _ = read_index(small / RANK0)
+    assert header["tensors"][0] == "m/w"
+    craft_index(small, inflate)
+    with pytest.raises(CorruptSnapshotError, match="missing or truncated"):
+        Snapshot(str(small)).read_object("0/m/w")
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("take_id", None, CorruptSnapshotError), ("take_id", "", CorruptSnapshotError),
+    ("world_size", 0, CorruptSnapshotError), ("world_size", "1", CorruptSnapshotError),
+    ("metadata", [1], CorruptSnapshotError), ("version", 3, UnsupportedFormatError)])
+def test_crafted_top_level_manifest_is_refused(small, field, value, error):
+    doc = json.loads((small / "manifest.json").read_text())
+    assert doc["version"] == 2 and "ranks" not in doc and "files" not in doc
+    doc[field] = value
+    (small / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(error):
+        _reads(small)
+
+
+def test_index_of_a_world_larger_than_written_is_missing(small):
+    doc = json.loads((small / "manifest.json").read_text())
+    doc["world_size"] = 2
+    (small / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptSnapshotError, match="index/rank1.idx is missing"):
+        Snapshot(str(small)).verify(deep=False)
+
+
+# -- sharded tensors in version 2 ---------------------------------------------------------------------
+
+@pytest.fixture
+def sharded(tmp_path) -> Path:
+    """A version-2 snapshot whose rank 0 index holds the two shards of ``m/grid`` (_crafted.make_sharded,
+    written as version 1 and upgraded)."""
+    with written_as(1):
+        old = craft(take_small(tmp_path / "v1"), make_sharded)
+    upgrade_snapshot(open_storage(str(old)), open_storage(str(tmp_path / "v2")))
+    return tmp_path / "v2"
+
+
+def test_sharded_tensor_round_trips_through_the_upgrade(sharded):
+    assert torch.equal(Snapshot(str(sharded)).read_object("0/m/grid"), torch.cat([TOP, BOTTOM]))
+    header, cols = read_index(sharded / RANK0)
+    assert [s[0] for s in header["sharded"]] == ["m/grid"] and len(cols["shard_tensor"]) == 2
+
+
+@pytest.mark.parametrize("name, mutate, message", [
+    ("a shard beyond the global shape", lambda h, c: _set(c, "shard_box", 0, 3), "does not lie within"),
+    ("a shard of another size", lambda h, c: _set(c, "shard_box", 2, 1), "do not hold"),
+    ("a shard of an unknown tensor", lambda h, c: _set(c, "shard_tensor", 0, 5), "beyond the table"),
+    ("boxes left over", lambda h, c: c.__setitem__("shard_box", np.append(c["shard_box"], [0, 0])), "more than"),
+    ("a sharded tensor listed twice", lambda h, c: h["sharded"].append(h["sharded"][0]), "listed twice"),
+])
+def test_crafted_shards_are_refused(sharded, name, mutate, message):
+    craft_index(sharded, mutate)
+    with pytest.raises(CorruptSnapshotError, match=message):
+        Snapshot(str(sharded)).read_object("0/m/grid")
+
+
+def test_shards_not_covering_the_tensor_are_refused(sharded):
+    def drop_second(h, c):
+        c["shard_tensor"], c["shard_box"] = c["shard_tensor"][:1], c["shard_box"][:4]
+        c["shard_chunk_end"] = c["shard_chunk_end"][:1]
+        for name in ("chunk_file", "chunk_offset", "chunk_nbytes", "chunk_checksum"):
+            c[name] = c[name][: int(c["shard_chunk_end"][0])]
+    craft_index(sharded, drop_second)
+    with pytest.raises(CorruptSnapshotError, match="hold 8 of its 16 elements"):
+        Snapshot(str(sharded)).read_object("0/m/grid")
+
+
+# -- version 1 stays readable -------------------------------------------------------------------------
+
+def test_version_1_snapshot_restores_verifies_and_upgrades(tmp_path):
+    with written_as(1):
+        old = take_small(tmp_path / "v1")
+    doc = json.loads((old / "manifest.json").read_text())
+    assert doc["version"] == 1 and "ranks" in doc and not (old / "index").exists()
+    expected = {"w": WEIGHT, "b": BIAS, "n": ARRAY, "top": TOP, "bottom": BOTTOM, "step": 3}
+    for path in (old, tmp_path / "v2"):
+        if path != old:
+            upgrade_snapshot(open_storage(str(old)), open_storage(str(path)))
+            assert json.loads((path / "manifest.json").read_text())["version"] == 2
+            assert (path / "data" / "rank0.bin").read_bytes() == (old / "data" / "rank0.bin").read_bytes()
+        snap = Snapshot(str(path))
+        snap.verify()
+        got = snap.read_object("0/m")
+        assert set(got) == set(expected) and got["step"] == 3 and np.array_equal(got["n"], ARRAY)
+        assert_same({k: got[k] for k in ("w", "b", "top", "bottom")},
+                    {k: expected[k] for k in ("w", "b", "top", "bottom")})
+        target = StateDict(w=torch.zeros(3, 4), b=torch.zeros(4, dtype=torch.float64), n=None,
+                           top=torch.zeros(2, 4), bottom=torch.zeros(2, 4), step=0)
+        snap.restore({"m": target})
+        assert torch.equal(target["w"], WEIGHT) and target["step"] == 3
+        assert sorted(snap.get_manifest()) == ["0/m", "0/m/b", "0/m/bottom", "0/m/n", "0/m/step", "0/m/top",
+                                               "0/m/w"]
+    with pytest.raises(ValueError, match="already a version-2 snapshot"):
+        upgrade_snapshot(open_storage(str(tmp_path / "v2")), open_storage(str(tmp_path / "v3")))
+    shutil.rmtree(old)
