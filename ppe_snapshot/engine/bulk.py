@@ -133,8 +133,9 @@ class BulkTensors:
         order_list = order.tolist()
         for s, e in bounds:
             run = [items[i] for i in order_list[s:e]]
-            self._reads.submit(_read_run, self._storage, names[int(files[s])], offsets[s:e].tolist(),
-                               nbytes[s:e].tolist(), checks[s:e].tolist(), [(p, ptr) for p, _, ptr in run])
+            self._reads.submit(self._storage, _read_run, self._storage, names[int(files[s])],
+                               offsets[s:e].tolist(), nbytes[s:e].tolist(), checks[s:e].tolist(),
+                               [(p, ptr) for p, _, ptr in run])
 
 
 def _read_run(storage: Storage, file: str, offsets: list[int], nbytes: list[int], checks: list[int],

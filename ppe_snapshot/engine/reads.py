@@ -121,9 +121,10 @@ class ReadBatch:
         if self._pending_bytes >= self._next_start:
             self._start(only_long=True)
 
-    def submit(self, fn: Any, *args: Any) -> None:
-        """Run ``fn(*args)`` on the read pool now; ``join()`` waits for it and raises its failure."""
-        self._futures.append(self._executor().submit(fn, *args))
+    def submit(self, storage: Storage, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)``, a read of ``storage``, on its read pool now; ``join()`` waits for it and raises its
+        failure."""
+        self._futures.append(self._executor(storage).submit(fn, *args))
 
     def _start(self, only_long: bool = False) -> None:
         """Hand pending reads to the pool, as runs in file order: all of them, or the long runs only."""
