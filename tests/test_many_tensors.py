@@ -43,11 +43,7 @@ def _zeros_like(state: dict) -> dict:
 def test_many_small_tensors_round_trip_in_place(tmp_path):
     state = _state()
     Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
-    target = _zeros_like(state)
-    before = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
-    restored = StateDict(target)
-    Snapshot(str(tmp_path / "s")).restore({"m": restored})
-    got = restored.state_dict()
+    got, before = _restored_in_place(state, str(tmp_path / "s"), None)
     for key, value in before.items():
         assert got[key] is value, key  # loaded in place
     assert_same({k: v for k, v in got.items() if isinstance(v, torch.Tensor)},
@@ -55,6 +51,26 @@ def test_many_small_tensors_round_trip_in_place(tmp_path):
     assert np.array_equal(got["array"], state["array"]) and got["step"] == 7 and got["name"] == "run"
     chunks = [c for e in manifest_doc(tmp_path / "s")["ranks"][0].values() for c in e.get("chunks", [])]
     assert len(chunks) == 108 and all(c["offset"] % 64 == 0 for c in chunks)
+
+
+def test_many_small_tensors_round_trip_on_an_object_store(s3_bucket):
+    """The bulk reads run on the object store's own read pool (ranged requests in parallel)."""
+    url, options = s3_bucket
+    state = _state()
+    Snapshot.take(f"{url}/s", {"m": StateDict(state)}, storage_options=options)
+    got, before = _restored_in_place(state, f"{url}/s", options)
+    assert all(got[key] is value for key, value in before.items())
+    assert_same({k: v for k, v in got.items() if isinstance(v, torch.Tensor)},
+                {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)})
+
+
+def _restored_in_place(state: dict, path: str, options: dict | None) -> tuple[dict, dict]:
+    """The restored state dict, and the target tensors it was restored into."""
+    target = _zeros_like(state)
+    before = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
+    restored = StateDict(target)
+    Snapshot(path, storage_options=options).restore({"m": restored})
+    return restored.state_dict(), before
 
 
 def test_damaged_byte_of_a_bulk_read_tensor_is_named(tmp_path):
