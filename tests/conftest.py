@@ -112,3 +112,23 @@ def s3_bucket(s3_endpoint):
             client.delete_bucket(Bucket=name)
         except Exception:  # noqa: BLE001 - cleanup is best-effort
             pass
+
+
+@pytest.fixture
+def proxied(s3_bucket, s3_endpoint, monkeypatch):
+    """``(url, storage_options, proxy, client)``: a snapshot path in the test bucket, reached through a fault
+    proxy (``_fault_proxy.py``), with the default S3 retry policy in force."""
+    import boto3
+
+    from _fault_proxy import FaultProxy
+
+    monkeypatch.delenv("AWS_RETRY_MODE", raising=False)
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    url, options = s3_bucket
+    proxy = FaultProxy(s3_endpoint["endpoint_url"])
+    client = boto3.client("s3", endpoint_url=s3_endpoint["endpoint_url"], region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    try:
+        yield f"{url}/run/snap", {**options, "client_kwargs": {"endpoint_url": proxy.url}}, proxy, client
+    finally:
+        proxy.close()

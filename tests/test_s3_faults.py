@@ -5,31 +5,14 @@ S3-protocol test server and answers chosen requests with 500 / 503.
 """
 from __future__ import annotations
 
-import boto3
 import pytest
 import torch
 
-from _fault_proxy import FaultProxy
 from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
 from ppe_snapshot.storage import fsspec as fsspec_storage
 
 MANIFEST_PUT = r"/run/snap/manifest\.json$"
 DATA_PUT = r"/run/snap/data/rank0\.bin$"
-
-
-@pytest.fixture
-def proxied(s3_bucket, s3_endpoint, monkeypatch):
-    """``(url, storage_options, proxy, client)``: the test bucket reached through a fault proxy."""
-    monkeypatch.delenv("AWS_RETRY_MODE", raising=False)
-    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
-    url, options = s3_bucket
-    proxy = FaultProxy(s3_endpoint["endpoint_url"])
-    client = boto3.client("s3", endpoint_url=s3_endpoint["endpoint_url"], region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
-    try:
-        yield f"{url}/run/snap", {**options, "client_kwargs": {"endpoint_url": proxy.url}}, proxy, client
-    finally:
-        proxy.close()
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -98,3 +98,12 @@ class Storage(abc.ABC):
 
     def close(self) -> None:
         """Release open handles (cached readers)."""
+
+
+def check_stored_size(fs: Any, path: str, written: int) -> int:
+    """``written``, once the object store (an fsspec file system) says ``path`` holds that many bytes."""
+    fs.invalidate_cache(path)
+    stored = fs.size(path)
+    if stored != written:
+        raise OSError(f"{path}: stored size {stored} differs from the {written} bytes written")
+    return written

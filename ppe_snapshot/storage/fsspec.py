@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import fsspec
 
-from ppe_snapshot.storage.base import BlobWriter, Storage
+from ppe_snapshot.storage.base import BlobWriter, Storage, check_stored_size
 from ppe_snapshot.storage.multipart import MultipartWriter, check_part_size, supports_multipart
 from ppe_snapshot.storage.ranged import RangedReader
 from ppe_snapshot.storage.tuning import Tuning, split_tuning
@@ -46,11 +46,7 @@ class _FsspecBlobWriter(BlobWriter):
 
     def close(self) -> int:
         self._file.close()
-        self._fs.invalidate_cache(self._path)
-        stored = self._fs.size(self._path)
-        if stored != self._size:
-            raise OSError(f"{self._path}: stored size {stored} differs from the {self._size} bytes written")
-        return self._size
+        return check_stored_size(self._fs, self._path, self._size)
 
     def abort(self) -> None:
         discard = getattr(self._file, "discard", None)

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import fsspec.asyn
 
-from ppe_snapshot.storage.base import BlobWriter
+from ppe_snapshot.storage.base import BlobWriter, check_stored_size
 from ppe_snapshot.storage.tuning import Tuning
 
 #: S3's limits: every part but the last at least 5 MiB, at most 10,000 parts.
@@ -105,11 +105,7 @@ class MultipartWriter(BlobWriter):
         except BaseException:
             self.abort()
             raise
-        self._fs.invalidate_cache(self._path)
-        stored = self._fs.size(self._path)
-        if stored != self._size:
-            raise OSError(f"{self._path}: stored size {stored} differs from the {self._size} bytes written")
-        return self._size
+        return check_stored_size(self._fs, self._path, self._size)
 
     def abort(self) -> None:
         if self._done:
