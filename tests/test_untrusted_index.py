@@ -157,6 +157,19 @@ def test_missing_index_file_is_refused(small):
         _reads(small)
 
 
+@pytest.mark.parametrize("name", [RANK0, "index/shared.idx", "manifest.json"])
+def test_metadata_file_that_links_out_of_the_snapshot_is_refused(small, tmp_path, name):
+    """An index file or manifest that is a symbolic link to a file outside the snapshot is never read, even a
+    copy of the right bytes."""
+    outside = tmp_path / "outside-copy"
+    shutil.copyfile(small / name, outside)
+    os.remove(small / name)
+    os.symlink(outside, small / name)
+    with pytest.raises(CorruptSnapshotError, match="outside the snapshot directory") as info:
+        Snapshot(str(small)).verify(deep=False)  # reads every index
+    assert name in str(info.value)
+
+
 def test_malformed_other_entry_is_refused_when_used(small):
     craft_index(small, lambda h, c: h["entries"]["m/step"].__setitem__("type", "bogus"))
     with pytest.raises(CorruptSnapshotError, match="'m/step' is malformed"):

@@ -262,7 +262,9 @@ class LocalStorage(Storage):
         fsync_dir(os.path.dirname(path))
 
     def read_bytes(self, rel: str) -> bytes:
-        with os.fdopen(self._open_regular(rel, self._abs(rel)), "rb") as f:
+        """A whole small file of the snapshot (the manifest, index files, parts), read like a data file: a
+        regular file whose real place is inside the snapshot directory."""
+        with os.fdopen(self._open_contained(rel, self._abs(rel)), "rb") as f:
             return f.read()
 
     def _open_regular(self, rel: str, path: str) -> int:
@@ -290,7 +292,10 @@ class LocalStorage(Storage):
                                        "snapshot directory (a symbolic link?)")
 
     def _open_data(self, rel: str) -> int:
-        path = self._data_path(rel)
+        return self._open_contained(rel, self._data_path(rel))
+
+    def _open_contained(self, rel: str, path: str) -> int:
+        """Open a regular file to read, refusing one whose real place is outside the snapshot directory."""
         fd = self._open_regular(rel, path)
         try:
             try:  # where the open file really is, immune to a link swapped after the open
