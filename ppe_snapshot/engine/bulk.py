@@ -18,15 +18,16 @@ import numpy as np
 import torch
 import xxhash
 
+from ppe_snapshot.engine.flatten import child_path
 from ppe_snapshot.engine.index import Index, IndexTable
 from ppe_snapshot.engine.manifest import Manifest
-from ppe_snapshot.engine.reads import ReadBatch, mismatch_error, truncated_error
+from ppe_snapshot.engine.reads import ReadBatch, mismatch_error, read_file_into
 from ppe_snapshot.engine.serialization import torch_dtype
 from ppe_snapshot.storage import Storage
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: Neighbouring chunks at most this far apart share a read, of at most this many bytes.
-MAX_GAP, MAX_RUN = 4096, 32 << 20
+#: Neighbouring chunks share a read as in every batch of reads.
+MAX_GAP, MAX_RUN = ReadBatch.MAX_GAP, ReadBatch.MAX_RUN
 #: Tensors up to this size are loaded in bulk; larger ones are read straight into their targets.
 SMALL_BYTES = 1 << 20
 
@@ -93,8 +94,7 @@ class BulkTensors:
             target = get(key)
             if type(target) not in _PLAIN:
                 continue
-            child = f"{path}/{key}" if "%" not in key and "/" not in key else \
-                f"{path}/{key.replace('%', '%25').replace('/', '%2F')}"
+            child = f"{path}/{key}" if "%" not in key and "/" not in key else child_path(path, key)
             for number, (_, rows) in enumerate(sources):
                 row = rows.rows.get(child)
                 if row is not None or (own is not None and number == 0 and child in rows.others):
@@ -144,10 +144,7 @@ def _read_run(storage: Storage, file: str, offsets: list[int], nbytes: list[int]
     start = offsets[0]
     buffer = bytearray(offsets[-1] + nbytes[-1] - start)
     view = memoryview(buffer)
-    try:
-        storage.read_into(file, start, view)
-    except (EOFError, FileNotFoundError) as e:
-        raise truncated_error(storage, file, e) from e
+    read_file_into(storage, file, start, view)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
     digest, move = xxhash.xxh3_64_intdigest, ctypes.memmove
     for offset, n, check, (path, pointer) in zip(offsets, nbytes, checks, targets):

@@ -1,7 +1,6 @@
 """Reading stored bytes back, checksum-verified: straight into their destination, batched, or streamed."""
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -11,21 +10,26 @@ import xxhash
 from ppe_snapshot.engine.manifest import Chunk, Entry, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine.packing import CHUNK_BYTES, checksum, row_major_blocks, tensor_bytes
 from ppe_snapshot.errors import CorruptSnapshotError
-from ppe_snapshot.storage import Storage
+from ppe_snapshot.storage import Storage, shared_pool
 
 # Smallest host buffer used when a read must go through one (device or dtype change).
 ALIGN_STEP = 1 << 16
 
 
-def truncated_error(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
+def _truncated_error(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
     return CorruptSnapshotError(f"data file {file} of {storage.url} is missing or truncated: {error}")
 
 
-def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
+def read_file_into(storage: Storage, file: str, offset: int, out: memoryview) -> None:
+    """``out`` from data file ``file`` at ``offset``; a missing or short file is CorruptSnapshotError."""
     try:
-        storage.read_into(chunk.file, chunk.offset + offset, out)
+        storage.read_into(file, offset, out)
     except (EOFError, FileNotFoundError) as e:
-        raise truncated_error(storage, chunk.file, e) from e
+        raise _truncated_error(storage, file, e) from e
+
+
+def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
+    read_file_into(storage, chunk.file, chunk.offset + offset, out)
 
 
 def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
@@ -41,7 +45,7 @@ def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
             try:
                 size = storage.known_size(chunk.file)
             except FileNotFoundError as e:
-                raise truncated_error(storage, chunk.file, e) from e
+                raise _truncated_error(storage, chunk.file, e) from e
             if chunk.offset + chunk.nbytes > size:
                 raise CorruptSnapshotError(
                     f"data file {chunk.file} of {storage.url} is missing or truncated: it holds {size} bytes, and "
@@ -87,16 +91,10 @@ class ReadBatch:
     failure. Without a batch, reads happen at once.
     """
 
-    #: Reads in flight on a local disk (``Storage.read_workers``; object stores ask for more). Two is this
-    #: machine's best for a cold disk: one reader left it half idle, and four per process (eight for two
-    #: ranks) made the 4 -> 2 FSDP restore 1.5x slower.
-    WORKERS = 2
     #: Neighbouring chunks at most this far apart share one vectored read ...
     MAX_GAP = 4096
     #: ... of at most this many bytes.
     MAX_RUN = 32 << 20
-    _pools: dict[int, ThreadPoolExecutor] = {}
-    _pool_lock = threading.Lock()
 
     def __init__(self) -> None:
         self._reads: list[tuple[Storage, Chunk, memoryview, str]] = []
@@ -104,13 +102,11 @@ class ReadBatch:
         self._next_start = self.MAX_RUN
         self._futures: list[Future[None]] = []
 
-    @classmethod
-    def _executor(cls, storage: Storage) -> ThreadPoolExecutor:
-        workers = getattr(storage, "read_workers", cls.WORKERS)
-        with cls._pool_lock:
-            if workers not in cls._pools:
-                cls._pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ppe-snapshot-read")
-            return cls._pools[workers]
+    @staticmethod
+    def _executor(storage: Storage) -> ThreadPoolExecutor:
+        """The pool of ``storage.read_workers`` threads (reads in flight: 2 on a local disk, more on object
+        stores)."""
+        return shared_pool("ppe-snapshot-read", storage.read_workers)
 
     def read_into(self, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
         position = 0
@@ -182,7 +178,7 @@ def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
     try:
         storage.read_vectored(first.file, first.offset, views)
     except (EOFError, FileNotFoundError) as e:
-        raise truncated_error(storage, first.file, e) from e
+        raise _truncated_error(storage, first.file, e) from e
     for _, chunk, view, what in run:
         if checksum(view) != chunk.checksum:
             raise _mismatch(storage, chunk, what)

@@ -43,7 +43,9 @@ class Storage(abc.ABC):
 
     #: The snapshot location as the user gave it (a path or a URL).
     url: str
-    #: Reads the engine keeps in flight on this storage (two for a local disk: see ``engine/reads.py``).
+    #: Reads the engine keeps in flight on this storage. Two is the best for a cold local disk here: one
+    #: reader left it half idle, and four per process (eight for two ranks) made the 4 -> 2 FSDP restore 1.5x
+    #: slower. Object stores ask for more (``storage/tuning.py``).
     read_workers: int = 2
 
     @abc.abstractmethod

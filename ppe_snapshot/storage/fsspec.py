@@ -8,8 +8,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import fsspec
 
 from ppe_snapshot.storage.base import BlobWriter, Storage, check_stored_size
-from ppe_snapshot.storage.multipart import MultipartWriter, check_part_size, supports_multipart
-from ppe_snapshot.storage.ranged import RangedReader
+from ppe_snapshot.storage.multipart import MultipartWriter, byte_view, check_part_size, supports_multipart
+from ppe_snapshot.storage.ranged import RangedReader, read_range
 from ppe_snapshot.storage.tuning import Tuning, split_tuning
 
 #: File systems of keys rather than directories: nothing to create, and there ``makedirs`` would create a
@@ -115,27 +115,13 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self._abs(rel))
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
-        if self._ranged is not None:
-            self._ranged.read(self._abs(rel), offset, [out])
-            return
-        path = self._abs(rel)
-        try:
-            data = self.fs.cat_file(path, start=offset, end=offset + out.nbytes)
-        except FileNotFoundError:
-            raise
-        except OSError:  # object stores refuse a range that starts past the end of the object
-            if offset < self.fs.size(path):
-                raise
-            data = b""
-        if len(data) < out.nbytes:
-            raise EOFError(f"{path} ends at byte {offset + len(data)}, expected at least {offset + out.nbytes}")
-        out[:] = data
+        self.read_vectored(rel, offset, [out])
 
     def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
         if self._ranged is not None:  # ranged requests in parallel, into the views
             self._ranged.read(self._abs(rel), offset, views)
         else:
-            super().read_vectored(rel, offset, views)
+            read_range(self.fs, self._abs(rel), offset, [byte_view(v) for v in views])
 
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self._abs(rel))

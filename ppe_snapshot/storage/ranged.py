@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, Sequence
 
 import fsspec.asyn
 
 from ppe_snapshot.storage.multipart import byte_view, supports_multipart
+from ppe_snapshot.storage.pools import shared_pool
 from ppe_snapshot.storage.tuning import Tuning
 
 #: Attempts at one piece whose response body breaks off (the request itself is retried by the store's policy).
@@ -25,17 +25,6 @@ STREAM_ATTEMPTS = 3
 
 #: Smallest range a read is split into: below it a request's round trip costs more than its transfer.
 MIN_RANGE = 1 << 20
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _pools_lock:
-        if workers not in _pools:
-            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ppe-snapshot-ranged-read")
-        return _pools[workers]
-
 
 def _targets(views: list[memoryview], starts: list[int], start: int, end: int) -> list[memoryview]:
     """The parts of ``views`` (laid end to end; ``starts`` their offsets) that cover bytes ``start..end``."""
@@ -52,6 +41,35 @@ def _targets(views: list[memoryview], starts: list[int], start: int, end: int) -
 
 def _short(path: str, start: int, got: int, wanted: int) -> EOFError:
     return EOFError(f"{path} ends at byte {start + got}, expected at least {start + wanted}")
+
+
+def _raise_if_past_the_end(fs: Any, path: str, start: int, wanted: int) -> None:
+    """On a failed ranged request: EOFError where the range starts past the end of the object (object stores
+    refuse such a range rather than answer it short); otherwise the caller re-raises its error."""
+    if start >= fs.size(path):
+        raise _short(path, start, 0, wanted) from None
+
+
+def read_range(fs: Any, path: str, start: int, targets: Sequence[memoryview]) -> None:
+    """Fill ``targets`` in order from the consecutive bytes of ``path`` at ``start``: one ``cat_file`` of the
+    range on any fsspec file system. A short object is EOFError."""
+    wanted = sum(t.nbytes for t in targets)
+    try:
+        data = memoryview(fs.cat_file(path, start=start, end=start + wanted))
+    except FileNotFoundError:
+        raise
+    except OSError:
+        _raise_if_past_the_end(fs, path, start, wanted)
+        raise
+    if data.nbytes < wanted:
+        raise _short(path, start, data.nbytes, wanted)
+    if data.nbytes > wanted:  # an HTTP server that ignores Range answers with the whole file
+        raise OSError(f"{path}: asked for {wanted} bytes at {start}, got {data.nbytes}: the store ignored the "
+                      "range request")
+    position = 0
+    for target in targets:
+        target[:] = data[position:position + target.nbytes]
+        position += target.nbytes
 
 
 class RangedReader:
@@ -75,8 +93,8 @@ class RangedReader:
             for start, targets in pieces:
                 self._fetch(path, start, targets)
             return
-        futures: list[Future[None]] = [_pool(self._tuning.read_workers).submit(self._fetch, path, start, targets)
-                                       for start, targets in pieces]
+        pool = shared_pool("ppe-snapshot-ranged-read", self._tuning.read_workers)
+        futures: list[Future[None]] = [pool.submit(self._fetch, path, start, targets) for start, targets in pieces]
         wait(futures)  # every piece ends before the caller may reuse the memory, even when one failed
         for future in futures:
             error = future.exception()
@@ -84,27 +102,16 @@ class RangedReader:
                 raise error
 
     def _fetch(self, path: str, start: int, targets: list[memoryview]) -> None:
-        wanted = sum(t.nbytes for t in targets)
+        if not self._streams:
+            read_range(self._fs, path, start, targets)
+            return
         try:
-            if self._streams:
-                fsspec.asyn.sync(self._fs.loop, self._stream_into, path, start, targets)
-                return
-            data = memoryview(self._fs.cat_file(path, start=start, end=start + wanted))
+            fsspec.asyn.sync(self._fs.loop, self._stream_into, path, start, targets)
         except (EOFError, FileNotFoundError):
             raise
-        except OSError:  # object stores refuse a range that starts past the end of the object
-            if start < self._fs.size(path):
-                raise
-            raise _short(path, start, 0, wanted) from None
-        if data.nbytes < wanted:
-            raise _short(path, start, data.nbytes, wanted)
-        if data.nbytes > wanted:  # an HTTP server that ignores Range answers with the whole file
-            raise OSError(f"{path}: asked for {wanted} bytes at {start}, got {data.nbytes}: the store ignored the "
-                          "range request")
-        position = 0
-        for target in targets:
-            target[:] = data[position:position + target.nbytes]
-            position += target.nbytes
+        except OSError:
+            _raise_if_past_the_end(self._fs, path, start, sum(t.nbytes for t in targets))
+            raise
 
     async def _stream_into(self, path: str, start: int, targets: list[memoryview]) -> None:
         from aiohttp import ClientPayloadError
