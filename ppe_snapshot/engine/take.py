@@ -144,11 +144,7 @@ class TakeJob:
         except BaseException as e:
             commit_protocol.abort(self.storage, self.take_id, f"rank 0 stopped waiting: {e!r}")
             raise
-        failed = [f"rank {p.rank}: {p.error}" for p in parts if p.error]
-        if failed:
-            reason = "; ".join(failed)
-            commit_protocol.abort(self.storage, self.take_id, reason)
-            raise SnapshotAbortedError(f"snapshot {self.storage.url} was not committed: {reason}")
+        self._abort_on_failures([f"rank {p.rank}: {p.error}" for p in parts if p.error])
         try:
             commit_protocol.commit(self.storage, commit_protocol.merge(parts, self.take_id, self.metadata))
         except BaseException as e:
@@ -162,13 +158,16 @@ class TakeJob:
         except BaseException as e:
             commit_protocol.abort(self.storage, self.take_id, f"rank 0 could not commit: {e!r}")
             raise
-        failed = [f"rank {p['rank']}: {p['error']}" for p in parts if p["error"]]
-        if failed:
-            reason = "; ".join(failed)
-            commit_protocol.abort(self.storage, self.take_id, reason)
-            raise SnapshotAbortedError(f"snapshot {self.storage.url} was not committed: {reason}")
+        self._abort_on_failures([f"rank {p['rank']}: {p['error']}" for p in parts if p["error"]])
         commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
         commit_v2.clean_details(self.storage, self.take_id, self.world_size)
+
+    def _abort_on_failures(self, failures: list[str]) -> None:
+        """Rank 0, when some ranks reported failing: abort the take (every rank raises) and raise."""
+        if failures:
+            reason = "; ".join(failures)
+            commit_protocol.abort(self.storage, self.take_id, reason)
+            raise SnapshotAbortedError(f"snapshot {self.storage.url} was not committed: {reason}")
 
     def fail(self, error: BaseException) -> None:
         """Tell the other ranks this rank cannot finish, so that none of them waits in vain."""
