@@ -102,3 +102,18 @@ def test_bulk_restore_names_a_target_of_another_shape_or_dtype(tmp_path):
         target["t17"] = wrong
         with pytest.raises(StateMismatchError, match="m/t17"):
             Snapshot(str(tmp_path / "s")).restore({"m": StateDict(target)})
+
+
+def test_conjugate_and_negative_views_are_stored_as_they_read(tmp_path):
+    """A conjugate or negative view's memory holds other values than it shows: neither the gathered writes
+    of small tensors nor the direct writes of large ones may copy that memory as it is."""
+    torch.manual_seed(1)
+    large = packing.GATHER_BYTES // 8 + 5  # complex64: beyond the gathering size
+    views = {"small_conj": torch.randn(7, dtype=torch.cfloat).conj(), "small_neg": torch._neg_view(torch.randn(9)),
+             "large_conj": torch.randn(large, dtype=torch.cfloat).conj(),
+             "large_neg": torch._neg_view(torch.randn(large * 2))}
+    state = {**views, **{f"f{i}": torch.randn(3) for i in range(20)}}
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
+    snapshot = Snapshot(str(tmp_path / "s"))
+    for key, view in views.items():
+        assert torch.equal(snapshot.read_object(f"0/m/{key}"), view.resolve_conj().resolve_neg()), key

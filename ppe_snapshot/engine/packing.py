@@ -64,8 +64,18 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def is_direct(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's memory can be written or read as is."""
-    return tensor.is_cpu and tensor.is_contiguous()  # is_cpu: a fifth of device.type's cost
+    """Whether a tensor's memory can be written or read as is: on the host, contiguous, and no conjugate or
+    negative view (whose memory holds other values than the tensor shows)."""
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_copyable_raw(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's bytes may be copied straight from its memory (``ctypes.memmove``): a plain tensor (no
+    subclass with its own storage semantics) that :func:`is_direct` allows."""
+    return type(tensor) in _PLAIN_TENSORS and is_direct(tensor)
 
 
 @dataclass(slots=True)
@@ -227,8 +237,8 @@ class PayloadAppender:
     def append(self, payload: Payload, bounce: torch.Tensor | None) -> list[Chunk]:
         """Write ``payload`` at the current position; its chunks (one empty chunk when it has no bytes)."""
         data = payload.data
-        if payload.kind == Raw.TENSOR and data.is_cpu and data.is_contiguous() \
-                and data.nbytes <= min(GATHER_BYTES, CHUNK_BYTES):  # CHUNK_BYTES at call time: tests shrink it
+        if payload.kind == Raw.TENSOR and data.nbytes <= min(GATHER_BYTES, CHUNK_BYTES) \
+                and is_copyable_raw(data):  # CHUNK_BYTES at call time: tests shrink it
             return [self._append_small(data.data_ptr(), data.nbytes)]
         self._end_gather()
         start, bounced, chunks = self.position, needs_bounce(payload), []
@@ -291,8 +301,9 @@ def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
     A small CPU tensor is copied with one ``memmove`` (about 1 us, against
     8 us for slicing, viewing and ``copy_``: the cost per tensor of a state of
     10^5 tensors); a large one with ``copy_``, on torch's intra-op threads;
-    anything else (device, non-contiguous, conjugate or negative views,
-    subclasses) with ``copy_`` too, which resolves it.
+    anything else (see :func:`is_copyable_raw`: device, non-contiguous,
+    conjugate or negative views, subclasses) with ``copy_`` too, which
+    resolves it.
     """
     if buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous() or buffer.numel() < layout.size:
         raise ValueError(f"a staging buffer must be a contiguous CPU uint8 tensor of at least {layout.size} bytes, "
@@ -304,8 +315,7 @@ def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
         if p.payload.kind == Raw.TENSOR:
             if not n:
                 continue
-            if n < SMALL_COPY_BYTES and type(data) is torch.Tensor and data.is_cpu and data.is_contiguous() \
-                    and not data.is_conj() and not data.is_neg():
+            if n < SMALL_COPY_BYTES and is_copyable_raw(data):
                 ctypes.memmove(base + p.offset, data.data_ptr(), n)
             else:
                 on_cuda = data.is_cuda
