@@ -6,6 +6,7 @@ reader does with each kind.
 """
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Final, NamedTuple
 
@@ -28,6 +29,15 @@ PARTS_DIR: Final = ".parts"
 def data_file(rank: int) -> str:
     """The data file rank ``rank`` writes."""
     return f"data/rank{rank}.bin"
+
+
+_DATA_FILE = re.compile(r"data/rank(\d+)\.bin")
+
+
+def data_file_rank(name: str) -> int | None:
+    """The rank whose :func:`data_file` is ``name``; None for any other name."""
+    match = _DATA_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def new_take_id() -> str:
@@ -101,4 +111,4 @@ class Container:
 
 
 __all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "Raw", "abort_name",
-           "data_file", "new_take_id", "parse_parts_name", "part_name", "rank_index", "takes_in_progress"]
+           "data_file", "data_file_rank", "new_take_id", "parse_parts_name", "part_name", "rank_index", "takes_in_progress"]

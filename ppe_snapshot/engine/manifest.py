@@ -303,9 +303,7 @@ class Manifest:
             "replicated": entries_to_json(self.replicated),
             "sharded": entries_to_json(self.sharded),
             "ranks": [entries_to_json(r) for r in self.ranks],
-            # Additive fields (readers ignore keys they do not know): the commit time and the writing versions.
-            "committed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
-            "written_by": writer_versions(),
+            **commit_stamp(),
         }
         return jsonio.dumps(doc, free_form=self.metadata)
 
@@ -331,9 +329,7 @@ class Manifest:
             take_id=doc.get("take_id", ""),
             metadata=doc.get("metadata", {}),
             sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only=Kind.SHARDED),
-            committed_at=doc["committed_at"] if isinstance(doc.get("committed_at"), str) else None,
-            written_by={k: v for k, v in doc["written_by"].items() if isinstance(v, str)}
-            if isinstance(doc.get("written_by"), dict) else {},
+            **read_stamp(doc),
         )
 
 
@@ -345,6 +341,22 @@ def parse_document(data: bytes, where: str) -> dict[str, Any]:
         raise CorruptSnapshotError(f"{where} is not valid JSON ({e}); the snapshot is damaged") from e
     check_document(doc, where)
     return doc
+
+
+def commit_stamp() -> dict[str, Any]:
+    """The informative fields of a manifest of any version (readers ignore keys they do not know): the commit
+    time and the versions that wrote it."""
+    return {"committed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+            "written_by": writer_versions()}
+
+
+def read_stamp(doc: dict[str, Any]) -> dict[str, Any]:
+    """:func:`commit_stamp`'s fields of a read manifest as :class:`Manifest` keeps them (absent or malformed:
+    None and ``{}``; they are informative, never required)."""
+    written_by = doc.get("written_by")
+    return {"committed_at": doc["committed_at"] if isinstance(doc.get("committed_at"), str) else None,
+            "written_by": {k: v for k, v in written_by.items() if isinstance(v, str)}
+            if isinstance(written_by, dict) else {}}
 
 
 def writer_versions() -> dict[str, str]:

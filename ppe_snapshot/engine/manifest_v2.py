@@ -10,25 +10,22 @@ other ranks' indexes only for a sharded tensor whose shards in its own index do 
 """
 from __future__ import annotations
 
-import datetime
 import math
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable
 
 from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, rank_index
+from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, data_file_rank, rank_index
 from ppe_snapshot.engine.index import Index, IndexBuilder, IndexTable, decode_index
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.manifest import (
-    Entry, Manifest, Shard, ShardedTensorEntry, parse_document, writer_versions,
+    Entry, Manifest, Shard, ShardedTensorEntry, commit_stamp, parse_document, read_stamp,
 )
 from ppe_snapshot.engine.validation import CHECKSUM_ALGORITHM, FORMAT_NAME
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
 from ppe_snapshot.storage import Storage
 
 VERSION = 2
-_RANK_FILE = re.compile(r"data/rank(\d+)\.bin")
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -61,17 +58,14 @@ def shared_index_bytes(take_id: str, replicated: Mapping[str, Entry], sharded: M
 
 def top_bytes(world_size: int, take_id: str, metadata: dict[str, Any]) -> bytes:
     doc = {"format": FORMAT_NAME, "version": VERSION, "checksum_algorithm": CHECKSUM_ALGORITHM,
-           "world_size": world_size, "take_id": take_id, "metadata": metadata,
-           "committed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
-           "written_by": writer_versions()}
+           "world_size": world_size, "take_id": take_id, "metadata": metadata, **commit_stamp()}
     return jsonio.dumps(doc, free_form=metadata)
 
 
 def writer_rank(shard: Shard, world_size: int) -> int:
     """The rank whose index lists a shard of a manifest built in one process: the rank of its data file."""
-    match = _RANK_FILE.fullmatch(shard.chunks[0].file) if shard.chunks else None
-    rank = int(match.group(1)) if match else 0
-    return rank if rank < world_size else 0
+    rank = data_file_rank(shard.chunks[0].file) if shard.chunks else None
+    return rank if rank is not None and rank < world_size else 0
 
 
 def write_manifest(storage: Storage, manifest: Manifest) -> None:
@@ -87,8 +81,8 @@ def write_manifest(storage: Storage, manifest: Manifest) -> None:
     owned: list[list[str]] = [[] for _ in range(world_size)]
     unowned = []
     for name in files:
-        match = _RANK_FILE.fullmatch(name)
-        (owned[int(match.group(1))] if match and int(match.group(1)) < world_size else unowned).append(name)
+        rank = data_file_rank(name)
+        (owned[rank] if rank is not None and rank < world_size else unowned).append(name)
     for rank in range(world_size):
         data = rank_index_bytes(manifest.take_id, rank, manifest.ranks[rank], shards[rank], files, owned[rank])
         storage.put_atomic(rank_index(rank), data)
@@ -302,13 +296,9 @@ def read(storage: Storage, doc: dict[str, Any], where: str) -> Manifest:
     manifest = Manifest(
         world_size=doc["world_size"], ranks=_Ranks(indexes), replicated=shared, files=_AllFiles(indexes),
         take_id=doc["take_id"], metadata=doc.get("metadata", {}), sharded=ShardedTable(indexes),
-        committed_at=doc["committed_at"] if isinstance(doc.get("committed_at"), str) else None,
-        written_by={k: v for k, v in doc["written_by"].items() if isinstance(v, str)}
-        if isinstance(doc.get("written_by"), dict) else {},
-        version=VERSION)
+        version=VERSION, **read_stamp(doc))
     manifest.indexes = indexes
     return manifest
-
 
 
 def read_manifest(storage: Storage) -> Manifest:
