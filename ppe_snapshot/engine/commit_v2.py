@@ -19,7 +19,7 @@ import xxhash
 
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.commit import RankPart, check_sizes, commit, gather_documents, refuse_overwrite
-from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, part_name, rank_index
+from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, detail_name, part_name, rank_index
 from ppe_snapshot.engine.index import decode_index
 from ppe_snapshot.engine.manifest import ContainerEntry, Entry, entries_from_json, entries_to_json, entry_to_json
 from ppe_snapshot.engine.manifest_v2 import read_manifest, rank_index_bytes, shared_index_bytes, top_bytes
@@ -63,11 +63,6 @@ def publish(storage: Storage, take_id: str, part: RankPart, shared: tuple[list[s
     # Read by rank 0 only for the first rank and where a rank differs from it: a file of its own.
     storage.put_atomic(detail_name(take_id, part.rank), jsonio.dumps({"sharded": table, "shared": shared[0]}))
     storage.put_atomic(part_name(take_id, part.rank), jsonio.dumps(doc))
-
-
-def detail_name(take_id: str, rank: int) -> str:
-    """What a rank's part leaves out: its table of sharded tensors and the shared paths it expects."""
-    return part_name(take_id, rank).removesuffix(".json") + ".detail.json"
 
 
 def _detail(storage: Storage, take_id: str, part: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,12 @@ def part_name(take_id: str, rank: int) -> str:
     return f"{PARTS_DIR}/{take_id}.rank{rank}.json"
 
 
+def detail_name(take_id: str, rank: int) -> str:
+    """What a rank's part of a version-2 take leaves out (its table of sharded tensors, the shared paths it
+    expects), published just before the part."""
+    return f"{PARTS_DIR}/{take_id}.rank{rank}.detail.json"
+
+
 def abort_name(take_id: str) -> str:
     """The marker rank 0 writes instead of the manifest when a take fails."""
     return f"{PARTS_DIR}/{take_id}.abort"
@@ -111,4 +117,5 @@ class Container:
 
 
 __all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "Raw", "abort_name",
-           "data_file", "data_file_rank", "new_take_id", "parse_parts_name", "part_name", "rank_index", "takes_in_progress"]
+           "data_file", "data_file_rank", "detail_name", "new_take_id", "parse_parts_name", "part_name", "rank_index",
+           "takes_in_progress"]
