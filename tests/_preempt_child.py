@@ -24,10 +24,14 @@ from _extension_workers import Run, batch, make_writer
 
 
 def children() -> list[int]:
+    """This process's child processes, from every thread's ``children`` list."""
     pids: list[int] = []
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            pids += [int(p) for p in f.read().split()]
+        try:
+            with open(path) as f:
+                pids += [int(p) for p in f.read().split()]
+        except FileNotFoundError:  # a thread that ended since the listing (its children passed to another thread)
+            pass
     return pids
 
 
