@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +21,29 @@ import xxhash
 from ppe_snapshot import Snapshot, StateDict
 
 DATA = "data/rank0.bin"
+
+#: The columns of an index file, in file order, with their little-endian numpy types (docs/format.md, section 11).
+COLUMNS = [("tensor_dtype", "<u4"), ("tensor_ndim", "<u4"), ("tensor_chunk_end", "<i8"), ("dims", "<i8"),
+           ("chunk_file", "<u4"), ("chunk_offset", "<i8"), ("chunk_nbytes", "<i8"), ("chunk_checksum", "<u8"),
+           ("shard_tensor", "<u4"), ("shard_box", "<i8"), ("shard_chunk_end", "<i8")]
+RANK0 = "index/rank0.idx"
+
+
+def read_index(file: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The JSON header and the columns (writable copies) of an index file, read by the format document."""
+    data = file.read_bytes()
+    assert data[:8] == b"PPESIDX2"
+    (length,) = struct.unpack_from("<Q", data, 8)
+    header = json.loads(data[16:16 + length])
+    position = 16 + length + (-(16 + length)) % 8
+    cols = {}
+    for name, dtype in COLUMNS:
+        count = header["columns"][name]
+        cols[name] = np.frombuffer(data, dtype=dtype, count=count, offset=position).copy()
+        position += cols[name].nbytes
+    return header, cols
+
+
 #: The values ``take_small`` saves under app state key ``"m"``.
 WEIGHT = torch.arange(12, dtype=torch.float32).reshape(3, 4)
 BIAS = torch.arange(4, dtype=torch.float64)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from _asserts import assert_same, manifest_doc
+from _crafted import RANK0, read_index
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError
 from ppe_snapshot.engine import packing
 
@@ -117,3 +119,35 @@ def test_conjugate_and_negative_views_are_stored_as_they_read(tmp_path):
     snapshot = Snapshot(str(tmp_path / "s"))
     for key, view in views.items():
         assert torch.equal(snapshot.read_object(f"0/m/{key}"), view.resolve_conj().resolve_neg()), key
+
+
+@pytest.mark.parametrize("taking", ["take", "async_take"])
+def test_rank_index_lists_each_tensor_in_file_order_with_the_hash_of_its_bytes(tmp_path, monkeypatch, taking):
+    """The columns a take writes (no entry object per tensor) name, for every tensor and array, the bytes it
+    wrote (no two overlapping) and their xxh3: gathered small tensors, a tensor of several chunks, one copied
+    through a host buffer, written straight from the tensors or from a staged image."""
+    monkeypatch.setattr(packing, "CHUNK_BYTES", 4096)  # "big" and "several" are cut into chunks
+    state = {**_state(), "several": torch.randn(3000)}
+    path = tmp_path / "s"
+    if taking == "take":
+        Snapshot.take(str(path), {"m": StateDict(state)})
+    else:
+        Snapshot.async_take(str(path), {"m": StateDict(state)}).wait()
+    header, cols = read_index(path / RANK0)
+    data = (path / "data" / "rank0.bin").read_bytes()
+    ends = cols["tensor_chunk_end"].tolist()
+    starts = [0] + ends[:-1]
+    stored = {p.split("/", 1)[1] for p in header["tensors"]}
+    assert stored == {k for k, v in state.items() if isinstance(v, (torch.Tensor, np.ndarray))}
+    offsets = cols["chunk_offset"].tolist()
+    for row, tensor in enumerate(header["tensors"]):
+        chunks = range(starts[row], ends[row])
+        assert len(chunks) == max(1, -(-state[tensor[2:]].nbytes // 4096)), tensor
+        for c in chunks:
+            piece = data[offsets[c]:offsets[c] + int(cols["chunk_nbytes"][c])]
+            assert xxhash.xxh3_64_intdigest(piece) == int(cols["chunk_checksum"][c]), tensor
+    ranges = sorted(zip(offsets, (cols["chunk_offset"] + cols["chunk_nbytes"]).tolist()))
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:])) and ranges[-1][1] <= len(data)
+    value = state["strided"].contiguous().numpy().tobytes()
+    row = header["tensors"].index("m/strided")
+    assert data[offsets[starts[row]]:offsets[starts[row]] + len(value)] == value

@@ -13,7 +13,7 @@ import torch
 
 from ppe_snapshot import Snapshot
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, StateDict, new_shared_buffer, new_staging_buffer, prepare_take
-from ppe_snapshot.engine.packing import SMALL_COPY_BYTES, stage
+from ppe_snapshot.engine.staging import SMALL_COPY_BYTES, stage
 from ppe_snapshot.writing import ProcessQueueWriter, ProcessWriter, ThreadQueueWriter, ThreadWriter
 from _asserts import assert_same
 
@@ -122,12 +122,13 @@ def test_staged_image_holds_each_payload_at_its_offset(tmp_path):
     buffer = new_staging_buffer(job.layout.size)
     buffer.fill_(0xAB)  # the pads keep what was there; the payloads must all be overwritten
     stage(job.layout, buffer)
-    for p in job.layout.placements:
-        data = p.payload.data
+    layout = job.layout
+    for path, payload, offset, nbytes in zip(layout.paths, layout.payloads, layout.offsets, layout.sizes):
+        data = payload.data
         value = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else values_of(data).contiguous()
         expected = value.reshape(-1).view(np.uint8) if isinstance(value, np.ndarray) else \
             value.reshape(-1).view(torch.uint8).numpy()
-        assert bytes(buffer[p.offset:p.offset + p.nbytes].numpy()) == expected.tobytes(), p.path
+        assert bytes(buffer[offset:offset + nbytes].numpy()) == expected.tobytes(), path
 
 
 def _minor_faults() -> int:
@@ -182,12 +183,13 @@ def test_a_staged_job_pickles_whole(tmp_path):
     job.release_staging()
     copy = pickle.loads(pickle.dumps(job))
     assert copy.layout.file == job.layout.file and copy.layout.size == job.layout.size
-    assert len(copy.layout.placements) == len(job.layout.placements) > 300
-    assert {p.payload.kind for p in copy.layout.placements} == {"tensor", "ndarray", "pickle"}
-    for a, b in zip(copy.layout.placements, job.layout.placements):
-        assert (a.path, a.offset, a.nbytes, a.payload.kind, a.payload.replicated) == \
-            (b.path, b.offset, b.nbytes, b.payload.kind, b.payload.replicated)
-        assert a.payload.data == b.payload.data  # what the entry needs: dtype and shape, or the bytes
+    assert len(copy.layout.payloads) == len(job.layout.payloads) > 300
+    assert (copy.layout.paths, copy.layout.offsets, copy.layout.sizes) == \
+        (job.layout.paths, job.layout.offsets, job.layout.sizes)
+    assert {p.kind for p in copy.layout.payloads} == {"tensor", "ndarray", "pickle"}
+    for a, b in zip(copy.layout.payloads, job.layout.payloads):
+        assert (a.kind, a.replicated) == (b.kind, b.replicated)
+        assert a.data == b.data  # what the entry needs: dtype and shape, or the bytes
 
 
 @pytest.mark.parametrize("bad", ["small", "float", "strided"])

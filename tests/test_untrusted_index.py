@@ -20,31 +20,10 @@ import torch
 import xxhash
 
 from _asserts import assert_same, written_as
-from _crafted import ARRAY, BIAS, BOTTOM, TOP, WEIGHT, craft, make_sharded, take_small
+from _crafted import ARRAY, BIAS, BOTTOM, COLUMNS, RANK0, TOP, WEIGHT, craft, make_sharded, read_index, take_small
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedFormatError
 from ppe_snapshot.engine import upgrade_snapshot
 from ppe_snapshot.storage import open_storage
-
-#: The columns of an index file, in file order, with their little-endian numpy types (docs/format.md, section 11).
-COLUMNS = [("tensor_dtype", "<u4"), ("tensor_ndim", "<u4"), ("tensor_chunk_end", "<i8"), ("dims", "<i8"),
-           ("chunk_file", "<u4"), ("chunk_offset", "<i8"), ("chunk_nbytes", "<i8"), ("chunk_checksum", "<u8"),
-           ("shard_tensor", "<u4"), ("shard_box", "<i8"), ("shard_chunk_end", "<i8")]
-RANK0 = "index/rank0.idx"
-
-
-def read_index(file: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    data = file.read_bytes()
-    assert data[:8] == b"PPESIDX2"
-    (length,) = struct.unpack_from("<Q", data, 8)
-    header = json.loads(data[16:16 + length])
-    position = 16 + length + (-(16 + length)) % 8
-    cols = {}
-    for name, dtype in COLUMNS:
-        count = header["columns"][name]
-        cols[name] = np.frombuffer(data, dtype=dtype, count=count, offset=position).copy()
-        position += cols[name].nbytes
-    return header, cols
-
 
 def write_index(file: Path, header: dict[str, Any], cols: dict[str, np.ndarray], fix_counts: bool = True) -> None:
     if fix_counts:
@@ -99,7 +78,7 @@ CRAFTED = {
     "a chunk beyond its file": (lambda h, c: _set(c, "chunk_offset", 0, 1 << 40), "beyond its recorded size"),
     "a negative offset": (lambda h, c: _set(c, "chunk_offset", 0, -64), "negative or out of range"),
     "a chunk naming no listed file": (lambda h, c: _set(c, "chunk_file", 0, 7), "beyond the file table"),
-    "a doubled shape": (lambda h, c: _set(c, "dims", 0, 6), "need"),
+    "a doubled shape": (lambda h, c: _set(c, "dims", 0, 2 * int(c["dims"][0])), "need"),
     "a shape claiming 4 TiB": (lambda h, c: _set(c, "dims", 0, 1 << 40), "need"),
     "a shape overflowing 64 bits": (lambda h, c: c["dims"].__setitem__(slice(0, 2), 1 << 55), "need"),
     "a negative size": (lambda h, c: _set(c, "dims", 0, -3), "negative or out-of-range"),

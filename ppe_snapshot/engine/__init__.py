@@ -47,13 +47,12 @@ from ppe_snapshot.engine.manifest import (
 )
 from ppe_snapshot.engine.commit_v2 import upgrade as upgrade_snapshot
 from ppe_snapshot.engine.manifest_v2 import read_manifest
-from ppe_snapshot.engine.packing import (
-    PayloadAppender, align, host_copy_buffer, is_direct, needs_bounce, new_staging_buffer, tensor_bytes,
-)
+from ppe_snapshot.engine.packing import PayloadAppender, align, host_copy_buffer, is_direct, needs_bounce, tensor_bytes
 from ppe_snapshot.engine.ranks import LOCAL, LocalGroup, group_rank
 from ppe_snapshot.engine.reads import read_into
 from ppe_snapshot.engine.serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
 from ppe_snapshot.engine.snapshot import PendingSnapshot, Snapshot
+from ppe_snapshot.engine.staging import new_staging_buffer
 from ppe_snapshot.engine.stateful import OptimizerState, RNGState, Stateful, StateDict
 from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, prepare_take
 

@@ -10,12 +10,14 @@ background saves can run it.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ppe_snapshot.engine import jsonio
+from ppe_snapshot.engine.entry_columns import EntryColumns
 from ppe_snapshot.engine.flatten import child_path
-from ppe_snapshot.engine.format import MANIFEST_NAME, PARTS_DIR, Container, abort_name, part_name
+from ppe_snapshot.engine.format import MANIFEST_NAME, Container, abort_name, part_name
 from ppe_snapshot.engine.manifest import (
     Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
     entries_to_json,
@@ -31,7 +33,8 @@ from ppe_snapshot.storage import Storage
 @dataclass
 class RankPart:
     rank: int
-    entries: dict[str, Entry] = field(default_factory=dict)
+    #: This rank's own entries (a take's: :class:`EntryColumns`, most tensors as columns).
+    entries: Mapping[str, Entry] = field(default_factory=dict)
     replicated: dict[str, Entry] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)
     error: str | None = None
@@ -106,8 +109,13 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
 
 def _children(path: str, entry: ContainerEntry) -> list[str]:
     if entry.kind in Container.KEYED:  # string keys inline: a model's state has thousands
+        keys = entry.keys
+        if path and set(map(type, keys)) <= {str}:
+            joined = "".join(keys)
+            if "%" not in joined and "/" not in joined:  # no key to escape: the paths in one C-level pass
+                return list(map(f"{path}/".__add__, keys))
         return [f"{path}/{key.replace('%', '%25').replace('/', '%2F')}" if type(key) is str
-                else child_path(path, decode_value(key)) for key in entry.keys]
+                else child_path(path, decode_value(key)) for key in keys]
     return [child_path(path, i) for i in range(entry.length)]
 
 
@@ -117,6 +125,14 @@ def _check_chunks(path: str, chunks: list[Chunk], files: dict[str, int]) -> None
         if size is None or chunk.offset + chunk.nbytes > size:
             raise SnapshotError(f"entry {path!r} refers to bytes {chunk.offset}..{chunk.offset + chunk.nbytes} "
                                 f"of {chunk.file}, which the take did not write")
+
+
+def _check_rows(columns: EntryColumns, files: dict[str, int]) -> None:
+    """The tensor rows' chunks lie inside their data file."""
+    end = columns.end()
+    if columns.paths and end > files.get(columns.file, -1):
+        row = next(i for i, (o, n) in enumerate(zip(columns.offsets, columns.nbytes)) if o + n == end)
+        _check_chunks(columns.paths[row], columns[columns.paths[row]].chunks, files)
 
 
 def check_restorable(manifest: Manifest) -> None:
@@ -129,6 +145,9 @@ def check_restorable(manifest: Manifest) -> None:
     tables = [(None, replicated), (None, sharded), *enumerate(manifest.ranks)]
     for rank, table in tables:
         own = table if rank is not None else {}
+        if isinstance(table, EntryColumns):
+            _check_rows(table, files)
+            own, table = table.path_set(), table.objects
         for path, entry in table.items():
             if type(entry) is TensorEntry:  # most entries: the short way
                 for chunk in entry.chunks:

@@ -22,12 +22,13 @@ from ppe_snapshot.engine.format import Container, Raw
 from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
 from ppe_snapshot.engine.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.engine.serialization import (
-    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, raw_storage_problem, torch_dtype,
+    RAW_DTYPE_NAMES, can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, raw_storage_problem,
+    torch_dtype,
 )
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 
 
-@dataclass
+@dataclass(slots=True)
 class Payload:
     """A leaf whose bytes go to a data file: ``kind`` is one of :class:`~ppe_snapshot.engine.format.Raw`."""
     kind: str
@@ -80,16 +81,24 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         return
     elif isinstance(value, dict):
         kind = Container.ORDERED_DICT if isinstance(value, collections.OrderedDict) else Container.DICT
-        out[path] = ContainerEntry(kind, keys=[encode_value(k) for k in value])
-        seen: dict[str, Any] = {}
-        for k, v in value.items():
-            child = f"{path}/{k}" if type(k) is str and "%" not in k and "/" not in k and path else child_path(path, k)
-            if child in seen:
-                raise UnsupportedValueError(
-                    f"keys {seen[child]!r} and {k!r} of {path or 'the state'} map to the same path {child!r}")
-            seen[child] = k
-            if type(v) in _PLAIN_TENSORS and can_store_raw(v):  # most values of a model's state: the short way
-                out[child] = Payload(Raw.TENSOR, v.detach() if v.requires_grad else v)
+        # Distinct string keys make distinct paths (escaping is one-to-one); only other keys can collide ("1", 1).
+        seen: dict[str, Any] | None = None if set(map(type, value)) <= {str} else {}
+        out[path] = ContainerEntry(kind, keys=list(value) if seen is None else [encode_value(k) for k in value])
+        joined = "".join(value) if seen is None else "%"
+        if path and "%" not in joined and "/" not in joined:  # string keys to escape in none: paths in one pass
+            children = map(f"{path}/".__add__, value)
+        else:
+            children = (child_path(path, k) for k in value)
+        names, strided, tensor = RAW_DTYPE_NAMES, torch.strided, Raw.TENSOR
+        for child, (k, v) in zip(children, value.items()):
+            if seen is not None:
+                if child in seen:
+                    raise UnsupportedValueError(
+                        f"keys {seen[child]!r} and {k!r} of {path or 'the state'} map to the same path {child!r}")
+                seen[child] = k
+            if type(v) in _PLAIN_TENSORS and v.dtype in names and v.layout is strided and not v.is_nested \
+                    and not v.is_meta:  # can_store_raw() inline: most values of a model's state, the short way
+                out[child] = Payload(tensor, v.detach() if v.requires_grad else v)
                 continue
             _flatten(child, v, out, allow_pickle)
         return

@@ -11,6 +11,7 @@ built only when looked up (:class:`IndexTable`).
 """
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -19,9 +20,10 @@ import numpy as np
 import xxhash
 
 from ppe_snapshot.engine import jsonio
+from ppe_snapshot.engine.entry_columns import EntryColumns
 from ppe_snapshot.engine.index_checks import COLUMNS, columns_problem, header_problem
 from ppe_snapshot.engine.manifest import (
-    Chunk, Entry, Shard, ShardedTensorEntry, TensorEntry, entry_from_json, entry_to_json,
+    Chunk, Entry, LazyEntries, Shard, ShardedTensorEntry, TensorEntry, entry_from_json, entry_to_json,
 )
 from ppe_snapshot.engine.validation import check_entry, dtype_itemsize
 from ppe_snapshot.errors import CorruptSnapshotError
@@ -94,6 +96,31 @@ class IndexBuilder:
         else:
             self._add_chunks(chunks, files)
         cols["tensor_chunk_end"].append(len(cols["chunk_file"]))
+
+    def add_entries(self, entries: Mapping[str, Entry], files: Mapping[str, int]) -> None:
+        """Every entry of ``entries``; the tensor rows of :class:`EntryColumns` go to the columns as they are."""
+        if not isinstance(entries, EntryColumns):
+            for path, entry in entries.items():
+                self.add(path, entry, files)
+            return
+        for path, entry in entries.objects.items():
+            self.add(path, entry, files)
+        count = len(entries.paths)
+        if not count:
+            return
+        fid = self.add_file(entries.file, files)
+        ids = {dtype: self._dtypes.setdefault(key, len(self._dtypes)) for dtype, key in entries.dtype_keys().items()}
+        cols, shapes = self._cols, entries.shapes
+        self.paths += entries.paths
+        cols["tensor_dtype"] += map(ids.__getitem__, entries.dtypes)
+        cols["tensor_ndim"] += map(len, shapes)
+        cols["dims"] += itertools.chain.from_iterable(shapes)
+        first = len(cols["chunk_file"])
+        cols["chunk_file"] += [fid] * count
+        cols["chunk_offset"] += entries.offsets
+        cols["chunk_nbytes"] += entries.nbytes
+        cols["chunk_checksum"] += entries.checksums
+        cols["tensor_chunk_end"] += range(first + 1, first + count + 1)
 
     def add_shards(self, path: str, dtype: str, shape: list[int], shards: list[Shard],
                    files: Mapping[str, int]) -> None:
@@ -199,7 +226,7 @@ def decode_index(data: bytes, where: str, take_id: str, section: str, rank: int 
     return Index(header, cols, files, itemsizes)
 
 
-class IndexTable(Mapping[str, Entry]):
+class IndexTable(LazyEntries):
     """The entries of one index file by path, built when looked up (the file was checked when decoded)."""
 
     def __init__(self, index: Index, where: str, replicated: bool) -> None:
@@ -236,12 +263,6 @@ class IndexTable(Mapping[str, Entry]):
         d0 = int(index.dims_start[row])
         shape = cols["dims"][d0:d0 + int(cols["tensor_ndim"][row])].tolist()
         return TensorEntry(dtype, shape, chunk_list(index, start, end), kind, self._replicated)
-
-    def __getitem__(self, path: str) -> Entry:
-        entry = self.get(path)
-        if entry is None:
-            raise KeyError(path)
-        return entry
 
     def check_all(self) -> None:
         for path in self._others:

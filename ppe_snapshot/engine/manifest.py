@@ -175,7 +175,20 @@ def entries_from_json(data: dict[str, Any]) -> dict[str, Entry]:
 _ABSENT = object()
 
 
-class EntryTable(Mapping[str, Entry]):
+class LazyEntries(Mapping[str, Entry]):
+    """Entries by path whose ``get`` (given by a subclass) may build the entry it is asked for."""
+
+    def get(self, path: str, default: Any = None) -> Any:  # type: ignore[override]
+        raise NotImplementedError
+
+    def __getitem__(self, path: str) -> Entry:
+        entry = self.get(path)
+        if entry is None:
+            raise KeyError(path)
+        return entry
+
+
+class EntryTable(LazyEntries):
     """A section of a parsed manifest's entries by path, each checked and decoded when first looked up.
 
     Decoding 5,000 entries up front took 25 ms, in which a restore read
@@ -191,12 +204,6 @@ class EntryTable(Mapping[str, Entry]):
         self._raw = raw
         self._decoded: dict[str, Entry] = {}
         self._where, self._files, self._section, self._only = where, files, section, only
-
-    def __getitem__(self, path: str) -> Entry:
-        entry = self.get(path)
-        if entry is None:
-            raise KeyError(path)
-        return entry
 
     def get(self, path: str, default: Any = None) -> Any:  # type: ignore[override]
         entry = self._decoded.get(path)

@@ -19,7 +19,7 @@ from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, data_file_ra
 from ppe_snapshot.engine.index import Index, IndexBuilder, IndexTable, decode_index
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.manifest import (
-    Entry, Manifest, Shard, ShardedTensorEntry, commit_stamp, parse_document, read_stamp,
+    Entry, LazyEntries, Manifest, Shard, ShardedTensorEntry, commit_stamp, parse_document, read_stamp,
 )
 from ppe_snapshot.engine.validation import CHECKSUM_ALGORITHM, FORMAT_NAME
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
@@ -37,8 +37,7 @@ def rank_index_bytes(take_id: str, rank: int, entries: Mapping[str, Entry], shar
     builder = IndexBuilder()
     for name in own_files:
         builder.add_file(name, files)
-    for path, entry in entries.items():
-        builder.add(path, entry, files)
+    builder.add_entries(entries, files)
     for path, entry in shards.items():
         builder.add_shards(path, entry.dtype, entry.shape, entry.shards, files)
     return builder.to_bytes(take_id, "rank", rank)
@@ -50,8 +49,7 @@ def shared_index_bytes(take_id: str, replicated: Mapping[str, Entry], sharded: M
     builder = IndexBuilder()
     for name in other_files:
         builder.add_file(name, files)
-    for path, entry in replicated.items():
-        builder.add(path, entry, files)
+    builder.add_entries(replicated, files)
     builder.sharded = [[path, dtype, list(shape)] for path, (dtype, shape) in sharded.items()]
     return builder.to_bytes(take_id, "shared")
 
@@ -184,7 +182,7 @@ class _Ranks(Sequence[Mapping[str, Entry]]):
         return self._indexes.world_size
 
 
-class ShardedTable(Mapping[str, Entry]):
+class ShardedTable(LazyEntries):
     """The sharded tensors of a version-2 manifest: their table is in the shared index, their shards in the
     index of the rank that wrote each. ``get`` assembles every shard (reads every rank's index, once);
     :meth:`for_rank` gives a restoring rank the shards of its own index first."""
@@ -241,12 +239,6 @@ class ShardedTable(Mapping[str, Entry]):
         if path not in self._table():
             return default
         return self._assemble()[path]
-
-    def __getitem__(self, path: str) -> Entry:
-        entry = self.get(path)
-        if entry is None:
-            raise KeyError(path)
-        return entry
 
     def __contains__(self, path: object) -> bool:
         return path in self._table()

@@ -4,14 +4,14 @@ Each rank writes one file. Payloads sit at offsets aligned to
 ``ALIGNMENT``; each is cut into chunks of at most ``CHUNK_BYTES`` with an
 xxh3_64 checksum each. The same layout serves both ways of writing:
 
-* straight from the live tensors (sync take: no copy of the state), and
+* straight from the live tensors (sync take: no copy of the state), here, and
 * from a staging buffer that is the exact image of the file (async take:
-  the caller pays one copy, the background writes one sequential buffer).
+  the caller pays one copy, the background writes one sequential buffer),
+  see :mod:`~ppe_snapshot.engine.staging`.
 """
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -21,7 +21,6 @@ import xxhash
 
 from ppe_snapshot.engine.flatten import Payload
 from ppe_snapshot.engine.format import Raw
-from ppe_snapshot.engine.hostmem import new_private_buffer
 from ppe_snapshot.engine.manifest import Chunk
 from ppe_snapshot.storage import BlobWriter, Storage
 
@@ -29,10 +28,6 @@ ALIGNMENT = 64
 CHUNK_BYTES = 64 << 20
 #: Largest piece of a non-CPU or non-contiguous tensor copied to host memory at once to be written.
 HOST_COPY_BYTES = 64 << 20
-PAGE = 4096
-#: Staging copies a CPU tensor smaller than this with one memmove, a larger one with torch's ``copy_`` (on its
-#: intra-op threads, which it uses from about this size on).
-SMALL_COPY_BYTES = 256 << 10
 #: A sync take hands the bytes of small payloads to the storage writer in batches of about this size.
 WRITE_BATCH_BYTES = 4 << 20
 #: Host tensors up to this size are gathered (with their padding) into buffers of ``GATHER_BUFFER_BYTES``.
@@ -78,46 +73,54 @@ def is_copyable_raw(tensor: torch.Tensor) -> bool:
     return type(tensor) in _PLAIN_TENSORS and is_direct(tensor)
 
 
-@dataclass(slots=True)
-class Placement:
-    path: str
-    payload: Payload
-    offset: int
-    nbytes: int
-
-
 @dataclass
 class FileLayout:
+    """Where the payloads of a rank's data file go: one row per payload, in file order, as columns (a state of
+    10^5 tensors makes no object per payload here)."""
     file: str
-    placements: list[Placement]
+    paths: list[str]
+    payloads: list[Payload]
+    offsets: list[int]
+    sizes: list[int]
     size: int
 
     def on_cuda(self) -> bool:
         """Whether any payload is a CUDA tensor (staging then wants pinned memory and a synchronize)."""
-        return any(p.payload.kind == Raw.TENSOR and p.payload.data.is_cuda for p in self.placements)
+        return any(p.kind == Raw.TENSOR and p.data.is_cuda for p in self.payloads)
 
     def __reduce__(self) -> tuple:
         """Pickled column by column (a ProcessWriter sends every take's layout to its worker): lists of plain
-        values pickle about 5x faster than two objects per payload (0.14 s against 0.5-0.9 s for 10^5)."""
-        ps = self.placements
-        return _layout_from_columns, (self.file, self.size, [p.path for p in ps], [p.offset for p in ps],
-                                      [p.nbytes for p in ps], [p.payload.kind for p in ps],
-                                      [p.payload.data for p in ps], [p.payload.replicated for p in ps])
+        values pickle about 5x faster than an object per payload (0.14 s against 0.5-0.9 s for 10^5)."""
+        ps = self.payloads
+        return _layout_from_columns, (self.file, self.size, self.paths, self.offsets, self.sizes,
+                                      [p.kind for p in ps], [p.data for p in ps], [p.replicated for p in ps])
 
 
 def _layout_from_columns(file: str, size: int, paths: list[str], offsets: list[int], sizes: list[int],
                          kinds: list[str], data: list[Any], replicated: list[bool]) -> FileLayout:
-    placements = [Placement(*column) for column in zip(paths, map(Payload, kinds, data, replicated), offsets, sizes)]
-    return FileLayout(file, placements, size)
+    return FileLayout(file, paths, list(map(Payload, kinds, data, replicated)), offsets, sizes, size)
 
 
 def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
-    placements, offset, mask = [], 0, ALIGNMENT - 1
-    for path, payload in payloads:
-        n = payload.data.nbytes if payload.kind == Raw.TENSOR else payload.nbytes
-        placements.append(Placement(path, payload, offset, n))
-        offset = (offset + n + mask) & ~mask  # align()
-    return FileLayout(file, placements, offset)
+    """Each payload at the next offset aligned to ``ALIGNMENT`` after the one before."""
+    tensor = Raw.TENSOR
+    sizes = [p.data.nbytes if p.kind == tensor else p.nbytes for _, p in payloads]
+    ends = np.cumsum((np.array(sizes, dtype=np.int64) + (ALIGNMENT - 1)) & -ALIGNMENT)
+    offsets = [0] + ends[:-1].tolist() if sizes else []
+    return FileLayout(file, [path for path, _ in payloads], [p for _, p in payloads], offsets, sizes,
+                      int(ends[-1]) if sizes else 0)
+
+
+#: What writing a data file gives per payload, in layout order: the xxh3_64 of its bytes (an ``int``) when they
+#: are one chunk (at the payload's offset, of its size: most payloads), else the list of its chunks.
+Written = list["int | list[Chunk]"]
+
+
+def payload_chunks(layout: FileLayout, row: int, written: "int | list[Chunk]") -> list[Chunk]:
+    """The chunks of payload ``row`` of ``layout`` from what writing it gave (see :data:`Written`)."""
+    if type(written) is int:
+        return [Chunk(layout.file, layout.offsets[row], layout.sizes[row], f"{written:016x}")]
+    return written
 
 
 def needs_bounce(payload: Payload) -> bool:
@@ -169,14 +172,6 @@ def _bounced_views(tensor: torch.Tensor, bounce: torch.Tensor | None) -> Iterato
         yield tensor_bytes(host)
 
 
-def new_bounce(layout: FileLayout) -> torch.Tensor | None:
-    """A host buffer for device and non-contiguous tensors, pinned when CUDA is there; None when nothing needs it."""
-    device = [p.payload.data for p in layout.placements if needs_bounce(p.payload)]
-    if not device:
-        return None
-    return host_copy_buffer(max(t.numel() * t.element_size() for t in device))
-
-
 def host_copy_buffer(nbytes: int, reuse: torch.Tensor | None = None) -> torch.Tensor:
     """A host buffer (pinned when CUDA is there) for the pieces of a tensor of ``nbytes`` that must be copied to host
     memory to be written: ``reuse`` when it is big enough, else a new one of at most ``HOST_COPY_BYTES``."""
@@ -204,6 +199,7 @@ class PayloadAppender:
         self.position = self._handed_over = 0
         self._gather: memoryview | None = None
         self._gather_start = self._gather_address = 0
+        self._bounce: torch.Tensor | None = None
 
     def pad_to(self, offset: int) -> None:
         """Zeros up to ``offset`` (at most ``ALIGNMENT`` bytes ahead)."""
@@ -220,35 +216,75 @@ class PayloadAppender:
             self._batch.append(self._gather[: self.position - self._gather_start])
             self._gather = None
 
-    def _append_small(self, pointer: int, nbytes: int) -> Chunk:
-        if self._gather is None or self.position + nbytes - self._gather_start > self._gather.nbytes:
-            self._end_gather()
-            if self.position - self._handed_over >= WRITE_BATCH_BYTES:
-                self._hand_over()
-            buffer = bytearray(GATHER_BUFFER_BYTES)
-            self._gather, self._gather_start = memoryview(buffer), self.position
-            self._gather_address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-        at = self.position - self._gather_start
-        ctypes.memmove(self._gather_address + at, pointer, nbytes)
-        chunk = Chunk(self._file, self.position, nbytes, checksum(self._gather[at:at + nbytes]))
-        self.position += nbytes
-        return chunk
+    def _new_gather(self) -> None:
+        """Hand over what is due and start gathering into a new zeroed buffer at the current position."""
+        self._end_gather()
+        if self.position - self._handed_over >= WRITE_BATCH_BYTES:
+            self._hand_over()
+        buffer = bytearray(GATHER_BUFFER_BYTES)
+        self._gather, self._gather_start = memoryview(buffer), self.position
+        self._gather_address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
     def append(self, payload: Payload, bounce: torch.Tensor | None) -> list[Chunk]:
-        """Write ``payload`` at the current position; its chunks (one empty chunk when it has no bytes)."""
+        """Write ``payload`` at the current position; its chunks (one empty chunk when it has no bytes).
+        ``bounce``: a host buffer for a tensor that :func:`needs_bounce`."""
+        self._bounce, start = bounce, self.position
+        written = self._append(payload)
+        if type(written) is int:
+            return [Chunk(self._file, start, self.position - start, f"{written:016x}")]
+        return written
+
+    def append_layout(self, layout: FileLayout) -> Written:
+        """Write every payload of ``layout`` at its offset (see :data:`Written`), then pad to its size.
+
+        A small host tensor (most payloads of a large state) is copied into the gathering buffer and hashed
+        there, in this loop: the cost per tensor is a few attribute reads, a memmove and a hash. (The same
+        work as a few ``map`` passes over runs of tensors measured no faster: the calls into torch, ctypes
+        and xxhash cost the time, not the loop.)
+        """
+        written: Written = []
+        add, digest, memmove, tensor = written.append, xxhash.xxh3_64_intdigest, ctypes.memmove, Raw.TENSOR
+        small = min(GATHER_BYTES, CHUNK_BYTES)  # CHUNK_BYTES read at call time: tests shrink it
+        for payload, offset, n in zip(layout.payloads, layout.offsets, layout.sizes):
+            data = payload.data
+            if n <= small and payload.kind == tensor and type(data) in _PLAIN_TENSORS and data.is_cpu \
+                    and data.is_contiguous() and not data.is_conj() and not data.is_neg():  # is_copyable_raw()
+                gather = self._gather
+                if gather is None or offset + n - self._gather_start > gather.nbytes:
+                    self._new_gather()  # at the current position: the padding up to offset is in the buffer
+                    gather = self._gather
+                at = offset - self._gather_start
+                memmove(self._gather_address + at, data.data_ptr(), n)
+                add(digest(gather[at:at + n]))
+                self.position = offset + n
+            else:
+                self.pad_to(offset)
+                if payload.kind == tensor and needs_bounce(payload):
+                    self._bounce = host_copy_buffer(n, self._bounce)
+                add(self._append(payload))
+        self.finish(layout.size)
+        return written
+
+    def _append(self, payload: Payload) -> "int | list[Chunk]":
         data = payload.data
-        if payload.kind == Raw.TENSOR and data.nbytes <= min(GATHER_BYTES, CHUNK_BYTES) \
-                and is_copyable_raw(data):  # CHUNK_BYTES at call time: tests shrink it
-            return [self._append_small(data.data_ptr(), data.nbytes)]
+        if payload.kind == Raw.TENSOR and data.nbytes <= min(GATHER_BYTES, CHUNK_BYTES) and is_copyable_raw(data):
+            if self._gather is None or self.position + data.nbytes - self._gather_start > self._gather.nbytes:
+                self._new_gather()
+            at = self.position - self._gather_start
+            ctypes.memmove(self._gather_address + at, data.data_ptr(), data.nbytes)
+            self.position += data.nbytes
+            return xxhash.xxh3_64_intdigest(self._gather[at:at + data.nbytes])
         self._end_gather()
-        start, bounced, chunks = self.position, needs_bounce(payload), []
-        for view in _payload_views(payload, bounce, bounced):
+        bounced, chunks = needs_bounce(payload), []
+        for view in _payload_views(payload, self._bounce, bounced):
             chunks.append(Chunk(self._file, self.position, view.nbytes, checksum(view)))
             self._batch.append(view)
             self.position += view.nbytes
             if bounced or self.position - self._handed_over >= WRITE_BATCH_BYTES:
                 self._hand_over()
-        return chunks or [Chunk(self._file, start, 0, checksum(memoryview(b"")))]
+        if len(chunks) == 1:
+            return int(chunks[0].checksum, 16)
+        return chunks or xxhash.xxh3_64_intdigest(b"")
 
     def finish(self, size: int) -> None:
         """Pad to ``size`` and hand over the rest."""
@@ -261,105 +297,13 @@ class PayloadAppender:
         self._batch, self._handed_over = [], self.position
 
 
-def write_from_sources(storage: Storage, layout: FileLayout) -> dict[str, list[Chunk]]:
-    """Write the file straight from the payloads' memory; returns each path's chunks."""
-    chunks: dict[str, list[Chunk]] = {}
-    bounce = new_bounce(layout)
+def write_from_sources(storage: Storage, layout: FileLayout) -> Written:
+    """Write the file straight from the payloads' memory (see :data:`Written`)."""
     writer = storage.open_writer(layout.file, layout.size)
     try:
-        appender = PayloadAppender(writer, layout.file)
-        for p in layout.placements:
-            appender.pad_to(p.offset)
-            chunks[p.path] = appender.append(p.payload, bounce)
-        appender.finish(layout.size)
+        written = PayloadAppender(writer, layout.file).append_layout(layout)
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    return chunks
-
-
-def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
-    """A zeroed, page-aligned host buffer for one rank's file image.
-
-    Page alignment lets O_DIRECT write it as it is. Unpinned buffers are
-    private memory that a fork leaves alone (see :mod:`~ppe_snapshot.engine.hostmem`):
-    a copy-on-write page would fault at the next staging copy.
-    """
-    if pin and torch.cuda.is_available():
-        raw = torch.zeros(size + PAGE, dtype=torch.uint8, pin_memory=True)
-        start = -raw.data_ptr() % PAGE
-        return raw[start:start + size]
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return new_private_buffer(size)
-
-
-def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
-    """Copy every payload into its place in ``buffer`` (the file image, a contiguous CPU tensor).
-
-    A small CPU tensor is copied with one ``memmove`` (about 1 us, against
-    8 us for slicing, viewing and ``copy_``: the cost per tensor of a state of
-    10^5 tensors); a large one with ``copy_``, on torch's intra-op threads;
-    anything else (see :func:`is_copyable_raw`: device, non-contiguous,
-    conjugate or negative views, subclasses) with ``copy_`` too, which
-    resolves it.
-    """
-    if buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous() or buffer.numel() < layout.size:
-        raise ValueError(f"a staging buffer must be a contiguous CPU uint8 tensor of at least {layout.size} bytes, "
-                         f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
-                         f"{'' if buffer.is_contiguous() else ', not contiguous'}; the staging provider gave it")
-    base, cuda = buffer.data_ptr(), False
-    for p in layout.placements:
-        data, n = p.payload.data, p.nbytes
-        if p.payload.kind == Raw.TENSOR:
-            if not n:
-                continue
-            if n < SMALL_COPY_BYTES and is_copyable_raw(data):
-                ctypes.memmove(base + p.offset, data.data_ptr(), n)
-            else:
-                on_cuda = data.is_cuda
-                cuda |= on_cuda
-                buffer[p.offset:p.offset + n].view(data.dtype).view(data.shape).copy_(data, non_blocking=on_cuda)
-        elif p.payload.kind == Raw.NDARRAY:
-            region = buffer[p.offset:p.offset + n]
-            np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
-        else:
-            buffer[p.offset:p.offset + n].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> dict[str, list[Chunk]]:
-    """Write the staged file image in one sequential pass; returns each path's chunks.
-
-    The checksums are computed in a second thread while the image is written:
-    both only read the buffer, and the hashing hides behind the disk (which
-    matters most for a background writer that gets little CPU).
-    """
-    image = tensor_bytes(buffer[: layout.size])
-    chunks: dict[str, list[Chunk]] = {}
-
-    def hash_image() -> None:
-        for p in layout.placements:
-            pieces = range(p.offset, p.offset + p.nbytes, CHUNK_BYTES) if p.nbytes else [p.offset]
-            chunks[p.path] = [
-                Chunk(layout.file, s, min(CHUNK_BYTES, p.offset + p.nbytes - s),
-                      checksum(image[s:min(s + CHUNK_BYTES, p.offset + p.nbytes)]))
-                for s in pieces
-            ]
-
-    hasher = threading.Thread(target=hash_image, name="ppe-snapshot-checksums")
-    hasher.start()
-    writer = storage.open_writer(layout.file, layout.size)
-    try:
-        writer.write([image])
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        hasher.join()
-    if len(chunks) != len(layout.placements):  # the hashing thread failed; it printed why
-        raise RuntimeError(f"computing the checksums of {layout.file} failed")
-    return chunks
+    return written

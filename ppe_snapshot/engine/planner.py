@@ -50,15 +50,16 @@ class RankPlan:
 
 def plan_rank(items: dict[str, FlatItem], rank: int, world_size: int) -> RankPlan:
     plan = RankPlan()
-    shared = [(p, i) for p, i in items.items() if isinstance(i, Payload) and i.replicated]
+    shared = [(p, i) for p, i in items.items() if i.replicated and type(i) is Payload]
     owner = assign_replicated(shared, world_size)
+    add = plan.payloads.append
     for path, item in items.items():
-        if isinstance(item, ShardedPayload):  # each shard once in total, by a rank holding it
+        if type(item) is Payload:  # most items first
+            if not item.replicated or owner[path] == rank:
+                add((path, item))
+        elif isinstance(item, ShardedPayload):  # each shard once in total, by a rank holding it
             plan.sharded[path], tensors = plan_sharded(path, item, dedupe=world_size > 1)
             plan.payloads += [(name, Payload(Raw.TENSOR, tensor)) for name, tensor in tensors]
-        elif isinstance(item, Payload):
-            if not item.replicated or owner[path] == rank:
-                plan.payloads.append((path, item))
         elif not item.replicated or rank == 0:
             plan.entries[path] = item
     return plan

@@ -33,7 +33,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     )
     if isinstance(dtype := getattr(torch, name, None), torch.dtype)
 }
-_TORCH_DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+#: The dtypes stored as raw bytes, with their names in a manifest.
+RAW_DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 #: Every dtype torch defines (quantized ones included), as a ``$dtype`` value may name them.
 _ALL_TORCH_DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
@@ -42,7 +43,7 @@ _ALL_TORCH_DTYPES: dict[str, torch.dtype] = {
 def dtype_name(dtype: torch.dtype) -> str:
     """The manifest's name of a torch dtype (``"float32"``)."""
     try:
-        return _TORCH_DTYPE_NAMES[dtype]
+        return RAW_DTYPE_NAMES[dtype]
     except KeyError:
         raise UnsupportedValueError(f"tensors of dtype {dtype} cannot be stored as raw bytes") from None
 
@@ -56,7 +57,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def can_store_raw(tensor: torch.Tensor) -> bool:
     """Whether the tensor's elements are plain bytes in memory (not nested, meta, sparse or quantized)."""
-    return tensor.dtype in _TORCH_DTYPE_NAMES and tensor.layout == torch.strided and not tensor.is_quantized \
+    return tensor.dtype in RAW_DTYPE_NAMES and tensor.layout == torch.strided and not tensor.is_quantized \
         and not tensor.is_nested and not tensor.is_meta
 
 

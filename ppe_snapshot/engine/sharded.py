@@ -149,6 +149,8 @@ def sharded_state_patterns(items: dict[str, Any]) -> list[str]:
     every rank, of any world size, restores them. Keep per-rank values under
     another app state key.
     """
+    if ShardedPayload not in set(map(type, items.values())):  # most states, without a Python loop
+        return []
     keys = {path.split("/", 1)[0] for path, item in items.items() if isinstance(item, ShardedPayload)}
     return [p for key in sorted(keys) for p in (key, f"{key}/*")]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -10,17 +11,17 @@ import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine import commit_v2
+from ppe_snapshot.engine.entry_columns import EntryColumns
 from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
 from ppe_snapshot.engine.format import Raw, data_file, new_take_id
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.manifest import Chunk, Entry, PickleEntry, TensorEntry
-from ppe_snapshot.engine.packing import (
-    FileLayout, lay_out, new_staging_buffer, stage, write_from_sources, write_staged,
-)
+from ppe_snapshot.engine.packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
 from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
 from ppe_snapshot.engine.ranks import group_rank
 from ppe_snapshot.engine.serialization import can_store_raw, dtype_name, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
+from ppe_snapshot.engine.staging import new_staging_buffer, stage, write_staged
 from ppe_snapshot.engine.stateful import take_states
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.settings import SETTINGS
@@ -72,10 +73,10 @@ class TakeJob:
             self.fail(e)
             raise
         self.staged = buffer
-        for p in self.layout.placements:  # the job must not keep the live state alive (its payloads are its own)
-            data = p.payload.data
+        for payload in self.layout.payloads:  # the job must not keep the live state alive (its payloads are its own)
+            data = payload.data
             if not isinstance(data, (bytes, bytearray)):
-                p.payload.data = _Shape(data.dtype, tuple(data.shape))
+                payload.data = _Shape(data.dtype, tuple(data.shape))
 
     def release_staging(self) -> None:
         """Let go of the staging buffer, e.g. before the job is sent to a process that maps the same buffer."""
@@ -106,33 +107,43 @@ class TakeJob:
         else:
             commit_protocol.wait_for_commit(self.storage, self.take_id)
 
-    def _write(self) -> dict[str, list[Chunk]]:
-        if not self.layout.placements:
-            return {}
+    def _write(self) -> Written:
+        if not self.layout.payloads:
+            return []
         if self.staged is not None:
             return write_staged(self.storage, self.layout, self.staged)
         with gc_paused():  # from the live tensors: the caller waits for this take anyway
             return write_from_sources(self.storage, self.layout)
 
     @gc_paused()
-    def _part(self, chunks: dict[str, list[Chunk]]) -> commit_protocol.RankPart:
-        """This rank's entries, now that its data is written."""
-        part = commit_protocol.RankPart(self.rank, files={self.layout.file: self.layout.size} if chunks else {})
-        part.sharded = sharded_entries(self.sharded, chunks)
-        sharded, own, shared = bool(self.sharded), part.entries, part.replicated
-        for placement in self.layout.placements:
-            path, payload = placement.path, placement.payload
-            if sharded and is_shard_key(path):
-                continue
-            if payload.kind == Raw.TENSOR:  # most payloads: inline
-                data = payload.data
-                entry = TensorEntry(dtype_name(data.dtype), list(data.shape), chunks[path], Raw.TENSOR,
-                                    payload.replicated)
-            else:
-                entry = _entry(payload, chunks[path])
-            (shared if payload.replicated else own)[path] = entry
+    def _part(self, written: Written) -> commit_protocol.RankPart:
+        """This rank's entries, now that its data is written: its tensors and arrays stored in one chunk as
+        columns (no object per tensor), every other entry as an object."""
+        layout, raw = self.layout, {Raw.TENSOR, Raw.NDARRAY}
+        part = commit_protocol.RankPart(self.rank, files={layout.file: layout.size} if layout.payloads else {})
+        paths, payloads = layout.paths, layout.payloads
+        shards = {path for path in paths if is_shard_key(path)} if self.sharded else set()
+        if self.sharded:
+            part.sharded = sharded_entries(self.sharded, {paths[i]: payload_chunks(layout, i, written[i])
+                                                          for i in range(len(paths)) if paths[i] in shards})
+        own = part.entries = EntryColumns(file=layout.file)
+        if not shards and set(map(type, written)) <= {int} and set(map(_kind, payloads)) <= raw \
+                and not any(map(_replicated, payloads)):  # most takes: every payload is a row, as laid out
+            own.add_tensors(paths, list(map(_dtype, payloads)), list(map(_shape, payloads)), layout.offsets,
+                            layout.sizes, written)
+        else:
+            rows = [i for i, (path, p, w) in enumerate(zip(paths, payloads, written))
+                    if type(w) is int and p.kind in raw and not p.replicated and path not in shards]
+            own.add_tensors([paths[i] for i in rows], [_dtype(payloads[i]) for i in rows],
+                            [_shape(payloads[i]) for i in rows], [layout.offsets[i] for i in rows],
+                            [layout.sizes[i] for i in rows], [written[i] for i in rows])
+            in_rows = set(rows)
+            for i, (path, payload) in enumerate(zip(paths, payloads)):
+                if i not in in_rows and path not in shards:
+                    table = part.replicated if payload.replicated else own.objects
+                    table[path] = _entry(payload, payload_chunks(layout, i, written[i]))
         for path, entry in self.entries.items():
-            (part.replicated if entry.replicated else part.entries)[path] = entry
+            (part.replicated if entry.replicated else own.objects)[path] = entry
         return part
 
     def _commit_all(self) -> None:
@@ -185,6 +196,10 @@ def _announce_failure(storage: Storage, take_id: str, rank: int, world_size: int
             commit_protocol.publish_part(storage, take_id, commit_protocol.RankPart(rank, error=repr(error)))
     except Exception:  # the storage itself is failing; the others time out instead
         pass
+
+
+_kind, _replicated = operator.attrgetter("kind"), operator.attrgetter("replicated")
+_dtype, _shape = operator.attrgetter("data.dtype"), operator.attrgetter("data.shape")
 
 
 @dataclass(slots=True)

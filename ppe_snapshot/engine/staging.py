@@ -1,0 +1,110 @@
+"""Staging: the async take's copy of a rank's payloads into a buffer that is the exact image of its data file,
+and the write of that image (one sequential pass, checksums hashed beside it). See
+:mod:`~ppe_snapshot.engine.packing` for the layout.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import torch
+import xxhash
+
+from ppe_snapshot.engine.format import Raw
+from ppe_snapshot.engine.hostmem import new_private_buffer
+from ppe_snapshot.engine.manifest import Chunk
+from ppe_snapshot.engine import packing
+from ppe_snapshot.engine.packing import FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
+from ppe_snapshot.storage import Storage
+
+PAGE = 4096
+#: Staging copies a CPU tensor smaller than this with one memmove, a larger one with torch's ``copy_`` (on its
+#: intra-op threads, which it uses from about this size on).
+SMALL_COPY_BYTES = 256 << 10
+
+
+def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
+    """A zeroed, page-aligned host buffer for one rank's file image.
+
+    Page alignment lets O_DIRECT write it as it is. Unpinned buffers are
+    private memory that a fork leaves alone (see :mod:`~ppe_snapshot.engine.hostmem`):
+    a copy-on-write page would fault at the next staging copy.
+    """
+    if pin and torch.cuda.is_available():
+        raw = torch.zeros(size + PAGE, dtype=torch.uint8, pin_memory=True)
+        start = -raw.data_ptr() % PAGE
+        return raw[start:start + size]
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return new_private_buffer(size)
+
+
+def stage(layout: FileLayout, buffer: torch.Tensor) -> None:
+    """Copy every payload into its place in ``buffer`` (the file image, a contiguous CPU tensor).
+
+    A small CPU tensor is copied with one ``memmove`` (about 1 us, against
+    8 us for slicing, viewing and ``copy_``: the cost per tensor of a state of
+    10^5 tensors); a large one with ``copy_``, on torch's intra-op threads;
+    anything else (see :func:`is_copyable_raw`: device, non-contiguous,
+    conjugate or negative views, subclasses) with ``copy_`` too, which
+    resolves it.
+    """
+    if buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous() or buffer.numel() < layout.size:
+        raise ValueError(f"a staging buffer must be a contiguous CPU uint8 tensor of at least {layout.size} bytes, "
+                         f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
+                         f"{'' if buffer.is_contiguous() else ', not contiguous'}; the staging provider gave it")
+    base, cuda = buffer.data_ptr(), False
+    for payload, offset, n in zip(layout.payloads, layout.offsets, layout.sizes):
+        data = payload.data
+        if payload.kind == Raw.TENSOR:
+            if not n:
+                continue
+            if n < SMALL_COPY_BYTES and is_copyable_raw(data):
+                ctypes.memmove(base + offset, data.data_ptr(), n)
+            else:
+                on_cuda = data.is_cuda
+                cuda |= on_cuda
+                buffer[offset:offset + n].view(data.dtype).view(data.shape).copy_(data, non_blocking=on_cuda)
+        elif payload.kind == Raw.NDARRAY:
+            region = buffer[offset:offset + n]
+            np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
+        else:
+            buffer[offset:offset + n].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> Written:
+    """Write the staged file image in one sequential pass (see :data:`Written`).
+
+    The checksums are computed in a second thread while the image is written:
+    both only read the buffer, and the hashing hides behind the disk (which
+    matters most for a background writer that gets little CPU).
+    """
+    image = tensor_bytes(buffer[: layout.size])
+    written: Written = []
+
+    def hash_image() -> None:
+        add, digest, most = written.append, xxhash.xxh3_64_intdigest, packing.CHUNK_BYTES  # now: tests shrink it
+        for offset, n in zip(layout.offsets, layout.sizes):
+            if n <= most:
+                add(digest(image[offset:offset + n]))
+            else:
+                add([Chunk(layout.file, s, min(most, offset + n - s), checksum(image[s:min(s + most, offset + n)]))
+                     for s in range(offset, offset + n, most)])
+
+    hasher = threading.Thread(target=hash_image, name="ppe-snapshot-checksums")
+    hasher.start()
+    writer = storage.open_writer(layout.file, layout.size)
+    try:
+        writer.write([image])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        hasher.join()
+    if len(written) != len(layout.payloads):  # the hashing thread failed; it printed why
+        raise RuntimeError(f"computing the checksums of {layout.file} failed")
+    return written
