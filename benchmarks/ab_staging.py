@@ -12,20 +12,17 @@ the next call. The report gives the median over the rounds per metric and the ra
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import ab_main  # noqa: E402
 
 CHILD = r"""
 import json, os, shutil, statistics, sys, time
-checkout, root, scale, many = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+checkout, root, benchmarks, scale, many = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
 sys.path.insert(0, checkout)
-sys.path.insert(1, sys.argv[5])  # the benchmarks of this checkout, for large_state
+sys.path.insert(1, benchmarks)  # the benchmarks of this run, for large_state
 import torch
 import ppe_snapshot as ps
 from ppe_snapshot import writing
@@ -105,43 +102,5 @@ if __name__ == "__main__":
 """
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", required=True)
-    parser.add_argument("--b", required=True)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--many", type=int, default=100_000)
-    args = parser.parse_args()
-    benchmarks = os.path.dirname(os.path.abspath(__file__))
-    work = tempfile.mkdtemp(prefix="ab_staging_")
-    child = os.path.join(work, "child.py")
-    with open(child, "w") as f:
-        f.write(CHILD)
-    samples: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
-    try:
-        for r in range(args.rounds):
-            for label in (("A", "B") if r % 2 == 0 else ("B", "A")):
-                checkout = os.path.abspath(args.a if label == "A" else args.b)
-                root = os.path.join(work, label)
-                os.makedirs(root, exist_ok=True)
-                env = {**os.environ, "PYTHONPATH": checkout}
-                done = subprocess.run([sys.executable, child, checkout, root, str(args.scale), str(args.many),
-                                       benchmarks], env=env, capture_output=True, text=True, check=True)
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                print(f"round {r} {label}: " + ", ".join(f"{k}={v:.3f}" for k, v in result.items()), flush=True)
-                for key, value in result.items():
-                    samples[label].setdefault(key, []).append(value)
-                shutil.rmtree(root, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"\nA: {args.a}\nB: {args.b}\nmedians of {args.rounds} rounds (one process per checkout and round)\n")
-    print("| metric | A | B | B/A |\n|---|---|---|---|")
-    for key in samples["A"]:
-        a, b = statistics.median(samples["A"][key]), statistics.median(samples["B"][key])
-        unit = "x" if "/" in key else " s"
-        print(f"| {key} | {a:.3f}{unit} | {b:.3f}{unit} | {b / a:.2f} |")
-
-
 if __name__ == "__main__":
-    main()
+    ab_main(__doc__, CHILD)

@@ -1,10 +1,16 @@
 """Helpers shared by the benchmark scripts: timing, peak RSS, page-cache control, reporting."""
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import os
 import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -152,3 +158,50 @@ def emit(text: str, report: str | None) -> None:
     if report:
         with open(report, "w") as f:
             f.write(text + "\n")
+
+
+def ab_main(doc: str | None, child_source: str) -> None:
+    """An A/B script's command line: two checkouts, the rounds, and the scale of the large state and the
+    number of small tensors that the child gets after ``checkout root benchmarks`` (see :func:`run_ab`)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", required=True, help="checkout A (e.g. a worktree of the base commit)")
+    parser.add_argument("--b", required=True, help="checkout B")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0, help="of bench_engine.large_state (~1 GiB at 1)")
+    parser.add_argument("--many", type=int, default=100_000, help="small tensors in the per-tensor cases")
+    args = parser.parse_args()
+    run_ab(child_source, args, [str(args.scale), str(args.many)])
+
+
+def run_ab(child_source: str, args: argparse.Namespace, extra: list[str]) -> None:
+    """Run ``child_source`` once per checkout and round, in a fresh process, alternating which goes first; print
+    each round and a table of the medians with B/A. The child gets ``checkout root benchmarks *extra`` and
+    prints a JSON object of metric -> seconds (or ratio, for a metric whose name holds a ``/``) last."""
+    benchmarks = os.path.dirname(os.path.abspath(__file__))
+    work = tempfile.mkdtemp(prefix="ab_")
+    child = os.path.join(work, "child.py")
+    with open(child, "w") as f:
+        f.write(child_source)
+    samples: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    try:
+        for r in range(args.rounds):
+            for label in (("A", "B") if r % 2 == 0 else ("B", "A")):
+                checkout = os.path.abspath(args.a if label == "A" else args.b)
+                root = os.path.join(work, label)
+                os.makedirs(root, exist_ok=True)
+                env = {**os.environ, "PYTHONPATH": checkout}
+                done = subprocess.run([sys.executable, child, checkout, root, benchmarks, *extra], env=env,
+                                      capture_output=True, text=True, check=True)
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                print(f"round {r} {label}: " + ", ".join(f"{k}={v:.3f}" for k, v in result.items()), flush=True)
+                for key, value in result.items():
+                    samples[label].setdefault(key, []).append(value)
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nA: {args.a}\nB: {args.b}\nmedians of {args.rounds} rounds (one process per checkout and round)\n")
+    print("| metric | A | B | B/A |\n|---|---|---|---|")
+    for key in samples["A"]:
+        a, b = statistics.median(samples["A"][key]), statistics.median(samples["B"][key])
+        unit = "x" if "/" in key else " s"
+        print(f"| {key} | {a:.3f}{unit} | {b:.3f}{unit} | {b / a:.2f} |")
