@@ -245,23 +245,25 @@ class PayloadAppender:
         written: Written = []
         add, digest, memmove, tensor = written.append, xxhash.xxh3_64_intdigest, ctypes.memmove, Raw.TENSOR
         small = min(GATHER_BYTES, CHUNK_BYTES)  # CHUNK_BYTES read at call time: tests shrink it
+        gather, gather_start, address, gather_end = memoryview(b""), 0, 0, -1  # no gathering buffer yet
         for payload, offset, n in zip(layout.payloads, layout.offsets, layout.sizes):
             data = payload.data
             if n <= small and payload.kind == tensor and type(data) in _PLAIN_TENSORS and data.is_cpu \
                     and data.is_contiguous() and not data.is_conj() and not data.is_neg():  # is_copyable_raw()
-                gather = self._gather
-                if gather is None or offset + n - self._gather_start > gather.nbytes:
+                if offset + n > gather_end:
                     self._new_gather()  # at the current position: the padding up to offset is in the buffer
-                    gather = self._gather
-                at = offset - self._gather_start
-                memmove(self._gather_address + at, data.data_ptr(), n)
+                    gather, gather_start, address = self._gather, self._gather_start, self._gather_address
+                    gather_end = gather_start + gather.nbytes
+                at = offset - gather_start
+                memmove(address + at, data.data_ptr(), n)
                 add(digest(gather[at:at + n]))
                 self.position = offset + n
             else:
                 self.pad_to(offset)
                 if payload.kind == tensor and needs_bounce(payload):
                     self._bounce = host_copy_buffer(n, self._bounce)
-                add(self._append(payload))
+                add(self._append(payload))  # it ends the gathering buffer
+                gather_end = -1
         self.finish(layout.size)
         return written
 
