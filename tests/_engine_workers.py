@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from _asserts import written_as
 from ppe_snapshot import Snapshot, StateDict
 from ppe_snapshot.engine import LOCAL
 
@@ -115,13 +116,14 @@ def take_and_restore_ddp(path: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.module.state_dict().items()}
 
 
-def take_mixed(path: str) -> None:
-    """Replicated model (glob ``model/*``), per-rank "state", and "only2" on rank 2 alone."""
+def take_mixed(path: str, version: int) -> None:
+    """Replicated model (glob ``model/*``), per-rank "state", and "only2" on rank 2 alone, as format ``version``."""
     rank = dist.get_rank()
     app_state = {"model": StateDict(model_values()), "state": StateDict(per_rank_values(rank))}
     if rank == 2:
         app_state["only2"] = StateDict(x=torch.arange(12.0).reshape(3, 4))
-    Snapshot.take(path, app_state, replicated=["model/*"])
+    with written_as(version):
+        Snapshot.take(path, app_state, replicated=["model/*"])
 
 
 def restore_mixed(path: str) -> dict[str, Any]:

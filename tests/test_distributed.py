@@ -5,6 +5,7 @@ different world size, async takes, ``pg=LOCAL``, and ranks that fail.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -116,9 +117,12 @@ def test_ddp_module_is_inferred_replicated(dist_run, tmp_path, world_size):
     _assert_state_equal(dict(plain.module.state_dict()), dict(expected))
 
 
-def test_replicated_state_restores_on_other_world_sizes(dist_run, tmp_path):
+@pytest.mark.parametrize("version", [2, 1])
+def test_replicated_state_restores_on_other_world_sizes(dist_run, tmp_path, version):
     path = str(tmp_path / "snap")
-    dist_run(w.take_mixed, 3, path)
+    dist_run(w.take_mixed, 3, path, version)
+    with open(os.path.join(path, "manifest.json")) as f:
+        assert json.load(f)["version"] == version
     assert _replicated_paths(path) == {"model"} | {f"model/layer{i}" for i in range(w.MODEL_TENSORS)}
     keys = Snapshot(path).get_manifest()
     assert "2/only2/x" in keys and "0/only2" not in keys and "1/only2" not in keys
