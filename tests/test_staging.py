@@ -131,6 +131,26 @@ def test_staged_image_holds_each_payload_at_its_offset(tmp_path):
         assert bytes(buffer[offset:offset + nbytes].numpy()) == expected.tobytes(), path
 
 
+def test_a_reused_buffer_leaves_nothing_of_its_last_image_in_the_file(tmp_path):
+    """A writer's buffer holds the previous snapshot's image: staged again, the bytes between the payloads are
+    zeroed, so the file an async take writes from it is the very file a sync take writes."""
+    state, _ = mixed_state()
+    state["big"] = torch.randn(3 * SMALL_COPY_BYTES // 4 + 5)  # a large payload between runs of small ones
+    state["after"] = {f"u{i}": torch.randn(i % 5 + 1) for i in range(50)}
+    Snapshot.take(str(tmp_path / "sync"), {"state": StateDict(state)})
+    expected = (tmp_path / "sync" / "data" / "rank0.bin").read_bytes()
+    job = prepare_take(str(tmp_path / "s"), {"state": StateDict(state)}, pg=LOCAL)
+    buffer = new_staging_buffer(job.layout.size + 100)
+    buffer.fill_(0xAB)  # the last image
+    stage(job.layout, buffer, reused=True)
+    assert bytes(buffer[:job.layout.size].numpy()) == expected
+
+    dirty = new_staging_buffer(job.layout.size)
+    dirty.fill_(0xCD)
+    Snapshot.async_take(str(tmp_path / "async"), {"state": StateDict(state)}, staging=lambda n: dirty).wait()
+    assert (tmp_path / "async" / "data" / "rank0.bin").read_bytes() == expected
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 

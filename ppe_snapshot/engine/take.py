@@ -68,7 +68,7 @@ class TakeJob:
                 buffer = provider(self.layout.size)
             else:
                 buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
-            stage(self.layout, buffer)
+            stage(self.layout, buffer, reused=provider is not None)  # a provider's buffer may hold an old image
         except BaseException as e:
             self.fail(e)
             raise
