@@ -34,43 +34,62 @@ _BYTE = ctypes.c_char
 MAX_GAP, MAX_RUN = ReadBatch.MAX_GAP, ReadBatch.MAX_RUN
 #: Tensors up to this size are loaded in bulk; larger ones are read straight into their targets.
 SMALL_BYTES = 1 << 20
-#: The walk hands its picks to the read pool each time this many bytes are pending (reads overlap the walk) ...
+#: The walk hands its picks to the read pool each time their bytes, plus ``PER_TENSOR_COST`` each, reach this
+#: (the reads overlap the walk).
 FLUSH_BYTES = 4 << 20
-#: ... or this many tensors.
-FLUSH_COUNT = 16384
-#: Runs whose chunks average less than this go through a buffer (one copy each) rather than one iovec each.
-TINY_BYTES = 256
+PER_TENSOR_COST = 256
+#: Runs whose chunks average less than this go through a buffer (one copy each) rather than one iovec each:
+#: below it, making a view of each target costs more than the copy (measured here: about 2 KiB).
+TINY_BYTES = 2048
 
 
-class _Source:
-    """One index file as the bulk path reads it: per tensor row, ``(torch dtype, shape, bytes, may be a conjugate
-    view)`` where it may be loaded in bulk (a single chunk of at most ``SMALL_BYTES``), else None; and the rows
-    and target addresses picked but not yet handed to the read pool."""
+def _shapes(index: Index) -> list[tuple[int, ...]]:
+    """Every tensor row's shape as a tuple (grouped by number of dimensions: no Python loop per row)."""
+    ndims, dims = index.cols["tensor_ndim"], index.cols["dims"]
+    shapes = np.empty(len(ndims), dtype=object)
+    for ndim in np.unique(ndims).tolist():
+        rows = np.flatnonzero(ndims == ndim)
+        block = dims[index.dims_start[rows][:, None] + np.arange(ndim)].tolist()
+        shapes[rows] = np.fromiter(map(tuple, block), dtype=object, count=len(rows))
+    return shapes.tolist()
 
-    def __init__(self, index: Index, owned: bool) -> None:
-        self.index = index
-        cols = index.cols
-        self.rows = index.tensor_rows
-        #: Paths of other entries: a rank's own entry of another kind hides a replicated tensor of its path.
-        self.others: Mapping[str, Any] = index.header["entries"] if owned else {}
-        dtypes = [torch_dtype(name) if kind == "tensor" else None for kind, name in index.header["dtypes"]]
-        first = index.tensor_chunk_start
-        nbytes = np.zeros(len(first), dtype=np.int64)
-        single = cols["tensor_chunk_end"] - first == 1  # a tensor of no chunk (crafted, or empty) stays out
-        nbytes[single] = cols["chunk_nbytes"][first[single]]
-        eligible = (single & (nbytes <= SMALL_BYTES)).tolist()
-        dims, ndims = cols["dims"].tolist(), cols["tensor_ndim"].tolist()
-        fits: list[tuple[torch.dtype, tuple[int, ...], int, bool] | None] = []
-        position = 0
-        for d, n, size, ok in zip(cols["tensor_dtype"].tolist(), ndims, nbytes.tolist(), eligible):
-            dtype = dtypes[d]
-            fits.append((dtype, tuple(dims[position:position + n]), size, dtype.is_complex)
-                        if ok and dtype is not None else None)
-            position += n
-        self.fits = fits
-        self.picked: list[int] = []
-        self.pointers: list[int] = []
-        self.pending = 0
+
+class _Lookup:
+    """The tensor rows of a restore's index files (its rank's, then the replicated one), as the walk needs them.
+
+    ``codes`` maps a path to a code: a row number plus ``bases[i]`` for the ``i``-th index file (a rank's own
+    entries of any kind hide replicated ones of the same path). ``fits[code]`` is ``(torch dtype, shape, cost)`` for a tensor that may be loaded in bulk (a single chunk of at most ``SMALL_BYTES``), else None;
+    the cost, its bytes plus ``PER_TENSOR_COST``, paces the hand-offs to the read pool.
+    """
+
+    def __init__(self, indexes: list[Index], owned: bool) -> None:
+        self.indexes = indexes
+        self.bases = np.cumsum([0] + [len(index.tensor_rows) for index in indexes])
+        self.fits: list[tuple[torch.dtype, tuple[int, ...], int] | None] = []
+        for index in indexes:
+            self.fits += _fits(index)
+        if len(indexes) == 1:
+            self.codes: dict[str, int] = indexes[0].tensor_rows
+            return
+        codes: dict[str, int | None] = {}
+        for index, base in zip(reversed(indexes), reversed(self.bases[:-1].tolist())):  # the first one wins
+            codes.update(index.tensor_rows if not base else {p: r + base for p, r in index.tensor_rows.items()})
+            if owned and index is indexes[0]:
+                codes.update(dict.fromkeys(index.header["entries"]))
+        self.codes = codes  # type: ignore[assignment]
+
+
+def _fits(index: Index) -> list[tuple[torch.dtype, tuple[int, ...], int] | None]:
+    cols, first = index.cols, index.tensor_chunk_start
+    nbytes = np.zeros(len(first), dtype=np.int64)
+    single = cols["tensor_chunk_end"] - first == 1  # a tensor of no chunk (crafted, or empty) stays out
+    nbytes[single] = cols["chunk_nbytes"][first[single]]
+    dtypes = [torch_dtype(name) if kind == "tensor" else None for kind, name in index.header["dtypes"]]
+    row_dtypes = np.array(dtypes + [None], dtype=object)[cols["tensor_dtype"]]
+    fits: list[Any] = list(zip(row_dtypes.tolist(), _shapes(index), (nbytes + PER_TENSOR_COST).tolist()))
+    for row in np.flatnonzero(~single | (nbytes > SMALL_BYTES) | np.equal(row_dtypes, None)).tolist():
+        fits[row] = None
+    return fits
 
 
 class BulkTensors:
@@ -78,65 +97,72 @@ class BulkTensors:
 
     def __init__(self, storage: Storage, manifest: Manifest, rank: int, reads: ReadBatch) -> None:
         self._storage, self._manifest, self._rank, self._reads = storage, manifest, rank, reads
-        self._sources: list[_Source] | None = None
+        self._lookup: _Lookup | None = None
 
-    def _tables(self) -> list[_Source]:
-        if self._sources is None:
+    def _tables(self) -> _Lookup:
+        if self._lookup is None:
             owned = self._rank < self._manifest.world_size
-            tables = [(self._manifest.ranks[self._rank], True)] if owned else []
-            tables.append((self._manifest.replicated, False))
-            self._sources = []
-            for table, own in tables:
+            tables = [self._manifest.ranks[self._rank]] if owned else []
+            tables.append(self._manifest.replicated)
+            indexes = []
+            for table in tables:
                 table = getattr(table, "table", table)
                 if isinstance(table, IndexTable):
-                    self._sources.append(_Source(table.index, own))
-        return self._sources
+                    indexes.append(table.index)
+            self._lookup = _Lookup(indexes, owned and len(indexes) == len(tables))
+        return self._lookup
 
     def children(self, path: str, keys: list[Any], template: Any) -> dict[str, torch.Tensor]:
         """The children of the dict at ``path`` (keys as stored) loaded here, by key; reads complete at join."""
         if not isinstance(template, Mapping) or len(keys) < 16:
             return {}
-        sources = self._tables()
-        if not sources:
+        lookup = self._tables()
+        if not lookup.indexes:
             return {}
-        get, strided = template.get, torch.strided
+        get, strided, code_of, fits = template.get, torch.strided, lookup.codes.get, lookup.fits
         loaded: dict[str, torch.Tensor] = {}
+        codes: list[int] = []
+        pointers: list[int] = []
+        pending = 0
         for key in keys:
             if type(key) is not str:
                 continue
             target = get(key)
             if type(target) not in _PLAIN:
                 continue
-            child = f"{path}/{key}" if "%" not in key and "/" not in key else child_path(path, key)
-            for source in sources:
-                row = source.rows.get(child)
-                if row is not None or child in source.others:
-                    break
-            if row is None:
+            code = code_of(f"{path}/{key}" if "%" not in key and "/" not in key else child_path(path, key))
+            if code is None or (fit := fits[code]) is None:
                 continue
-            fit = source.fits[row]
-            if fit is None:
-                continue
-            dtype, shape, nbytes, complex_ = fit
+            dtype, shape, cost = fit
+            # (is_neg / is_conj release the GIL, to the read threads for milliseconds: only views may be either)
             if target.dtype is not dtype or target.shape != shape or target.layout is not strided \
-                    or not target.is_cpu or not target.is_contiguous() or target.is_neg() \
-                    or (complex_ and target.is_conj()):
+                    or not target.is_cpu or not target.is_contiguous() \
+                    or (target._is_view() and (target.is_neg() or target.is_conj())):
                 continue  # the usual path: reads through a buffer, or names the mismatch
-            source.picked.append(row)
-            source.pointers.append(target.data_ptr())
-            source.pending += nbytes
+            codes.append(code)
+            pointers.append(target.data_ptr())
             loaded[key] = target
-            if source.pending >= FLUSH_BYTES or len(source.picked) >= FLUSH_COUNT:
-                self._submit(source)
-        for source in sources:
-            if source.picked:
-                self._submit(source)
+            pending += cost
+            if pending >= FLUSH_BYTES:
+                self._submit(lookup, codes, pointers)
+                codes, pointers, pending = [], [], 0
+        if codes:
+            self._submit(lookup, codes, pointers)
         return loaded
 
-    def _submit(self, source: _Source) -> None:
-        """Hand the picked tensors of ``source`` to the read pool, in runs of neighbouring bytes of a file."""
-        index, rows, pointers = source.index, np.array(source.picked, dtype=np.int64), source.pointers
-        source.picked, source.pointers, source.pending = [], [], 0
+    def _submit(self, lookup: _Lookup, codes: list[int], pointers: list[int]) -> None:
+        """Hand picked tensors to the read pool, in runs of neighbouring bytes of a file."""
+        picked = np.array(codes, dtype=np.int64)
+        if len(lookup.indexes) == 1:
+            self._submit_rows(lookup.indexes[0], picked, pointers)
+            return
+        which = np.searchsorted(lookup.bases, picked, side="right") - 1
+        for number, index in enumerate(lookup.indexes):
+            mine = np.flatnonzero(which == number)
+            if len(mine):
+                self._submit_rows(index, picked[mine] - lookup.bases[number], [pointers[i] for i in mine.tolist()])
+
+    def _submit_rows(self, index: Index, rows: np.ndarray, pointers: list[int]) -> None:
         cols = index.cols
         chunk = index.tensor_chunk_start[rows]
         files, offsets = cols["chunk_file"][chunk].astype(np.int64), cols["chunk_offset"][chunk]
@@ -159,8 +185,8 @@ class BulkTensors:
         for s, e in bounds:
             run = _Run(self._storage, index, names[int(files[s])], offsets_list[s:e], nbytes_list[s:e], checks[s:e],
                        pointers[s:e], rows[s:e])
-            self._reads.submit(self._storage, run.read_buffered if int(ends[e - 1] - offsets[s]) < (e - s) * TINY_BYTES
-                               else run.read_direct)
+            tiny = sum(nbytes_list[s:e]) < (e - s) * TINY_BYTES
+            self._reads.submit(self._storage, run.read_buffered if tiny else run.read_direct)
 
 
 class _Run:
@@ -171,10 +197,19 @@ class _Run:
         self.storage, self.index, self.file = storage, index, file
         self.offsets, self.nbytes, self.checks, self.pointers, self.rows = offsets, nbytes, checks, pointers, rows
 
+    def _targets(self) -> tuple[memoryview, int]:
+        """One view from the lowest target address to the end of the highest target, and that address: views of
+        the targets are slices of it (a slice costs a third of a new view), and nothing but them is touched."""
+        low = min(self.pointers)
+        high = max(p + n for p, n in zip(self.pointers, self.nbytes))
+        # a length rounded up to a power of two: ctypes keeps every array type it makes
+        return memoryview((_BYTE * (1 << (high - low).bit_length())).from_address(low)).cast("B"), low
+
     def read_direct(self) -> None:
         """One vectored read straight into the targets, then every chunk verified where it landed."""
-        targets = [memoryview((_BYTE * n).from_address(p)) for n, p in zip(self.nbytes, self.pointers)]
-        views, position, scratch = targets, self.offsets[0], None
+        span, low = self._targets()
+        targets = [span[p - low:p - low + n] for p, n in zip(self.pointers, self.nbytes)]
+        views, position = targets, self.offsets[0]
         if self.offsets[-1] + self.nbytes[-1] - position != sum(self.nbytes):  # gaps between the chunks
             scratch, views = memoryview(bytearray(MAX_GAP)), []
             for offset, n, target in zip(self.offsets, self.nbytes, targets):
@@ -186,23 +221,24 @@ class _Run:
             self.storage.read_vectored(self.file, self.offsets[0], views)
         except (EOFError, FileNotFoundError) as e:
             raise truncated_error(self.storage, self.file, e) from e
-        if list(map(xxhash.xxh3_64_intdigest, targets)) != self.checks:
-            self._fail([xxhash.xxh3_64_intdigest(t) for t in targets])
+        sums = list(map(xxhash.xxh3_64_intdigest, targets))
+        del targets, views, span
+        if sums != self.checks:
+            self._fail(sums)
 
     def read_buffered(self) -> None:
         """One read into a buffer; each chunk verified there, then copied into its target."""
         start = self.offsets[0]
-        buffer = bytearray(self.offsets[-1] + self.nbytes[-1] - start)  # at most MAX_RUN: bounded by the index
-        view = memoryview(buffer)
-        read_file_into(self.storage, self.file, start, view)
-        pieces = [view[o - start:o - start + n] for o, n in zip(self.offsets, self.nbytes)]
+        buffer = memoryview(bytearray(self.offsets[-1] + self.nbytes[-1] - start))  # at most about MAX_RUN
+        read_file_into(self.storage, self.file, start, buffer)
+        pieces = [buffer[o - start:o - start + n] for o, n in zip(self.offsets, self.nbytes)]
         sums = list(map(xxhash.xxh3_64_intdigest, pieces))
         if sums != self.checks:
             self._fail(sums)
-        base, move = ctypes.addressof(ctypes.c_char.from_buffer(buffer)), ctypes.memmove
-        for offset, n, pointer in zip(self.offsets, self.nbytes, self.pointers):
-            move(pointer, base + offset - start, n)
-        del pieces, view
+        span, low = self._targets()
+        for piece, pointer, n in zip(pieces, self.pointers, self.nbytes):
+            span[pointer - low:pointer - low + n] = piece  # a copy that keeps the GIL: no hand-off per chunk
+        del pieces, buffer, span
 
     def _fail(self, sums: list[int]) -> None:
         i = next(i for i, (got, want) in enumerate(zip(sums, self.checks)) if got != want)
