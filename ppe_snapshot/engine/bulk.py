@@ -48,8 +48,11 @@ def _shapes(index: Index) -> list[tuple[int, ...]]:
     """Every tensor row's shape as a tuple (grouped by number of dimensions: no Python loop per row)."""
     ndims, dims = index.cols["tensor_ndim"], index.cols["dims"]
     shapes = np.empty(len(ndims), dtype=object)
-    for ndim in np.unique(ndims).tolist():
+    left = np.ones(len(ndims), dtype=bool)
+    while left.any():  # once per number of dimensions (np.unique: a lazy import of 10 ms on its first call)
+        ndim = int(ndims[np.argmax(left)])
         rows = np.flatnonzero(ndims == ndim)
+        left[rows] = False
         block = dims[index.dims_start[rows][:, None] + np.arange(ndim)].tolist()
         shapes[rows] = np.fromiter(map(tuple, block), dtype=object, count=len(rows))
     return shapes.tolist()
