@@ -62,8 +62,9 @@ class _Lookup:
     """The tensor rows of a restore's index files (its rank's, then the replicated one), as the walk needs them.
 
     ``codes`` maps a path to a code: a row number plus ``bases[i]`` for the ``i``-th index file (a rank's own
-    entries of any kind hide replicated ones of the same path). ``fits[code]`` is ``(torch dtype, shape, cost)`` for a tensor that may be loaded in bulk (a single chunk of at most ``SMALL_BYTES``), else None;
-    the cost, its bytes plus ``PER_TENSOR_COST``, paces the hand-offs to the read pool.
+    entries of any kind hide replicated ones of the same path). ``fits[code]`` is ``(torch dtype, shape, cost)``
+    for a tensor that may be loaded in bulk (a single chunk of at most ``SMALL_BYTES``), else None; the cost, its
+    bytes plus ``PER_TENSOR_COST``, paces the hand-offs to the read pool.
     """
 
     def __init__(self, indexes: list[Index], owned: bool) -> None:
