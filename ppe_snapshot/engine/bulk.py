@@ -10,6 +10,11 @@ verified in the target: a damaged chunk raises ``CorruptSnapshotError`` naming i
 after the check instead. Everything else goes the usual way (``loading.leaf_loader``); what a reader must check
 (sizes vs shapes, files inside the snapshot) was checked when the index was decoded or is checked here, before
 a byte reaches a target.
+
+The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg``,
+``is_conj``: only on views), the copies of tiny chunks keep it (a memoryview assignment, not ``ctypes.memmove``),
+and the walk yields it after each hand-off; otherwise each release hands the GIL over and waits up to the
+interpreter's switch interval to get it back.
 """
 from __future__ import annotations
 
