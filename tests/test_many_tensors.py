@@ -2,6 +2,8 @@
 keep every value bit-exact, every checksum verified and every mismatch named."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import xxhash
 from _asserts import assert_same, manifest_doc
 from _crafted import RANK0, read_index
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError
-from ppe_snapshot.engine import packing
+from ppe_snapshot.engine import bulk, packing
 
 
 def _state() -> dict:
@@ -151,3 +153,105 @@ def test_rank_index_lists_each_tensor_in_file_order_with_the_hash_of_its_bytes(t
     value = state["strided"].contiguous().numpy().tobytes()
     row = header["tensors"].index("m/strided")
     assert data[offsets[starts[row]]:offsets[starts[row]] + len(value)] == value
+
+
+def _drop_page_cache(root) -> None:
+    """Evict the snapshot's data files from the page cache (the take made them durable)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _mixed_state() -> dict:
+    """A dict of tiny tensors (read through a buffer) and one of tensors of 4 bytes to 80 KB (read straight into
+    their targets), alignment gaps between them, dtypes of 2, 4 and 8 bytes."""
+    torch.manual_seed(3)
+    dtypes = (torch.float32, torch.float64, torch.int32, torch.bfloat16)
+    tiny = {f"t{i}": torch.randn(i % 3 + 1).to(dtypes[i % 4]) for i in range(60)}
+    mixed = {f"m{i}": torch.randn((1, 1000, 3, 20000)[i % 4]).to(dtypes[i % 4]) for i in range(60)}
+    return {"tiny": tiny, "mixed": mixed}
+
+
+def _spy_runs(monkeypatch) -> list[str]:
+    """The names of the bulk read paths each run takes, in the order they start."""
+    used: list[str] = []
+    for name in ("read_direct", "read_buffered"):
+        method = getattr(bulk._Run, name)
+        monkeypatch.setattr(bulk._Run, name, lambda self, _m=method, _n=name: (used.append(_n), _m(self))[1])
+    return used
+
+
+def test_bulk_restore_is_bit_exact_after_a_cold_start_in_many_hand_offs(tmp_path, monkeypatch):
+    """The walk hands its picks to the read pool many times (a small pacing), both read paths run, the page
+    cache holds nothing: every target bit-exact and loaded in place."""
+    monkeypatch.setattr(bulk, "FLUSH_BYTES", 64 << 10)
+    used = _spy_runs(monkeypatch)
+    state = _mixed_state()
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
+    _drop_page_cache(tmp_path / "s")
+    target = {part: {k: torch.zeros_like(v) for k, v in values.items()} for part, values in state.items()}
+    restored = StateDict({part: dict(values) for part, values in target.items()})
+    Snapshot(str(tmp_path / "s")).restore({"m": restored})
+    got = restored.state_dict()
+    assert all(got[part][k] is target[part][k] for part in state for k in state[part])
+    assert_same(got, state)
+    assert used.count("read_buffered") == 1 and used.count("read_direct") > 3
+
+
+@pytest.mark.parametrize("part, key, path", [("mixed", "m5", "read_direct"), ("tiny", "t7", "read_buffered")])
+def test_damaged_chunk_of_a_direct_or_buffered_run_is_named(tmp_path, monkeypatch, part, key, path):
+    used = _spy_runs(monkeypatch)
+    state = _mixed_state()
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
+    chunk = manifest_doc(tmp_path / "s")["ranks"][0][f"m/{part}/{key}"]["chunks"][0]
+    data = tmp_path / "s" / chunk["file"]
+    raw = bytearray(data.read_bytes())
+    raw[chunk["offset"] + chunk["nbytes"] - 1] ^= 0x01
+    data.write_bytes(bytes(raw))
+    target = {p: {k: torch.zeros_like(v) for k, v in values.items()} for p, values in state.items()}
+    with pytest.raises(CorruptSnapshotError, match=rf"checksum mismatch .*\(m/{part}/{key}\)"):
+        Snapshot(str(tmp_path / "s")).restore({"m": StateDict(target)})
+    assert path in used
+
+
+def test_data_file_cut_inside_a_direct_run_is_refused(tmp_path):
+    state = {f"t{i}": torch.full((5000,), float(i)) for i in range(40)}  # 20 KB each: read straight in
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
+    data = tmp_path / "s" / "data" / "rank0.bin"
+    data.write_bytes(data.read_bytes()[:len(data.read_bytes()) - 5000])
+    with pytest.raises(CorruptSnapshotError, match="missing or truncated"):
+        Snapshot(str(tmp_path / "s")).restore({"m": StateDict({k: torch.zeros(5000) for k in state})})
+
+
+def test_negative_and_conjugate_view_targets_receive_the_values_not_the_bytes(tmp_path):
+    """A negative or conjugate view's memory holds other values than it shows: the bulk path leaves it to the
+    usual one, which writes the saved values through the view."""
+    torch.manual_seed(2)
+    state = {f"f{i}": torch.randn(5) for i in range(20)}
+    state.update(neg=torch.randn(9), conj=torch.randn(7, dtype=torch.cfloat))
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    target["neg"] = torch._neg_view(torch.zeros(9))
+    target["conj"] = torch.zeros(7, dtype=torch.cfloat).conj()
+    Snapshot(str(tmp_path / "s")).restore({"m": StateDict(target)})
+    assert torch.equal(target["neg"], state["neg"]) and torch.equal(target["conj"], state["conj"])
+    assert all(torch.equal(target[f"f{i}"], state[f"f{i}"]) for i in range(20))
+
+
+def test_bulk_restore_reads_rank_and_replicated_tensors_of_one_dict(tmp_path):
+    """Children of one dict in the rank's index and in the replicated one: both loaded in bulk, in place."""
+    torch.manual_seed(4)
+    state = {f"{kind}{i}": torch.randn(i + 1) for kind in "rs" for i in range(30)}
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)}, replicated=["m/r*"])
+    doc = manifest_doc(tmp_path / "s")
+    assert "m/r3" in doc["replicated"] and "m/s3" in doc["ranks"][0]
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    restored = StateDict(dict(target))
+    Snapshot(str(tmp_path / "s")).restore({"m": restored})
+    got = restored.state_dict()
+    assert all(got[k] is target[k] for k in state)
+    assert_same(got, state)

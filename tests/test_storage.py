@@ -126,6 +126,21 @@ def test_read_into(storage):
         storage.read_into("data/f.bin", 500, memoryview(bytearray(1)))
 
 
+def test_read_vectored_into_thousands_of_views(storage):
+    """More views than one system call takes (IOV_MAX), some empty: each gets its bytes; one past the end is
+    EOFError."""
+    content = bytes(i * 7 % 251 for i in range(12000))
+    writer = storage.open_writer("data/f.bin")
+    writer.write([memoryview(content)])
+    writer.close()
+    sizes = [i % 7 for i in range(3000)]  # about 9,000 bytes in 3,000 views
+    views = [memoryview(bytearray(n)) for n in sizes]
+    storage.read_vectored("data/f.bin", 100, views)
+    assert b"".join(bytes(v) for v in views) == content[100:100 + sum(sizes)]
+    with pytest.raises(EOFError):
+        storage.read_vectored("data/f.bin", len(content) - sum(sizes) + 1, [memoryview(bytearray(n)) for n in sizes])
+
+
 def test_missing_files(storage):
     assert not storage.exists("manifest.json")
     with pytest.raises(FileNotFoundError):

@@ -16,7 +16,7 @@ from ppe_snapshot.storage import Storage, shared_pool
 ALIGN_STEP = 1 << 16
 
 
-def _truncated_error(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
+def truncated_error(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
     return CorruptSnapshotError(f"data file {file} of {storage.url} is missing or truncated: {error}")
 
 
@@ -25,7 +25,7 @@ def read_file_into(storage: Storage, file: str, offset: int, out: memoryview) ->
     try:
         storage.read_into(file, offset, out)
     except (EOFError, FileNotFoundError) as e:
-        raise _truncated_error(storage, file, e) from e
+        raise truncated_error(storage, file, e) from e
 
 
 def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
@@ -45,7 +45,7 @@ def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
             try:
                 size = storage.known_size(chunk.file)
             except FileNotFoundError as e:
-                raise _truncated_error(storage, chunk.file, e) from e
+                raise truncated_error(storage, chunk.file, e) from e
             if chunk.offset + chunk.nbytes > size:
                 raise CorruptSnapshotError(
                     f"data file {chunk.file} of {storage.url} is missing or truncated: it holds {size} bytes, and "
@@ -178,7 +178,7 @@ def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
     try:
         storage.read_vectored(first.file, first.offset, views)
     except (EOFError, FileNotFoundError) as e:
-        raise _truncated_error(storage, first.file, e) from e
+        raise truncated_error(storage, first.file, e) from e
     for _, chunk, view, what in run:
         if checksum(view) != chunk.checksum:
             raise _mismatch(storage, chunk, what)

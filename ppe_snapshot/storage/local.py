@@ -321,19 +321,21 @@ class LocalStorage(Storage):
     def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
         fd = self._reader_fd(rel)
         pending = [v for v in views if v.nbytes]
-        while pending:
-            batch = pending[:_IOV_MAX]
+        first = 0  # pending[first:] is still to fill (a list of 10^5 views: no pop(0))
+        while first < len(pending):
+            batch = pending[first:first + _IOV_MAX]
             n = os.preadv(fd, batch, offset)
             if n == 0:
                 raise EOFError(f"{self._abs(rel)} ends at byte {offset}, expected at least "
-                               f"{offset + sum(v.nbytes for v in pending)}")
+                               f"{offset + sum(v.nbytes for v in pending[first:])}")
             offset += n
-            while n and pending:  # drop what was filled; keep the rest of a partly filled view
-                if n >= pending[0].nbytes:
-                    n -= pending.pop(0).nbytes
-                else:
-                    pending[0] = pending[0][n:]
-                    n = 0
+            for view in batch:  # skip what was filled; keep the rest of a partly filled view
+                if n < view.nbytes:
+                    if n:
+                        pending[first] = view[n:]
+                    break
+                n -= view.nbytes
+                first += 1
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(self._abs(rel))
