@@ -227,18 +227,25 @@ def test_data_file_cut_inside_a_direct_run_is_refused(tmp_path):
         Snapshot(str(tmp_path / "s")).restore({"m": StateDict({k: torch.zeros(5000) for k in state})})
 
 
-def test_negative_and_conjugate_view_targets_receive_the_values_not_the_bytes(tmp_path):
-    """A negative or conjugate view's memory holds other values than it shows: the bulk path leaves it to the
-    usual one, which writes the saved values through the view."""
+@pytest.mark.parametrize("detached", [False, True], ids=["views", "detached"])
+def test_negative_and_conjugate_targets_receive_the_values_not_the_bytes(tmp_path, detached):
+    """A tensor with the negative or conjugate bit shows other values than its memory holds; a view made so
+    keeps the bit when detached (and is then no view): restored in bulk, each shows the saved values."""
     torch.manual_seed(2)
     state = {f"f{i}": torch.randn(5) for i in range(20)}
-    state.update(neg=torch.randn(9), conj=torch.randn(7, dtype=torch.cfloat))
+    state.update(neg=torch.randn(9), conj=torch.randn(7, dtype=torch.cfloat),
+                 both=torch.randn(3, dtype=torch.cfloat), imag=torch.tensor(2.5))
     Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    target["neg"] = torch._neg_view(torch.zeros(9))
-    target["conj"] = torch.zeros(7, dtype=torch.cfloat).conj()
+    target.update(neg=torch._neg_view(torch.zeros(9)), conj=torch.zeros(7, dtype=torch.cfloat).conj(),
+                  both=torch._neg_view(torch.zeros(3, dtype=torch.cfloat).conj()),
+                  imag=torch.zeros((), dtype=torch.cfloat).conj().imag)  # a 0-d negative view: contiguous
+    if detached:
+        target = {k: v.detach() for k, v in target.items()}
+        assert not target["neg"]._is_view() and target["neg"].is_neg() and target["conj"].is_conj()
     Snapshot(str(tmp_path / "s")).restore({"m": StateDict(target)})
-    assert torch.equal(target["neg"], state["neg"]) and torch.equal(target["conj"], state["conj"])
+    for key in ("neg", "conj", "both", "imag"):
+        assert torch.equal(target[key], state[key]), key
     assert all(torch.equal(target[f"f{i}"], state[f"f{i}"]) for i in range(20))
 
 

@@ -11,8 +11,8 @@ after the check instead. Everything else goes the usual way (``loading.leaf_load
 (sizes vs shapes, files inside the snapshot) was checked when the index was decoded or is checked here, before
 a byte reaches a target.
 
-The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg``,
-``is_conj``: only on views), the copies of tiny chunks keep it (a memoryview assignment, not ``ctypes.memmove``),
+The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg`` and
+``is_conj`` are asked after the reads, by ``finish``), the copies of tiny chunks keep it (a memoryview assignment, not ``ctypes.memmove``),
 and the walk yields it after each hand-off; otherwise each release hands the GIL over and waits up to the
 interpreter's switch interval to get it back.
 """
@@ -108,6 +108,18 @@ class BulkTensors:
     def __init__(self, storage: Storage, manifest: Manifest, rank: int, reads: ReadBatch) -> None:
         self._storage, self._manifest, self._rank, self._reads = storage, manifest, rank, reads
         self._lookup: _Lookup | None = None
+        self._loaded: list[torch.Tensor] = []
+
+    def finish(self) -> None:
+        """Once every read is done: a target with the negative or conjugate bit (a view made by ``_neg_view``,
+        ``conj()`` or ``.imag``, or such a view detached) shows its memory negated or conjugated, so the bytes
+        read into it are turned round in place, to show the saved values. Checked here, not in the walk:
+        ``is_neg`` and ``is_conj`` release the GIL, which costs 10-30 us each while a read thread runs."""
+        for target in self._loaded:
+            if target.is_neg():
+                target.neg_()
+            if target.dtype.is_complex and target.is_conj():
+                target.conj_physical_()
 
     def _tables(self) -> _Lookup:
         if self._lookup is None:
@@ -144,10 +156,9 @@ class BulkTensors:
             if code is None or (fit := fits[code]) is None:
                 continue
             dtype, shape, cost = fit
-            # (is_neg / is_conj release the GIL, to the read threads for milliseconds: only views may be either)
+            # (no is_neg / is_conj here: they release the GIL, to the read threads for milliseconds; see finish)
             if target.dtype is not dtype or target.shape != shape or target.layout is not strided \
-                    or not target.is_cpu or not target.is_contiguous() \
-                    or (target._is_view() and (target.is_neg() or target.is_conj())):
+                    or not target.is_cpu or not target.is_contiguous():
                 continue  # the usual path: reads through a buffer, or names the mismatch
             codes.append(code)
             pointers.append(target.data_ptr())
@@ -162,6 +173,7 @@ class BulkTensors:
                 time.sleep(0)
         if codes:
             self._submit(lookup, codes, pointers)
+        self._loaded += loaded.values()
         return loaded
 
     def _submit(self, lookup: _Lookup, codes: list[int], pointers: list[int]) -> None:

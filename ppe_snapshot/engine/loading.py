@@ -52,14 +52,18 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
                budget: int | None = None) -> Any:
     """The value stored at logical ``path`` (and everything under it), into ``obj_out`` where it fits."""
     reads = ReadBatch()
-    bulk = BulkTensors(storage, manifest, rank, reads).children if manifest.version == 2 else None
+    bulk = BulkTensors(storage, manifest, rank, reads) if manifest.version == 2 else None
     try:
-        return inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
-                       leaf_loader(storage, allow_pickle, budget, reads), obj_out, load_children=bulk)
+        value = inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
+                        leaf_loader(storage, allow_pickle, budget, reads), obj_out,
+                        load_children=bulk.children if bulk is not None else None)
     except RecursionError:
         raise _too_deep(storage, path) from None
     finally:
         reads.join()
+    if bulk is not None:
+        bulk.finish()
+    return value
 
 
 def _check_present(storage: Storage, manifest: Manifest, rank: int, key: str, path: str) -> None:
