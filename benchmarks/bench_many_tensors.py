@@ -21,6 +21,7 @@ import argparse
 import cProfile
 import ctypes
 import gc
+import mmap
 import os
 import platform
 import pstats
@@ -77,24 +78,30 @@ def torch_save(app: dict, path: str) -> float:
 
 def bare_loop(app: dict, path: str) -> float:
     """The least a pure-Python save with a checksum per tensor does, as a floor for the take: per tensor read
-    its pointer, size, dtype and shape, memmove its bytes to the next 64-byte boundary of one buffer and hash
-    them there (xxh3); then write the buffer and fsync. No checks, no index, no commit, nothing durable to
+    its pointer, size, dtype and shape, memmove its bytes to the next 64-byte boundary of one page-aligned
+    buffer and hash them there (xxh3); then write the buffer with O_DIRECT and fsync (the disk's fastest way
+    here: through the page cache the same write took 0.1 s longer). No checks, no index, no commit, nothing to
     restore from: only the calls every tensor costs in the interpreter, and the disk. The cyclic collector is
     paused, as the take pauses it (with it running, the loop took 2x as long)."""
     gc.disable()
     start = time.perf_counter()
     tensors = [t for obj in app.values() for t in obj.state_dict().values()]
-    buffer = bytearray(sum((t.nbytes + 63) & -64 for t in tensors))
+    buffer = mmap.mmap(-1, (sum((t.nbytes + 63) & -64 for t in tensors) + 4095) & -4096)
     base, view, rows, offset = ctypes.addressof(ctypes.c_char.from_buffer(buffer)), memoryview(buffer), [], 0
     for t in tensors:
         n = t.nbytes
         ctypes.memmove(base + offset, t.data_ptr(), n)
         rows.append((t.dtype, t.shape, offset, n, xxhash.xxh3_64_intdigest(view[offset:offset + n])))
         offset = (offset + n + 63) & -64
-    with open(path, "wb", buffering=0) as f:
-        f.write(buffer)
-        os.fsync(f.fileno())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
+    try:
+        os.write(fd, view)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     elapsed = time.perf_counter() - start
+    del view, base
+    buffer.close()
     gc.enable()
     return elapsed
 
