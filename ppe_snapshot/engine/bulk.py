@@ -11,10 +11,10 @@ after the check instead. Everything else goes the usual way (``loading.leaf_load
 (sizes vs shapes, files inside the snapshot) was checked when the index was decoded or is checked here, before
 a byte reaches a target.
 
-The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg`` and
-``is_conj`` are asked after the reads, by ``finish``), the copies of tiny chunks keep it (a memoryview assignment, not ``ctypes.memmove``),
-and the walk yields it after each hand-off; otherwise each release hands the GIL over and waits up to the
-interpreter's switch interval to get it back.
+The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg``
+and ``is_conj`` are asked after the reads, by ``finish``), the copies of tiny chunks keep it (a memoryview
+assignment, not ``ctypes.memmove``), and the walk yields it after each hand-off; otherwise each release hands
+the GIL over and waits up to the interpreter's switch interval to get it back.
 """
 from __future__ import annotations
 

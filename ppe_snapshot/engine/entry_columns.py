@@ -44,8 +44,9 @@ class EntryColumns(LazyEntries):
         self.checksums: list[int] = []
         self._rows: dict[str, int] | None = None
 
-    def add_tensors(self, paths: Sequence[str], dtypes: Sequence[torch.dtype | np.dtype], shapes: Sequence[Sequence[int]],
-                    offsets: Sequence[int], nbytes: Sequence[int], checksums: Sequence[int]) -> None:
+    def add_tensors(self, paths: Sequence[str], dtypes: Sequence[torch.dtype | np.dtype],
+                    shapes: Sequence[Sequence[int]], offsets: Sequence[int], nbytes: Sequence[int],
+                    checksums: Sequence[int]) -> None:
         """Tensor rows, one per position of the (equally long) columns."""
         self.paths += paths
         self.dtypes += dtypes
