@@ -16,7 +16,7 @@ from typing import Callable
 
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.entry_columns import EntryColumns
-from ppe_snapshot.engine.flatten import child_path
+from ppe_snapshot.engine.flatten import child_path, child_paths
 from ppe_snapshot.engine.format import MANIFEST_NAME, Container, abort_name, part_name
 from ppe_snapshot.engine.manifest import (
     Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
@@ -108,14 +108,11 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
 
 
 def _children(path: str, entry: ContainerEntry) -> list[str]:
-    if entry.kind in Container.KEYED:  # string keys inline: a model's state has thousands
+    if entry.kind in Container.KEYED:  # string keys are stored as they are; others encoded
         keys = entry.keys
-        if path and set(map(type, keys)) <= {str}:
-            joined = "".join(keys)
-            if "%" not in joined and "/" not in joined:  # no key to escape: the paths in one C-level pass
-                return list(map(f"{path}/".__add__, keys))
-        return [f"{path}/{key.replace('%', '%25').replace('/', '%2F')}" if type(key) is str
-                else child_path(path, decode_value(key)) for key in keys]
+        if not set(map(type, keys)) <= {str}:
+            keys = [key if type(key) is str else decode_value(key) for key in keys]
+        return child_paths(path, keys)
     return [child_path(path, i) for i in range(entry.length)]
 
 

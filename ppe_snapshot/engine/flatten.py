@@ -55,6 +55,16 @@ def child_path(prefix: str, key: Any) -> str:
     return f"{prefix}/{escape(key)}" if prefix else escape(key)
 
 
+def child_paths(prefix: str, keys: list[Any]) -> list[str]:
+    """:func:`child_path` of every key: in one C-level pass when every key is a string that needs no escaping
+    (the dicts of a model's state, thousands of keys), else key by key."""
+    if prefix and set(map(type, keys)) <= {str}:
+        joined = "".join(keys)
+        if "%" not in joined and "/" not in joined:
+            return list(map(f"{prefix}/".__add__, keys))
+    return [child_path(prefix, key) for key in keys]
+
+
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -84,13 +94,8 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         # Distinct string keys make distinct paths (escaping is one-to-one); only other keys can collide ("1", 1).
         seen: dict[str, Any] | None = None if set(map(type, value)) <= {str} else {}
         out[path] = ContainerEntry(kind, keys=list(value) if seen is None else [encode_value(k) for k in value])
-        joined = "".join(value) if seen is None else "%"
-        if path and "%" not in joined and "/" not in joined:  # string keys to escape in none: paths in one pass
-            children = map(f"{path}/".__add__, value)
-        else:
-            children = (child_path(path, k) for k in value)
         names, strided, tensor = RAW_DTYPE_NAMES, torch.strided, Raw.TENSOR
-        for child, (k, v) in zip(children, value.items()):
+        for child, (k, v) in zip(child_paths(path, list(value)), value.items()):
             if seen is not None:
                 if child in seen:
                     raise UnsupportedValueError(
