@@ -30,7 +30,7 @@ import xxhash
 from ppe_snapshot.engine.flatten import child_path
 from ppe_snapshot.engine.index import Index, IndexTable
 from ppe_snapshot.engine.manifest import Manifest
-from ppe_snapshot.engine.reads import ReadBatch, mismatch_error, read_file_into, truncated_error
+from ppe_snapshot.engine.reads import ReadBatch, mismatch_error, read_file_into, read_views_into
 from ppe_snapshot.engine.serialization import torch_dtype
 from ppe_snapshot.storage import Storage
 
@@ -235,20 +235,9 @@ class _Run:
         """One vectored read straight into the targets, then every chunk verified where it landed."""
         span, low = self._targets()
         targets = [span[p - low:p - low + n] for p, n in zip(self.pointers, self.nbytes)]
-        views, position = targets, self.offsets[0]
-        if self.offsets[-1] + self.nbytes[-1] - position != sum(self.nbytes):  # gaps between the chunks
-            scratch, views = memoryview(bytearray(MAX_GAP)), []
-            for offset, n, target in zip(self.offsets, self.nbytes, targets):
-                if offset > position:
-                    views.append(scratch[:offset - position])
-                views.append(target)
-                position = offset + n
-        try:
-            self.storage.read_vectored(self.file, self.offsets[0], views)
-        except (EOFError, FileNotFoundError) as e:
-            raise truncated_error(self.storage, self.file, e) from e
+        read_views_into(self.storage, self.file, self.offsets, targets)
         sums = list(map(xxhash.xxh3_64_intdigest, targets))
-        del targets, views, span
+        del targets, span
         if sums != self.checks:
             self._fail(sums)
 

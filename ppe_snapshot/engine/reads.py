@@ -1,6 +1,7 @@
 """Reading stored bytes back, checksum-verified: straight into their destination, batched, or streamed."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +17,7 @@ from ppe_snapshot.storage import Storage, shared_pool
 ALIGN_STEP = 1 << 16
 
 
-def truncated_error(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
+def _truncated_error(storage: Storage, file: str, error: Exception) -> CorruptSnapshotError:
     return CorruptSnapshotError(f"data file {file} of {storage.url} is missing or truncated: {error}")
 
 
@@ -25,7 +26,25 @@ def read_file_into(storage: Storage, file: str, offset: int, out: memoryview) ->
     try:
         storage.read_into(file, offset, out)
     except (EOFError, FileNotFoundError) as e:
-        raise truncated_error(storage, file, e) from e
+        raise _truncated_error(storage, file, e) from e
+
+
+def read_views_into(storage: Storage, file: str, offsets: Sequence[int], views: Sequence[memoryview]) -> None:
+    """Each of ``views`` from data file ``file`` at its offset (ascending, neighbours at most
+    ``ReadBatch.MAX_GAP`` apart: the gaps are read into a scratch buffer) in one vectored read; a missing or
+    short file is CorruptSnapshotError."""
+    position, iov = offsets[0], views
+    if offsets[-1] + views[-1].nbytes - position != sum(view.nbytes for view in views):  # gaps between them
+        scratch, iov = memoryview(bytearray(ReadBatch.MAX_GAP)), []
+        for offset, view in zip(offsets, views):
+            if offset > position:
+                iov.append(scratch[:offset - position])
+            iov.append(view)
+            position = offset + view.nbytes
+    try:
+        storage.read_vectored(file, offsets[0], iov)
+    except (EOFError, FileNotFoundError) as e:
+        raise _truncated_error(storage, file, e) from e
 
 
 def _read(storage: Storage, chunk: Chunk, offset: int, out: memoryview) -> None:
@@ -45,7 +64,7 @@ def check_stored(storage: Storage, chunks: list[Chunk], what: str) -> None:
             try:
                 size = storage.known_size(chunk.file)
             except FileNotFoundError as e:
-                raise truncated_error(storage, chunk.file, e) from e
+                raise _truncated_error(storage, chunk.file, e) from e
             if chunk.offset + chunk.nbytes > size:
                 raise CorruptSnapshotError(
                     f"data file {chunk.file} of {storage.url} is missing or truncated: it holds {size} bytes, and "
@@ -168,17 +187,7 @@ def _span(run: list[tuple[Storage, Chunk, memoryview, str]]) -> int:
 def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
     """One vectored read for neighbouring chunks of one file, then each chunk's checksum."""
     storage, first = run[0][0], run[0][1]
-    scratch = memoryview(bytearray(ReadBatch.MAX_GAP))
-    views, position = [], first.offset
-    for _, chunk, view, _ in run:
-        if chunk.offset > position:
-            views.append(scratch[: chunk.offset - position])
-        views.append(view)
-        position = chunk.offset + chunk.nbytes
-    try:
-        storage.read_vectored(first.file, first.offset, views)
-    except (EOFError, FileNotFoundError) as e:
-        raise truncated_error(storage, first.file, e) from e
+    read_views_into(storage, first.file, [chunk.offset for _, chunk, _, _ in run], [view for _, _, view, _ in run])
     for _, chunk, view, what in run:
         if checksum(view) != chunk.checksum:
             raise _mismatch(storage, chunk, what)
