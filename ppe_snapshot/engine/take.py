@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine import commit_v2
-from ppe_snapshot.engine.entry_columns import EntryColumns
+from ppe_snapshot.engine.entry_columns import EntryColumns, dtype_key
 from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
 from ppe_snapshot.engine.format import Raw, data_file, new_take_id
 from ppe_snapshot.engine.gcpause import gc_paused
@@ -19,7 +19,7 @@ from ppe_snapshot.engine.manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine.packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
 from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
 from ppe_snapshot.engine.ranks import group_rank
-from ppe_snapshot.engine.serialization import can_store_raw, dtype_name, raw_storage_problem
+from ppe_snapshot.engine.serialization import can_store_raw, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
 from ppe_snapshot.engine.staging import new_staging_buffer, stage, write_staged
 from ppe_snapshot.engine.stateful import take_states
@@ -36,9 +36,8 @@ TensorPrepare = Callable[[str, torch.Tensor, bool], torch.Tensor]
 def _entry(payload: Payload, chunks: list[Chunk]) -> Entry:
     if payload.kind == Raw.PICKLED:
         return PickleEntry(chunks, payload.replicated)
-    data = payload.data
-    dtype = dtype_name(data.dtype) if payload.kind == Raw.TENSOR else data.dtype.str
-    return TensorEntry(dtype, list(data.shape), chunks, payload.kind, payload.replicated)
+    kind, dtype = dtype_key(payload.data.dtype)
+    return TensorEntry(dtype, list(payload.data.shape), chunks, kind, payload.replicated)
 
 
 @dataclass
