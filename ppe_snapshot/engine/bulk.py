@@ -18,7 +18,6 @@ the GIL over and waits up to the interpreter's switch interval to get it back.
 """
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 import xxhash
 
 from ppe_snapshot.engine.flatten import child_path
+from ppe_snapshot.engine.hostmem import MEMORY
 from ppe_snapshot.engine.index import Index, IndexTable
 from ppe_snapshot.engine.manifest import Manifest
 from ppe_snapshot.engine.reads import ReadBatch, mismatch_error, read_file_into, read_views_into
@@ -35,7 +35,6 @@ from ppe_snapshot.engine.serialization import torch_dtype
 from ppe_snapshot.storage import Storage
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_BYTE = ctypes.c_char
 #: Neighbouring chunks share a read as in every batch of reads.
 MAX_GAP, MAX_RUN = ReadBatch.MAX_GAP, ReadBatch.MAX_RUN
 #: Tensors up to this size are loaded in bulk; larger ones are read straight into their targets.
@@ -223,21 +222,12 @@ class _Run:
         self.storage, self.index, self.file = storage, index, file
         self.offsets, self.nbytes, self.checks, self.pointers, self.rows = offsets, nbytes, checks, pointers, rows
 
-    def _targets(self) -> tuple[memoryview, int]:
-        """One view from the lowest target address to the end of the highest target, and that address: views of
-        the targets are slices of it (a slice costs a third of a new view), and nothing but them is touched."""
-        low = min(self.pointers)
-        high = max(p + n for p, n in zip(self.pointers, self.nbytes))
-        # a length rounded up to a power of two: ctypes keeps every array type it makes
-        return memoryview((_BYTE * (1 << (high - low).bit_length())).from_address(low)).cast("B"), low
-
     def read_direct(self) -> None:
         """One vectored read straight into the targets, then every chunk verified where it landed."""
-        span, low = self._targets()
-        targets = [span[p - low:p - low + n] for p, n in zip(self.pointers, self.nbytes)]
+        targets = [MEMORY[p:p + n] for p, n in zip(self.pointers, self.nbytes)]
         read_views_into(self.storage, self.file, self.offsets, targets)
         sums = list(map(xxhash.xxh3_64_intdigest, targets))
-        del targets, span
+        del targets
         if sums != self.checks:
             self._fail(sums)
 
@@ -250,10 +240,9 @@ class _Run:
         sums = list(map(xxhash.xxh3_64_intdigest, pieces))
         if sums != self.checks:
             self._fail(sums)
-        span, low = self._targets()
         for piece, pointer, n in zip(pieces, self.pointers, self.nbytes):
-            span[pointer - low:pointer - low + n] = piece  # a copy that keeps the GIL: no hand-off per chunk
-        del pieces, buffer, span
+            MEMORY[pointer:pointer + n] = piece  # a copy that keeps the GIL: no hand-off per chunk
+        del pieces, buffer
 
     def _fail(self, sums: list[int]) -> None:
         i = next(i for i, (got, want) in enumerate(zip(sums, self.checks)) if got != want)

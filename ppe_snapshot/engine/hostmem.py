@@ -11,10 +11,17 @@ into a fresh buffer, measured here).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 
 import torch
+
+#: This process's memory as one writable byte view: ``MEMORY[p:p + n]`` is the ``n`` bytes at address ``p`` (a
+#: tensor's ``data_ptr()``). The view reads nothing by itself; only the ranges of live tensors and buffers are
+#: sliced. It moves the bytes of many small tensors: a slice and a slice assignment cost half a
+#: ``ctypes.memmove`` call, and no ctypes array per tensor (10^5 tensors: 45 ms against 82 ms, measured here).
+MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).cast("B")
 
 #: Linux's advice number, which Python's mmap module does not name.
 MADV_WIPEONFORK = 18

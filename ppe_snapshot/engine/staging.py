@@ -12,15 +12,15 @@ import torch
 import xxhash
 
 from ppe_snapshot.engine.format import Raw
-from ppe_snapshot.engine.hostmem import new_private_buffer
+from ppe_snapshot.engine.hostmem import MEMORY, new_private_buffer
 from ppe_snapshot.engine.manifest import Chunk
 from ppe_snapshot.engine import packing
 from ppe_snapshot.engine.packing import FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
 from ppe_snapshot.storage import Storage
 
 PAGE = 4096
-#: Staging copies a CPU tensor smaller than this with one memmove, a larger one with torch's ``copy_`` (on its
-#: intra-op threads, which it uses from about this size on).
+#: Staging copies a CPU tensor smaller than this as one slice of ``MEMORY``, a larger one with torch's ``copy_``
+#: (on its intra-op threads, which it uses from about this size on).
 SMALL_COPY_BYTES = 256 << 10
 
 
@@ -66,9 +66,9 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
     """Copy every payload into its place in ``buffer`` (the file image, a contiguous CPU tensor); ``reused``: the
     buffer may hold an earlier image, whose bytes between the payloads are zeroed (:func:`clear_padding`).
 
-    A small CPU tensor is copied with one ``memmove`` (about 1 us, against
-    8 us for slicing, viewing and ``copy_``: the cost per tensor of a state of
-    10^5 tensors); a large one with ``copy_``, on torch's intra-op threads;
+    A small CPU tensor is copied as a slice of ``MEMORY`` (about 0.3 us,
+    against 8 us for slicing, viewing and ``copy_``: the cost per tensor of a
+    state of 10^5 tensors); a large one with ``copy_``, on torch's intra-op threads;
     anything else (see :func:`is_copyable_raw`: device, non-contiguous,
     conjugate or negative views, subclasses) with ``copy_`` too, which
     resolves it.
@@ -79,14 +79,15 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
                          f"{'' if buffer.is_contiguous() else ', not contiguous'}; the staging provider gave it")
     if reused:
         clear_padding(layout, buffer)
-    base, cuda = buffer.data_ptr(), False
+    base, cuda, memory = buffer.data_ptr(), False, MEMORY
     for payload, offset, n in zip(layout.payloads, layout.offsets, layout.sizes):
         data = payload.data
         if payload.kind == Raw.TENSOR:
             if not n:
                 continue
             if n < SMALL_COPY_BYTES and is_copyable_raw(data):
-                ctypes.memmove(base + offset, data.data_ptr(), n)
+                source, at = data.data_ptr(), base + offset
+                memory[at:at + n] = memory[source:source + n]
             else:
                 on_cuda = data.is_cuda
                 cuda |= on_cuda
