@@ -123,8 +123,8 @@ def test_staged_image_holds_each_payload_at_its_offset(tmp_path):
     buffer.fill_(0xAB)  # the pads keep what was there; the payloads must all be overwritten
     stage(job.layout, buffer)
     layout = job.layout
-    for path, payload, offset, nbytes in zip(layout.paths, layout.payloads, layout.offsets, layout.sizes):
-        data = payload.data
+    assert len(layout.tensors) > 300  # the plain tensors' rows come first, then the other payloads
+    for path, data, offset, nbytes in zip(layout.paths, layout.datas(), layout.offsets, layout.sizes):
         value = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else values_of(data).contiguous()
         expected = value.reshape(-1).view(np.uint8) if isinstance(value, np.ndarray) else \
             value.reshape(-1).view(torch.uint8).numpy()
@@ -203,10 +203,11 @@ def test_a_staged_job_pickles_whole(tmp_path):
     job.release_staging()
     copy = pickle.loads(pickle.dumps(job))
     assert copy.layout.file == job.layout.file and copy.layout.size == job.layout.size
-    assert len(copy.layout.payloads) == len(job.layout.payloads) > 300
-    assert (copy.layout.paths, copy.layout.offsets, copy.layout.sizes) == \
-        (job.layout.paths, job.layout.offsets, job.layout.sizes)
-    assert {p.kind for p in copy.layout.payloads} == {"tensor", "ndarray", "pickle"}
+    assert len(copy.layout.paths) == len(job.layout.paths) > 300
+    assert (copy.layout.paths, copy.layout.offsets, copy.layout.sizes, copy.layout.dtypes) == \
+        (job.layout.paths, job.layout.offsets, job.layout.sizes, job.layout.dtypes)
+    assert copy.layout.tensors == [] and copy.layout.shapes == job.layout.shapes and len(job.layout.shapes) > 300
+    assert {p.kind for p in copy.layout.payloads} == {"ndarray", "pickle"}
     for a, b in zip(copy.layout.payloads, job.layout.payloads):
         assert (a.kind, a.replicated) == (b.kind, b.replicated)
         assert a.data == b.data  # what the entry needs: dtype and shape, or the bytes

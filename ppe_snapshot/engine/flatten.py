@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import operator
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -66,6 +67,41 @@ def child_paths(prefix: str, keys: list[Any]) -> list[str]:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN_TENSORS)
+_DTYPE, _LAYOUT, _GRAD = map(operator.attrgetter, ("dtype", "layout", "requires_grad"))
+_NESTED, _META = map(operator.attrgetter, ("is_nested", "is_meta"))
+
+
+class PlainTensors:
+    """The plain tensors of a flattened state in columns: each would otherwise be a ``Payload(Raw.TENSOR,
+    tensor)`` item, and a take of 10^5 tensors made, walked and read back one object per tensor in every step
+    from here to the index file. A plain tensor is a ``torch.Tensor`` or ``Parameter`` (no subclass), detached,
+    strided, not nested nor meta, of a dtype stored as raw bytes, on any device; it is never replicated."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.dtypes: list[torch.dtype] = []
+
+    def add_all(self, paths: list[str], values: list[Any]) -> bool:
+        """Take every value of a dict when all are plain tensors, checked in a few C-level passes (a loop over
+        the values costs twice as long); False (nothing taken) when any is not."""
+        if not values or not _PLAIN_TYPES.issuperset(map(type, values)):
+            return False
+        dtypes = list(map(_DTYPE, values))
+        if not set(dtypes).issubset(RAW_DTYPE_NAMES) or set(map(_LAYOUT, values)) != {torch.strided} \
+                or any(map(_NESTED, values)) or any(map(_META, values)):
+            return False
+        if any(map(_GRAD, values)):
+            values = [v.detach() if v.requires_grad else v for v in values]
+        self.paths += paths
+        self.tensors += values
+        self.dtypes += dtypes
+        return True
+
+    def as_items(self) -> dict[str, Payload]:
+        """Every tensor as a flatten item (for a take that decides path by path which are replicated)."""
+        return {path: Payload(Raw.TENSOR, tensor) for path, tensor in zip(self.paths, self.tensors)}
 
 
 def _is_plain(value: Any) -> bool:
@@ -73,7 +109,8 @@ def _is_plain(value: Any) -> bool:
     return not isinstance(value, (torch.Tensor, np.ndarray, dict)) and type(value) not in (list, tuple)
 
 
-def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool) -> None:
+def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool, plain: PlainTensors | None
+             ) -> None:
     if isinstance(value, torch.Tensor):
         if is_sharded(value):
             out[path] = sharded_payload(path, value)
@@ -94,8 +131,11 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         # Distinct string keys make distinct paths (escaping is one-to-one); only other keys can collide ("1", 1).
         seen: dict[str, Any] | None = None if set(map(type, value)) <= {str} else {}
         out[path] = ContainerEntry(kind, keys=list(value) if seen is None else [encode_value(k) for k in value])
+        paths, values = child_paths(path, list(value)), list(value.values())
+        if plain is not None and seen is None and plain.add_all(paths, values):
+            return
         names, strided, tensor = RAW_DTYPE_NAMES, torch.strided, Raw.TENSOR
-        for child, (k, v) in zip(child_paths(path, list(value)), value.items()):
+        for child, k, v in zip(paths, value, values):
             if seen is not None:
                 if child in seen:
                     raise UnsupportedValueError(
@@ -103,14 +143,20 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
                 seen[child] = k
             if type(v) in _PLAIN_TENSORS and v.dtype in names and v.layout is strided and not v.is_nested \
                     and not v.is_meta:  # can_store_raw() inline: most values of a model's state, the short way
-                out[child] = Payload(tensor, v.detach() if v.requires_grad else v)
+                v = v.detach() if v.requires_grad else v
+                if plain is None:
+                    out[child] = Payload(tensor, v)
+                else:
+                    plain.paths.append(child)
+                    plain.tensors.append(v)
+                    plain.dtypes.append(v.dtype)
                 continue
-            _flatten(child, v, out, allow_pickle)
+            _flatten(child, v, out, allow_pickle, plain)
         return
     elif type(value) in (list, tuple) and not all(_is_plain(v) for v in value):
         out[path] = ContainerEntry(type(value).__name__, length=len(value))
         for i, v in enumerate(value):
-            _flatten(child_path(path, i), v, out, allow_pickle)
+            _flatten(child_path(path, i), v, out, allow_pickle, plain)
         return
     try:
         out[path] = ObjectEntry(encode_value(value))
@@ -126,10 +172,12 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
             f"either ({e}); convert it to tensors and plain Python values") from e
 
 
-def flatten(key: str, state: Any, allow_pickle: bool = False) -> dict[str, FlatItem]:
-    """Every logical path under ``key`` with its item, parents before children."""
+def flatten(key: str, state: Any, allow_pickle: bool = False, plain: PlainTensors | None = None
+            ) -> dict[str, FlatItem]:
+    """Every logical path under ``key`` with its item, parents before children; with ``plain``, the plain
+    tensors found in dicts go there instead (see :class:`PlainTensors`)."""
     out: dict[str, FlatItem] = {}
-    _flatten(escape(key), state, out, allow_pickle)
+    _flatten(escape(key), state, out, allow_pickle, plain)
     return out
 
 

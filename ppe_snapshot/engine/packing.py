@@ -12,6 +12,8 @@ xxh3_64 checksum each. The same layout serves both ways of writing:
 from __future__ import annotations
 
 import ctypes
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine.flatten import Payload
+from ppe_snapshot.engine.flatten import Payload, PlainTensors
 from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.hostmem import MEMORY
 from ppe_snapshot.engine.manifest import Chunk
@@ -74,42 +76,88 @@ def is_copyable_raw(tensor: torch.Tensor) -> bool:
     return type(tensor) in _PLAIN_TENSORS and is_direct(tensor)
 
 
+@dataclass(slots=True)
+class StagedShape:
+    """What an entry needs of a staged tensor or array once the live data is let go."""
+    dtype: Any
+    shape: tuple[int, ...]
+
+    def __reduce__(self) -> tuple:  # a job of 10^5 tensors pickles 2x faster than with the dataclass's state
+        return StagedShape, (self.dtype, self.shape)
+
+
+_KIND, _DATA, _NBYTES, _SHAPE, _IS_CUDA = map(operator.attrgetter, ("kind", "data", "nbytes", "shape", "is_cuda"))
+
+
 @dataclass
 class FileLayout:
-    """Where the payloads of a rank's data file go: one row per payload, in file order, as columns (a state of
-    10^5 tensors makes no object per payload here)."""
+    """Where the payloads of a rank's data file go, one row per payload in file order, as columns (a state of
+    10^5 tensors makes no object per payload here): first the plain tensors (``tensors`` with their ``dtypes``,
+    see :class:`~ppe_snapshot.engine.flatten.PlainTensors`), then every other payload (``payloads``);
+    ``paths``, ``offsets`` and ``sizes`` cover all rows."""
     file: str
     paths: list[str]
+    tensors: list[torch.Tensor]
+    dtypes: list[torch.dtype]
     payloads: list[Payload]
     offsets: list[int]
     sizes: list[int]
     size: int
+    #: The plain tensors' shapes once the tensors are let go (:meth:`let_go`).
+    shapes: list[Any] | None = None
+
+    def kinds(self) -> Iterator[str]:
+        """Each row's kind (one of :class:`~ppe_snapshot.engine.format.Raw`), in file order."""
+        return itertools.chain(itertools.repeat(Raw.TENSOR, len(self.dtypes)), map(_KIND, self.payloads))
+
+    def datas(self) -> Iterator[Any]:
+        """Each row's data (a tensor, an array, bytes; after :meth:`let_go`, not the plain tensors)."""
+        return itertools.chain(self.tensors, map(_DATA, self.payloads))
+
+    def tensor_shapes(self) -> list[Any]:
+        """The plain tensors' shapes."""
+        return self.shapes if self.shapes is not None else list(map(_SHAPE, self.tensors))
 
     def on_cuda(self) -> bool:
         """Whether any payload is a CUDA tensor (staging then wants pinned memory and a synchronize)."""
-        return any(p.kind == Raw.TENSOR and p.data.is_cuda for p in self.payloads)
+        return any(map(_IS_CUDA, self.tensors)) or any(p.kind == Raw.TENSOR and p.data.is_cuda for p in self.payloads)
+
+    def let_go(self) -> None:
+        """Keep of the live state only what the entries need (dtypes and shapes), once it is staged: a job
+        must not keep the state alive."""
+        self.shapes, self.tensors = list(map(tuple, self.tensor_shapes())), []  # tuples pickle 10x faster than Size
+        for payload in self.payloads:
+            data = payload.data
+            if not isinstance(data, (bytes, bytearray)):
+                payload.data = StagedShape(data.dtype, tuple(data.shape))
 
     def __reduce__(self) -> tuple:
         """Pickled column by column (a ProcessWriter sends every take's layout to its worker): lists of plain
         values pickle about 5x faster than an object per payload (0.14 s against 0.5-0.9 s for 10^5)."""
         ps = self.payloads
-        return _layout_from_columns, (self.file, self.size, self.paths, self.offsets, self.sizes,
-                                      [p.kind for p in ps], [p.data for p in ps], [p.replicated for p in ps])
+        return _layout_from_columns, (self.file, self.size, self.paths, self.tensors, self.dtypes, self.shapes,
+                                      self.offsets, self.sizes, list(map(_KIND, ps)), list(map(_DATA, ps)),
+                                      [p.replicated for p in ps])
 
 
-def _layout_from_columns(file: str, size: int, paths: list[str], offsets: list[int], sizes: list[int],
+def _layout_from_columns(file: str, size: int, paths: list[str], tensors: list[torch.Tensor],
+                         dtypes: list[torch.dtype], shapes: list[Any] | None, offsets: list[int], sizes: list[int],
                          kinds: list[str], data: list[Any], replicated: list[bool]) -> FileLayout:
-    return FileLayout(file, paths, list(map(Payload, kinds, data, replicated)), offsets, sizes, size)
+    return FileLayout(file, paths, tensors, dtypes, list(map(Payload, kinds, data, replicated)), offsets, sizes,
+                      size, shapes)
 
 
-def lay_out(file: str, payloads: list[tuple[str, Payload]]) -> FileLayout:
-    """Each payload at the next offset aligned to ``ALIGNMENT`` after the one before."""
+def lay_out(file: str, payloads: list[tuple[str, Payload]], plain: PlainTensors | None = None) -> FileLayout:
+    """Each payload at the next offset aligned to ``ALIGNMENT`` after the one before: first the plain tensors,
+    then ``payloads``."""
+    plain = plain or PlainTensors()
     tensor = Raw.TENSOR
-    sizes = [p.data.nbytes if p.kind == tensor else p.nbytes for _, p in payloads]
+    sizes = list(map(_NBYTES, plain.tensors))
+    sizes += [p.data.nbytes if p.kind == tensor else p.nbytes for _, p in payloads]
     ends = np.cumsum((np.array(sizes, dtype=np.int64) + (ALIGNMENT - 1)) & -ALIGNMENT)
     offsets = [0] + ends[:-1].tolist() if sizes else []
-    return FileLayout(file, [path for path, _ in payloads], [p for _, p in payloads], offsets, sizes,
-                      int(ends[-1]) if sizes else 0)
+    return FileLayout(file, plain.paths + [path for path, _ in payloads], plain.tensors, plain.dtypes,
+                      [p for _, p in payloads], offsets, sizes, int(ends[-1]) if sizes else 0)
 
 
 #: What writing a data file gives per payload, in layout order: the xxh3_64 of its bytes (an ``int``) when they
@@ -255,9 +303,8 @@ class PayloadAppender:
         add, digest, memory, tensor = written.append, xxhash.xxh3_64_intdigest, MEMORY, Raw.TENSOR
         small = min(GATHER_BYTES, CHUNK_BYTES)  # CHUNK_BYTES read at call time: tests shrink it
         gather, gather_start, gather_end = memoryview(b""), 0, -1  # no gathering buffer yet
-        for payload, offset, n in zip(layout.payloads, layout.offsets, layout.sizes):
-            data = payload.data
-            if n <= small and payload.kind == tensor and type(data) in _PLAIN_TENSORS and data.is_cpu \
+        for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
+            if n <= small and kind == tensor and type(data) in _PLAIN_TENSORS and data.is_cpu \
                     and data.is_contiguous() and not data.is_conj() and not data.is_neg():  # is_copyable_raw()
                 if offset + n > gather_end:
                     self._new_gather()  # at the current position: the padding up to offset is in the buffer
@@ -269,7 +316,8 @@ class PayloadAppender:
                 self.position = offset + n
             else:
                 self.pad_to(offset)
-                if payload.kind == tensor and needs_bounce(payload):
+                payload = Payload(kind, data)
+                if kind == tensor and needs_bounce(payload):
                     self._bounce = host_copy_buffer(n, self._bounce)
                 add(self._append(payload))  # it ends the gathering buffer
                 gather_end = -1

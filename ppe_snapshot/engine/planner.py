@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ppe_snapshot.engine.flatten import FlatItem, Payload, escape
+from ppe_snapshot.engine.flatten import FlatItem, Payload, PlainTensors, escape
 from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.sharded import ShardedPayload, ShardPlan, plan_sharded
 
@@ -42,14 +42,17 @@ def assign_replicated(payloads: list[tuple[str, Payload]], world_size: int) -> d
 
 @dataclass
 class RankPlan:
-    """What one rank writes: payloads to its data file, entries that need no bytes."""
+    """What one rank writes: its plain tensors and payloads to its data file, entries that need no bytes."""
+    plain: PlainTensors = field(default_factory=PlainTensors)
     payloads: list[tuple[str, Payload]] = field(default_factory=list)
     entries: dict[str, FlatItem] = field(default_factory=dict)
     sharded: dict[str, ShardPlan] = field(default_factory=dict)
 
 
-def plan_rank(items: dict[str, FlatItem], rank: int, world_size: int) -> RankPlan:
-    plan = RankPlan()
+def plan_rank(items: dict[str, FlatItem], rank: int, world_size: int, plain: PlainTensors | None = None
+              ) -> RankPlan:
+    """This rank's share of ``items`` (and of ``plain``: never replicated, so all of them)."""
+    plan = RankPlan(plain or PlainTensors())
     shared = [(p, i) for p, i in items.items() if i.replicated and type(i) is Payload]
     owner = assign_replicated(shared, world_size)
     add = plan.payloads.append

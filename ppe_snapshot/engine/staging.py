@@ -80,9 +80,8 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
     if reused:
         clear_padding(layout, buffer)
     base, cuda, memory = buffer.data_ptr(), False, MEMORY
-    for payload, offset, n in zip(layout.payloads, layout.offsets, layout.sizes):
-        data = payload.data
-        if payload.kind == Raw.TENSOR:
+    for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
+        if kind == Raw.TENSOR:
             if not n:
                 continue
             if n < SMALL_COPY_BYTES and is_copyable_raw(data):
@@ -92,7 +91,7 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
                 on_cuda = data.is_cuda
                 cuda |= on_cuda
                 buffer[offset:offset + n].view(data.dtype).view(data.shape).copy_(data, non_blocking=on_cuda)
-        elif payload.kind == Raw.NDARRAY:
+        elif kind == Raw.NDARRAY:
             region = buffer[offset:offset + n]
             np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
         else:
@@ -131,6 +130,6 @@ def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> 
         raise
     finally:
         hasher.join()
-    if len(written) != len(layout.payloads):  # the hashing thread failed; it printed why
+    if len(written) != len(layout.paths):  # the hashing thread failed; it printed why
         raise RuntimeError(f"computing the checksums of {layout.file} failed")
     return written

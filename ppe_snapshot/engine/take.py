@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -12,12 +11,12 @@ import torch.distributed as dist
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine import commit_v2
 from ppe_snapshot.engine.entry_columns import EntryColumns, dtype_key
-from ppe_snapshot.engine.flatten import Payload, flatten, mark_replicated
+from ppe_snapshot.engine.flatten import Payload, PlainTensors, flatten, mark_replicated
 from ppe_snapshot.engine.format import Raw, data_file, new_take_id
 from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine.packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
-from ppe_snapshot.engine.planner import plan_rank, replicated_patterns
+from ppe_snapshot.engine.planner import RankPlan, plan_rank, replicated_patterns
 from ppe_snapshot.engine.ranks import group_rank
 from ppe_snapshot.engine.serialization import can_store_raw, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
@@ -33,11 +32,11 @@ StagingProvider = Callable[[int], torch.Tensor]
 TensorPrepare = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 
-def _entry(payload: Payload, chunks: list[Chunk]) -> Entry:
-    if payload.kind == Raw.PICKLED:
-        return PickleEntry(chunks, payload.replicated)
-    kind, dtype = dtype_key(payload.data.dtype)
-    return TensorEntry(dtype, list(payload.data.shape), chunks, kind, payload.replicated)
+def _entry(kind: str, dtype: Any, shape: Any, replicated: bool, chunks: list[Chunk]) -> Entry:
+    if kind == Raw.PICKLED:
+        return PickleEntry(chunks, replicated)
+    kind, name = dtype_key(dtype)
+    return TensorEntry(name, list(shape), chunks, kind, replicated)
 
 
 @dataclass
@@ -72,10 +71,7 @@ class TakeJob:
             self.fail(e)
             raise
         self.staged = buffer
-        for payload in self.layout.payloads:  # the job must not keep the live state alive (its payloads are its own)
-            data = payload.data
-            if not isinstance(data, (bytes, bytearray)):
-                payload.data = _Shape(data.dtype, tuple(data.shape))
+        self.layout.let_go()  # the job must not keep the live state alive
 
     def release_staging(self) -> None:
         """Let go of the staging buffer, e.g. before the job is sent to a process that maps the same buffer."""
@@ -107,7 +103,7 @@ class TakeJob:
             commit_protocol.wait_for_commit(self.storage, self.take_id)
 
     def _write(self) -> Written:
-        if not self.layout.payloads:
+        if not self.layout.paths:
             return []
         if self.staged is not None:
             return write_staged(self.storage, self.layout, self.staged)
@@ -119,28 +115,33 @@ class TakeJob:
         """This rank's entries, now that its data is written: its tensors and arrays stored in one chunk as
         columns (no object per tensor), every other entry as an object."""
         layout, raw = self.layout, {Raw.TENSOR, Raw.NDARRAY}
-        part = commit_protocol.RankPart(self.rank, files={layout.file: layout.size} if layout.payloads else {})
+        part = commit_protocol.RankPart(self.rank, files={layout.file: layout.size} if layout.paths else {})
         paths, payloads = layout.paths, layout.payloads
         shards = {path for path in paths if is_shard_key(path)} if self.sharded else set()
         if self.sharded:
             part.sharded = sharded_entries(self.sharded, {paths[i]: payload_chunks(layout, i, written[i])
                                                           for i in range(len(paths)) if paths[i] in shards})
+        # per row: kind, dtype, shape (None for bytes), replicated; the plain tensors' first, as columns
+        kinds = list(layout.kinds())
+        dtypes = layout.dtypes + [p.data.dtype if p.kind in raw else None for p in payloads]
+        shapes = layout.tensor_shapes() + [p.data.shape if p.kind in raw else None for p in payloads]
+        replicated = [False] * len(layout.dtypes) + [p.replicated for p in payloads]
         own = part.entries = EntryColumns(file=layout.file)
-        if not shards and set(map(type, written)) <= {int} and set(map(_kind, payloads)) <= raw \
-                and not any(map(_replicated, payloads)):  # most takes: every payload is a row, as laid out
-            own.add_tensors(paths, list(map(_dtype, payloads)), list(map(_shape, payloads)), layout.offsets,
-                            layout.sizes, written)
+        if not shards and set(map(type, written)) <= {int} and not any(replicated) \
+                and all(p.kind in raw for p in payloads):  # most takes: every payload is a row, as laid out
+            own.add_tensors(paths, dtypes, shapes, layout.offsets, layout.sizes, written)
         else:
-            rows = [i for i, (path, p, w) in enumerate(zip(paths, payloads, written))
-                    if type(w) is int and p.kind in raw and not p.replicated and path not in shards]
-            own.add_tensors([paths[i] for i in rows], [_dtype(payloads[i]) for i in rows],
-                            [_shape(payloads[i]) for i in rows], [layout.offsets[i] for i in rows],
-                            [layout.sizes[i] for i in rows], [written[i] for i in rows])
+            rows = [i for i, (path, kind, w, r) in enumerate(zip(paths, kinds, written, replicated))
+                    if type(w) is int and kind in raw and not r and path not in shards]
+            own.add_tensors([paths[i] for i in rows], [dtypes[i] for i in rows], [shapes[i] for i in rows],
+                            [layout.offsets[i] for i in rows], [layout.sizes[i] for i in rows],
+                            [written[i] for i in rows])
             in_rows = set(rows)
-            for i, (path, payload) in enumerate(zip(paths, payloads)):
+            for i, path in enumerate(paths):
                 if i not in in_rows and path not in shards:
-                    table = part.replicated if payload.replicated else own.objects
-                    table[path] = _entry(payload, payload_chunks(layout, i, written[i]))
+                    table = part.replicated if replicated[i] else own.objects
+                    chunks = payload_chunks(layout, i, written[i])
+                    table[path] = _entry(kinds[i], dtypes[i], shapes[i], replicated[i], chunks)
         for path, entry in self.entries.items():
             (part.replicated if entry.replicated else own.objects)[path] = entry
         return part
@@ -197,20 +198,6 @@ def _announce_failure(storage: Storage, take_id: str, rank: int, world_size: int
         pass
 
 
-_kind, _replicated = operator.attrgetter("kind"), operator.attrgetter("replicated")
-_dtype, _shape = operator.attrgetter("data.dtype"), operator.attrgetter("data.shape")
-
-
-@dataclass(slots=True)
-class _Shape:
-    """What an entry needs of a staged payload once the live data is let go."""
-    dtype: Any
-    shape: tuple[int, ...]
-
-    def __reduce__(self) -> tuple:  # a job of 10^5 tensors pickles 2x faster than with the dataclass's state
-        return _Shape, (self.dtype, self.shape)
-
-
 @dataclass
 class _Agreement:
     """What every rank learns from the others before writing."""
@@ -261,19 +248,21 @@ def _globs(replicated: Iterable[str] | None) -> list[str]:
     return globs
 
 
-def _flatten_all(app_state: dict[str, Any], allow_pickle: bool,
-                 tensor_prepare: TensorPrepare | None = None) -> dict[str, Any]:
+def _flatten_all(app_state: dict[str, Any], allow_pickle: bool, tensor_prepare: TensorPrepare | None = None
+                 ) -> tuple[dict[str, Any], PlainTensors]:
+    """The flatten items of every app state key, and its plain tensors (none when ``tensor_prepare`` is given:
+    it may replace any tensor, so each is an item)."""
     if not isinstance(app_state, dict):
         raise TypeError(f"app_state must be a dict of stateful objects, got {type(app_state).__name__}")
     for key in app_state:
         if not isinstance(key, str) or not key:
             raise TypeError(f"app_state keys must be non-empty strings, got {key!r}")
-    items = {}
+    items, plain = {}, PlainTensors()
     for key, state in take_states(app_state).items():
-        items.update(flatten(key, state, allow_pickle))
+        items.update(flatten(key, state, allow_pickle, plain if tensor_prepare is None else None))
     if tensor_prepare is not None:
         _apply_tensor_prepare(items, tensor_prepare)
-    return items
+    return items, plain
 
 
 def _apply_tensor_prepare(items: dict[str, Any], tensor_prepare: TensorPrepare) -> None:
@@ -289,9 +278,14 @@ def _apply_tensor_prepare(items: dict[str, Any], tensor_prepare: TensorPrepare) 
             items[path] = Payload(Raw.TENSOR, prepared.detach())
 
 
-def _plan(app_state: dict[str, Any], items: dict[str, Any], replicated: list[str], rank: int, world_size: int):
-    mark_replicated(items, replicated_patterns(app_state, replicated) + sharded_state_patterns(items))
-    return plan_rank(items, rank, world_size)
+def _plan(app_state: dict[str, Any], items: dict[str, Any], plain: PlainTensors, replicated: list[str], rank: int,
+          world_size: int) -> RankPlan:
+    patterns = replicated_patterns(app_state, replicated) + sharded_state_patterns(items)
+    if plain.paths and (patterns or any(item.replicated for item in items.values())):
+        items.update(plain.as_items())  # replication is decided path by path (and a container's by its children)
+        plain = PlainTensors()
+    mark_replicated(items, patterns)
+    return plan_rank(items, rank, world_size, plain)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -319,11 +313,11 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot.
     """
     rank, world_size = group_rank(pg)
-    items, globs, error = {}, [], None
+    items, plain, globs, error = {}, PlainTensors(), [], None
     try:
         _check_metadata(metadata)
         globs = _globs(replicated)
-        items = _flatten_all(app_state, allow_pickle, tensor_prepare)
+        items, plain = _flatten_all(app_state, allow_pickle, tensor_prepare)
     except Exception as e:  # every rank must still reach the agreement below
         error = e
     storage = open_storage(str(path), storage_options)
@@ -331,8 +325,8 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     if storage.url != agreed.path:
         storage = open_storage(agreed.path, storage_options)
     try:
-        plan = _plan(app_state, items, agreed.replicated, rank, world_size)
-        layout = lay_out(data_file(rank), plan.payloads)
+        plan = _plan(app_state, items, plain, agreed.replicated, rank, world_size)
+        layout = lay_out(data_file(rank), plan.payloads, plan.plain)
         shared = commit_v2.expected_shared(items) if agreed.version == 2 and world_size > 1 else ([], {})
     except BaseException as e:  # the others are about to write: make them raise, not wait
         _announce_failure(storage, agreed.take_id, rank, world_size, e)
