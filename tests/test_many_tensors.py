@@ -13,6 +13,7 @@ from _asserts import assert_same, manifest_doc
 from _crafted import RANK0, read_index
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError
 from ppe_snapshot.engine import bulk, packing
+from ppe_snapshot.writing import ProcessWriter
 
 
 def _state() -> dict:
@@ -153,6 +154,38 @@ def test_rank_index_lists_each_tensor_in_file_order_with_the_hash_of_its_bytes(t
     value = state["strided"].contiguous().numpy().tobytes()
     row = header["tensors"].index("m/strided")
     assert data[offsets[starts[row]]:offsets[starts[row]] + len(value)] == value
+
+
+@pytest.mark.parametrize("taking", ["take", "async_take", "process"])
+def test_rank_index_holds_the_shape_of_every_tensor(tmp_path, taking):
+    """A take writes shapes as columns (a vector's one dimension from its size in bytes, the others read from
+    the tensor): every number of dimensions, empty dimensions and item sizes from 1 to 16 bytes, in one dict of
+    plain tensors; staged (the shapes kept once the tensors are let go) and sent to a ProcessWriter's worker."""
+    torch.manual_seed(0)
+    shapes = [(), (1,), (7,), (0,), (3, 5), (0, 4), (4, 0), (2, 3, 4), (1, 1, 1, 1, 2), (9,)]
+    dtypes = [torch.bool, torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.complex128]
+    state = {f"t{i}_{j}": (torch.randn(shape) * 4).to(dtype) for i, shape in enumerate(shapes)
+             for j, dtype in enumerate(dtypes)}
+    path = tmp_path / "s"
+    if taking == "take":
+        Snapshot.take(str(path), {"m": StateDict(state)})
+    elif taking == "async_take":
+        Snapshot.async_take(str(path), {"m": StateDict(state)}).wait()
+    else:
+        writer = ProcessWriter()
+        try:
+            writer("s", str(tmp_path), {"m": StateDict(state)})
+            writer.wait()
+        finally:
+            writer.finalize()
+    header, cols = read_index(path / RANK0)
+    ndims, dims = cols["tensor_ndim"].tolist(), cols["dims"].tolist()
+    starts = np.cumsum([0] + ndims).tolist()
+    prefix = header["tensors"][0].rsplit("/", 1)[0]  # a writer keeps the app state under a key of its own
+    got = {name[len(prefix) + 1:]: tuple(dims[starts[row]:starts[row + 1]])
+           for row, name in enumerate(header["tensors"])}
+    assert got == {key: tuple(value.shape) for key, value in state.items()}
+    assert_same(Snapshot(str(path)).read_object(prefix), state)
 
 
 def _drop_page_cache(root) -> None:

@@ -11,7 +11,6 @@ built only when looked up (:class:`IndexTable`).
 """
 from __future__ import annotations
 
-import itertools
 import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -110,11 +109,11 @@ class IndexBuilder:
             return
         fid = self.add_file(entries.file, files)
         ids = {dtype: self._dtypes.setdefault(key, len(self._dtypes)) for dtype, key in entries.dtype_keys().items()}
-        cols, shapes = self._cols, entries.shapes
+        cols = self._cols
         self.paths += entries.paths
         cols["tensor_dtype"] += map(ids.__getitem__, entries.dtypes)
-        cols["tensor_ndim"] += map(len, shapes)
-        cols["dims"] += itertools.chain.from_iterable(shapes)
+        cols["tensor_ndim"] += entries.shapes.ndims.tolist()
+        cols["dims"] += entries.shapes.dims.tolist()
         first = len(cols["chunk_file"])
         cols["chunk_file"] += [fid] * count
         cols["chunk_offset"] += entries.offsets

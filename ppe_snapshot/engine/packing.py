@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ppe_snapshot.engine.entry_columns import ShapeColumns
 from ppe_snapshot.engine.flatten import Payload, PlainTensors
 from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.hostmem import MEMORY
@@ -86,7 +87,7 @@ class StagedShape:
         return StagedShape, (self.dtype, self.shape)
 
 
-_KIND, _DATA, _NBYTES, _SHAPE, _IS_CUDA = map(operator.attrgetter, ("kind", "data", "nbytes", "shape", "is_cuda"))
+_KIND, _DATA, _NBYTES, _IS_CUDA = map(operator.attrgetter, ("kind", "data", "nbytes", "is_cuda"))
 
 
 @dataclass
@@ -104,7 +105,7 @@ class FileLayout:
     sizes: list[int]
     size: int
     #: The plain tensors' shapes once the tensors are let go (:meth:`let_go`).
-    shapes: list[Any] | None = None
+    shapes: ShapeColumns | None = None
 
     def kinds(self) -> Iterator[str]:
         """Each row's kind (one of :class:`~ppe_snapshot.engine.format.Raw`), in file order."""
@@ -114,9 +115,11 @@ class FileLayout:
         """Each row's data (a tensor, an array, bytes; after :meth:`let_go`, not the plain tensors)."""
         return itertools.chain(self.tensors, map(_DATA, self.payloads))
 
-    def tensor_shapes(self) -> list[Any]:
+    def tensor_shapes(self) -> ShapeColumns:
         """The plain tensors' shapes."""
-        return self.shapes if self.shapes is not None else list(map(_SHAPE, self.tensors))
+        if self.shapes is not None:
+            return self.shapes
+        return ShapeColumns.of_tensors(self.tensors, self.sizes, self.dtypes)
 
     def on_cuda(self) -> bool:
         """Whether any payload is a CUDA tensor (staging then wants pinned memory and a synchronize)."""
@@ -125,7 +128,7 @@ class FileLayout:
     def let_go(self) -> None:
         """Keep of the live state only what the entries need (dtypes and shapes), once it is staged: a job
         must not keep the state alive."""
-        self.shapes, self.tensors = list(map(tuple, self.tensor_shapes())), []  # tuples pickle 10x faster than Size
+        self.shapes, self.tensors = self.tensor_shapes(), []
         for payload in self.payloads:
             data = payload.data
             if not isinstance(data, (bytes, bytearray)):
@@ -141,7 +144,7 @@ class FileLayout:
 
 
 def _layout_from_columns(file: str, size: int, paths: list[str], tensors: list[torch.Tensor],
-                         dtypes: list[torch.dtype], shapes: list[Any] | None, offsets: list[int], sizes: list[int],
+                         dtypes: list[torch.dtype], shapes: ShapeColumns | None, offsets: list[int], sizes: list[int],
                          kinds: list[str], data: list[Any], replicated: list[bool]) -> FileLayout:
     return FileLayout(file, paths, tensors, dtypes, list(map(Payload, kinds, data, replicated)), offsets, sizes,
                       size, shapes)

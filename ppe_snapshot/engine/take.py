@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine import commit_v2
-from ppe_snapshot.engine.entry_columns import EntryColumns, dtype_key
+from ppe_snapshot.engine.entry_columns import EntryColumns, ShapeColumns, dtype_key
 from ppe_snapshot.engine.flatten import Payload, PlainTensors, flatten, mark_replicated
 from ppe_snapshot.engine.format import Raw, data_file, new_take_id
 from ppe_snapshot.engine.gcpause import gc_paused
@@ -124,7 +124,7 @@ class TakeJob:
         # per row: kind, dtype, shape (None for bytes), replicated; the plain tensors' first, as columns
         kinds = list(layout.kinds())
         dtypes = layout.dtypes + [p.data.dtype if p.kind in raw else None for p in payloads]
-        shapes = layout.tensor_shapes() + [p.data.shape if p.kind in raw else None for p in payloads]
+        shapes = layout.tensor_shapes() + ShapeColumns.of([p.data.shape if p.kind in raw else () for p in payloads])
         replicated = [False] * len(layout.dtypes) + [p.replicated for p in payloads]
         own = part.entries = EntryColumns(file=layout.file)
         if not shards and set(map(type, written)) <= {int} and not any(replicated) \
@@ -133,7 +133,7 @@ class TakeJob:
         else:
             rows = [i for i, (path, kind, w, r) in enumerate(zip(paths, kinds, written, replicated))
                     if type(w) is int and kind in raw and not r and path not in shards]
-            own.add_tensors([paths[i] for i in rows], [dtypes[i] for i in rows], [shapes[i] for i in rows],
+            own.add_tensors([paths[i] for i in rows], [dtypes[i] for i in rows], shapes.take(rows),
                             [layout.offsets[i] for i in rows], [layout.sizes[i] for i in rows],
                             [written[i] for i in rows])
             in_rows = set(rows)
@@ -141,7 +141,7 @@ class TakeJob:
                 if i not in in_rows and path not in shards:
                     table = part.replicated if replicated[i] else own.objects
                     chunks = payload_chunks(layout, i, written[i])
-                    table[path] = _entry(kinds[i], dtypes[i], shapes[i], replicated[i], chunks)
+                    table[path] = _entry(kinds[i], dtypes[i], shapes.shape(i), replicated[i], chunks)
         for path, entry in self.entries.items():
             (part.replicated if entry.replicated else own.objects)[path] = entry
         return part
