@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.entry_columns import EntryColumns
 from ppe_snapshot.engine.flatten import child_path, child_paths
@@ -128,7 +130,7 @@ def _check_rows(columns: EntryColumns, files: dict[str, int]) -> None:
     """The tensor rows' chunks lie inside their data file."""
     end = columns.end()
     if columns.paths and end > files.get(columns.file, -1):
-        row = next(i for i, (o, n) in enumerate(zip(columns.offsets, columns.nbytes)) if o + n == end)
+        row = int(np.argmax(columns.offsets + columns.nbytes))
         _check_chunks(columns.paths[row], columns[columns.paths[row]].chunks, files)
 
 

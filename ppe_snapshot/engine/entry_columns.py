@@ -90,8 +90,9 @@ class ShapeColumns:
 
 class EntryColumns(LazyEntries):
     """One section's entries: ``objects`` by path, and per tensor row (a tensor or numpy array stored in one
-    chunk of data file ``file``) its path, dtype (torch's or numpy's), shape, offset, size and xxh3_64 (an
-    int); rows are never replicated."""
+    chunk of data file ``file``) its path, dtype (torch's or numpy's), shape (:class:`ShapeColumns`), offset,
+    size and xxh3_64 (the last three int64 / uint64 arrays, as the index file takes them); rows are never
+    replicated."""
 
     def __init__(self, objects: dict[str, Entry] | None = None, file: str = "") -> None:
         self.objects: dict[str, Entry] = {} if objects is None else objects
@@ -99,9 +100,9 @@ class EntryColumns(LazyEntries):
         self.paths: list[str] = []
         self.dtypes: list[torch.dtype | np.dtype] = []
         self.shapes = ShapeColumns()
-        self.offsets: list[int] = []
-        self.nbytes: list[int] = []
-        self.checksums: list[int] = []
+        self.offsets = np.zeros(0, dtype=np.int64)
+        self.nbytes = np.zeros(0, dtype=np.int64)
+        self.checksums = np.zeros(0, dtype=np.uint64)
         self._rows: dict[str, int] | None = None
 
     def add_tensors(self, paths: Sequence[str], dtypes: Sequence[torch.dtype | np.dtype], shapes: ShapeColumns,
@@ -110,9 +111,9 @@ class EntryColumns(LazyEntries):
         self.paths += paths
         self.dtypes += dtypes
         self.shapes = self.shapes + shapes if len(self.shapes) else shapes
-        self.offsets += offsets
-        self.nbytes += nbytes
-        self.checksums += checksums
+        self.offsets = np.concatenate((self.offsets, np.asarray(offsets, dtype=np.int64)))
+        self.nbytes = np.concatenate((self.nbytes, np.asarray(nbytes, dtype=np.int64)))
+        self.checksums = np.concatenate((self.checksums, np.asarray(checksums, dtype=np.uint64)))
         self._rows = None
 
     def dtype_keys(self) -> dict[torch.dtype | np.dtype, tuple[str, str]]:
@@ -121,9 +122,7 @@ class EntryColumns(LazyEntries):
 
     def end(self) -> int:
         """Where the last byte of any tensor row ends in the data file (0 without rows)."""
-        if not self.paths:
-            return 0
-        return int((np.array(self.offsets, dtype=np.int64) + np.array(self.nbytes, dtype=np.int64)).max())
+        return int((self.offsets + self.nbytes).max()) if self.paths else 0
 
     def path_set(self) -> set[str]:
         """Every path, as a set (for many membership tests: ``in`` on the mapping costs a method call each)."""
@@ -141,7 +140,7 @@ class EntryColumns(LazyEntries):
         row = self._row(path)
         if row is None:
             return default
-        chunk = Chunk(self.file, self.offsets[row], self.nbytes[row], f"{self.checksums[row]:016x}")
+        chunk = Chunk(self.file, int(self.offsets[row]), int(self.nbytes[row]), f"{int(self.checksums[row]):016x}")
         kind, dtype = dtype_key(self.dtypes[row])
         return TensorEntry(dtype, self.shapes.shape(row), [chunk], kind)
 

@@ -49,8 +49,11 @@ class IndexBuilder:
         self.paths: list[str] = []
         self.others: dict[str, Any] = {}
         self.sharded: list[list[Any]] = []
+        #: Each column as its values so far: arrays (a section's tensor rows, see :meth:`add_entries`), then a
+        #: list that entry by entry additions extend.
+        self._sealed: dict[str, list[np.ndarray]] = {name: [] for name in COLUMNS}
         self._cols: dict[str, list[int]] = {name: [] for name in COLUMNS}
-        self._chunks_after_tensors = 0
+        self._chunks_sealed = 0
 
     def add_file(self, name: str, files: Mapping[str, int]) -> int:
         """The id of data file ``name`` in this index's file table (added with its size from ``files``)."""
@@ -94,7 +97,7 @@ class IndexBuilder:
             cols["chunk_checksum"].append(int(c.checksum, 16))
         else:
             self._add_chunks(chunks, files)
-        cols["tensor_chunk_end"].append(len(cols["chunk_file"]))
+        cols["tensor_chunk_end"].append(self._chunk_count())
 
     def add_entries(self, entries: Mapping[str, Entry], files: Mapping[str, int]) -> None:
         """Every entry of ``entries``; the tensor rows of :class:`EntryColumns` go to the columns as they are."""
@@ -109,17 +112,26 @@ class IndexBuilder:
             return
         fid = self.add_file(entries.file, files)
         ids = {dtype: self._dtypes.setdefault(key, len(self._dtypes)) for dtype, key in entries.dtype_keys().items()}
-        cols = self._cols
         self.paths += entries.paths
-        cols["tensor_dtype"] += map(ids.__getitem__, entries.dtypes)
-        cols["tensor_ndim"] += entries.shapes.ndims.tolist()
-        cols["dims"] += entries.shapes.dims.tolist()
-        first = len(cols["chunk_file"])
-        cols["chunk_file"] += [fid] * count
-        cols["chunk_offset"] += entries.offsets
-        cols["chunk_nbytes"] += entries.nbytes
-        cols["chunk_checksum"] += entries.checksums
-        cols["tensor_chunk_end"] += range(first + 1, first + count + 1)
+        first = self._chunk_count()
+        self._add_arrays(tensor_dtype=np.fromiter(map(ids.__getitem__, entries.dtypes), np.uint32, count),
+                         tensor_ndim=entries.shapes.ndims, dims=entries.shapes.dims,
+                         chunk_file=np.full(count, fid, dtype=np.uint32), chunk_offset=entries.offsets,
+                         chunk_nbytes=entries.nbytes, chunk_checksum=entries.checksums,
+                         tensor_chunk_end=np.arange(first + 1, first + count + 1, dtype=np.int64))
+
+    def _chunk_count(self) -> int:
+        return self._chunks_sealed + len(self._cols["chunk_file"])
+
+    def _add_arrays(self, **arrays: np.ndarray) -> None:
+        """Whole arrays onto the end of columns (after what the lists hold so far)."""
+        for name, values in self._cols.items():
+            if values:
+                self._sealed[name].append(np.asarray(values, dtype=COLUMNS[name]))
+                self._cols[name] = []
+        for name, array in arrays.items():
+            self._sealed[name].append(array)
+        self._chunks_sealed = sum(map(len, self._sealed["chunk_file"]))
 
     def add_shards(self, path: str, dtype: str, shape: list[int], shards: list[Shard],
                    files: Mapping[str, int]) -> None:
@@ -132,11 +144,12 @@ class IndexBuilder:
             cols["shard_box"].extend(shard.offsets)
             cols["shard_box"].extend(shard.sizes)
             self._add_chunks(shard.chunks, files)
-            cols["shard_chunk_end"].append(len(cols["chunk_file"]))
+            cols["shard_chunk_end"].append(self._chunk_count())
 
     def to_bytes(self, take_id: str, section: str, rank: int | None = None, extra: dict[str, Any] | None = None
                  ) -> bytes:
-        arrays = {name: np.asarray(values, dtype=COLUMNS[name]) for name, values in self._cols.items()}
+        arrays = {name: np.concatenate([*self._sealed[name], np.asarray(values, dtype=COLUMNS[name])])
+                  for name, values in self._cols.items()}
         header = {"take_id": take_id, "section": section, "rank": rank,
                   "files": [[n, s] for n, s in self.files.items()],
                   "dtypes": [list(k) for k in self._dtypes], "tensors": self.paths, "entries": self.others,
