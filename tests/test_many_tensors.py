@@ -188,6 +188,28 @@ def test_rank_index_holds_the_shape_of_every_tensor(tmp_path, taking):
     assert_same(Snapshot(str(path)).read_object(prefix), state)
 
 
+@pytest.mark.parametrize("taking", ["take", "async_take"])
+def test_a_dict_of_parameters_round_trips_and_stays_trainable(tmp_path, taking):
+    """A dict whose values are all parameters (``dict(model.named_parameters())``), small and past the staging
+    copy's size: saved by value, restored in place into parameters that still require grad."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 4))
+    params = dict(model.named_parameters())
+    expected = {name: p.detach().clone() for name, p in params.items()}
+    path = str(tmp_path / "s")
+    if taking == "take":
+        Snapshot.take(path, {"p": StateDict(params)})
+    else:
+        Snapshot.async_take(path, {"p": StateDict(params)}).wait()
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    Snapshot(path).restore({"p": StateDict(params)})
+    assert_same({name: p.detach() for name, p in params.items()}, expected)
+    assert all(p.requires_grad and p.grad_fn is None for p in params.values())
+    assert dict(model.named_parameters()) == params  # the same objects, loaded in place
+
+
 def _drop_page_cache(root) -> None:
     """Evict the snapshot's data files from the page cache (the take made them durable)."""
     for path in root.rglob("*"):

@@ -121,8 +121,7 @@ class TakeJob:
         if self.sharded:
             part.sharded = sharded_entries(self.sharded, {paths[i]: payload_chunks(layout, i, written[i])
                                                           for i in range(len(paths)) if paths[i] in shards})
-        # per row: kind, dtype, shape (None for bytes), replicated; the plain tensors' first, as columns
-        kinds = list(layout.kinds())
+        # per row: dtype (None for pickled bytes), shape, replicated; the plain tensors' first, as columns
         dtypes = layout.dtypes + [p.data.dtype if p.kind in raw else None for p in payloads]
         shapes = layout.tensor_shapes() + ShapeColumns.of([p.data.shape if p.kind in raw else () for p in payloads])
         replicated = [False] * len(layout.dtypes) + [p.replicated for p in payloads]
@@ -131,6 +130,7 @@ class TakeJob:
                 and all(p.kind in raw for p in payloads):  # most takes: every payload is a row, as laid out
             own.add_tensors(paths, dtypes, shapes, layout.offsets, layout.sizes, written)
         else:
+            kinds = list(layout.kinds())
             rows = [i for i, (path, kind, w, r) in enumerate(zip(paths, kinds, written, replicated))
                     if type(w) is int and kind in raw and not r and path not in shards]
             own.add_tensors([paths[i] for i in rows], [dtypes[i] for i in rows], shapes.take(rows),
