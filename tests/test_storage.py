@@ -103,6 +103,17 @@ def test_put_atomic(storage):
     assert _files(storage) == [".parts/t.rank1.json", "manifest.json"]  # no temporary files left over
 
 
+def test_put_atomic_of_a_large_file(storage):
+    """An index file of many tensors is megabytes: written like a data file (O_DIRECT on local disks), its size
+    no multiple of a block, it replaces the last one whole and leaves no temporary file."""
+    first, second = os.urandom(3 << 20), os.urandom((1 << 20) + 4097)
+    storage.put_atomic("index/rank0.idx", first)
+    assert storage.read_bytes("index/rank0.idx") == first
+    storage.put_atomic("index/rank0.idx", second)
+    assert storage.read_bytes("index/rank0.idx") == second
+    assert _files(storage) == ["index/rank0.idx"]
+
+
 def test_read_into(storage):
     content = bytes(range(200))
     writer = storage.open_writer("data/f.bin")
