@@ -83,6 +83,15 @@ class PlainTensors:
         self.tensors: list[torch.Tensor] = []
         self.dtypes: list[torch.dtype] = []
 
+    #: A dict of at least this many values is checked by :meth:`add_all`; a smaller one (an optimizer's state of a
+    #: parameter) value by value, which costs less for a few values than the passes and sets of ``add_all``.
+    MANY = 8
+
+    def add(self, path: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self.paths.append(path)
+        self.tensors.append(tensor)
+        self.dtypes.append(dtype)
+
     def add_all(self, paths: list[str], values: list[Any]) -> bool:
         """Take every value of a dict when all are plain tensors, checked in a few C-level passes (a loop over
         the values costs twice as long); False (nothing taken) when any is not."""
@@ -123,16 +132,13 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
             hint = "" if value.is_meta else (
                 "; pass allow_pickle=True to save it with pickle, or convert it to a dense strided tensor")
             raise UnsupportedValueError(f"{path}: the tensor {problem} and cannot be stored as raw bytes{hint}")
-    elif is_raw_array(value):
-        out[path] = Payload(Raw.NDARRAY, value)
-        return
     elif isinstance(value, dict):
         kind = Container.ORDERED_DICT if isinstance(value, collections.OrderedDict) else Container.DICT
         # Distinct string keys make distinct paths (escaping is one-to-one); only other keys can collide ("1", 1).
         seen: dict[str, Any] | None = None if set(map(type, value)) <= {str} else {}
         out[path] = ContainerEntry(kind, keys=list(value) if seen is None else [encode_value(k) for k in value])
         paths, values = child_paths(path, list(value)), list(value.values())
-        if plain is not None and seen is None and plain.add_all(paths, values):
+        if plain is not None and seen is None and len(values) >= PlainTensors.MANY and plain.add_all(paths, values):
             return
         names, strided, tensor = RAW_DTYPE_NAMES, torch.strided, Raw.TENSOR
         for child, k, v in zip(paths, value, values):
@@ -141,17 +147,18 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
                     raise UnsupportedValueError(
                         f"keys {seen[child]!r} and {k!r} of {path or 'the state'} map to the same path {child!r}")
                 seen[child] = k
-            if type(v) in _PLAIN_TENSORS and v.dtype in names and v.layout is strided and not v.is_nested \
-                    and not v.is_meta:  # can_store_raw() inline: most values of a model's state, the short way
+            if type(v) in _PLAIN_TENSORS and (dtype := v.dtype) in names and v.layout is strided \
+                    and not v.is_nested and not v.is_meta:  # can_store_raw() inline: the short way
                 v = v.detach() if v.requires_grad else v
                 if plain is None:
                     out[child] = Payload(tensor, v)
                 else:
-                    plain.paths.append(child)
-                    plain.tensors.append(v)
-                    plain.dtypes.append(v.dtype)
+                    plain.add(child, v, dtype)
                 continue
             _flatten(child, v, out, allow_pickle, plain)
+        return
+    elif is_raw_array(value):
+        out[path] = Payload(Raw.NDARRAY, value)
         return
     elif type(value) in (list, tuple) and not all(_is_plain(v) for v in value):
         out[path] = ContainerEntry(type(value).__name__, length=len(value))

@@ -22,7 +22,8 @@ from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.entry_columns import EntryColumns
 from ppe_snapshot.engine.index_checks import COLUMNS, columns_problem, header_problem
 from ppe_snapshot.engine.manifest import (
-    Chunk, Entry, LazyEntries, Shard, ShardedTensorEntry, TensorEntry, entry_from_json, entry_to_json,
+    Chunk, ContainerEntry, Entry, LazyEntries, ObjectEntry, Shard, ShardedTensorEntry, TensorEntry, entry_from_json,
+    entry_to_json,
 )
 from ppe_snapshot.engine.validation import check_entry, dtype_itemsize
 from ppe_snapshot.errors import CorruptSnapshotError
@@ -158,9 +159,11 @@ class IndexBuilder:
 
 
 def _entry_chunks(entry: Entry) -> list[Chunk]:
+    if isinstance(entry, (ContainerEntry, ObjectEntry)):
+        return []
     if isinstance(entry, ShardedTensorEntry):
         return [c for s in entry.shards for c in s.chunks]
-    return list(getattr(entry, "chunks", []))
+    return entry.chunks
 
 
 def encode(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:

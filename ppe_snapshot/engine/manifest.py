@@ -141,7 +141,10 @@ def _fields_json(entry: Entry) -> dict[str, Any]:
 
 
 def entry_to_json(entry: Entry) -> dict[str, Any]:
-    out = {"type": _NAMES[type(entry)], **_fields_json(entry)}
+    if type(entry) is ContainerEntry:  # the most entries after tensors (an optimizer's dict per parameter)
+        out = {"type": Kind.CONTAINER, "kind": entry.kind, "keys": entry.keys, "length": entry.length}
+    else:
+        out = {"type": _NAMES[type(entry)], **_fields_json(entry)}
     if entry.replicated:
         out["replicated"] = True
     return out
