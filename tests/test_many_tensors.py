@@ -223,12 +223,13 @@ def _drop_page_cache(root) -> None:
 
 def _mixed_state() -> dict:
     """A dict of tiny tensors (read through a buffer) and one of tensors of 4 bytes to 80 KB (read straight into
-    their targets), alignment gaps between them, dtypes of 2, 4 and 8 bytes."""
+    their targets), alignment gaps between them, dtypes of 2, 4 and 8 bytes; a large tensor between the two
+    in the file (read on its own), so that their runs stay apart."""
     torch.manual_seed(3)
     dtypes = (torch.float32, torch.float64, torch.int32, torch.bfloat16)
     tiny = {f"t{i}": torch.randn(i % 3 + 1).to(dtypes[i % 4]) for i in range(60)}
     mixed = {f"m{i}": torch.randn((1, 1000, 3, 20000)[i % 4]).to(dtypes[i % 4]) for i in range(60)}
-    return {"tiny": tiny, "mixed": mixed}
+    return {"tiny": tiny, "apart": {"large": torch.randn(bulk.SMALL_BYTES // 4 + 1)}, "mixed": mixed}
 
 
 def _spy_runs(monkeypatch) -> list[str]:
@@ -271,6 +272,27 @@ def test_damaged_chunk_of_a_direct_or_buffered_run_is_named(tmp_path, monkeypatc
     with pytest.raises(CorruptSnapshotError, match=rf"checksum mismatch .*\(m/{part}/{key}\)"):
         Snapshot(str(tmp_path / "s")).restore({"m": StateDict(target)})
     assert path in used
+
+
+def test_an_optimizer_state_of_small_dicts_is_restored_in_bulk(tmp_path, monkeypatch):
+    """An optimizer's state is a small dict per parameter: the picks of all the dicts are read together, in a
+    few runs (not one or more per dict, nor one tensor at a time the usual way), in place and bit-exact."""
+    used = _spy_runs(monkeypatch)
+    torch.manual_seed(4)
+    state = {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(i % 5 + 1, 3),
+                           "exp_avg_sq": torch.rand(7).double()} for i in range(500)},
+             "param_groups": [{"lr": 0.1, "params": list(range(500))}]}
+    Snapshot.take(str(tmp_path / "s"), {"optim": StateDict(state)})
+    target = {"state": {i: {k: torch.zeros_like(v) for k, v in s.items()} for i, s in state["state"].items()},
+              "param_groups": [{"lr": 0.0, "params": []}]}
+    owned = [t for s in target["state"].values() for t in s.values()]
+    restored = StateDict(target)
+    Snapshot(str(tmp_path / "s")).restore({"optim": restored})
+    got = restored.state_dict()
+    loaded = [t for s in got["state"].values() for t in s.values()]
+    assert len(loaded) == len(owned) and all(a is b for a, b in zip(loaded, owned))  # loaded in place
+    assert_same(got["state"], state["state"]) and got["param_groups"] == state["param_groups"]
+    assert 1 <= len(used) <= 3, used
 
 
 def test_data_file_cut_inside_a_direct_run_is_refused(tmp_path):

@@ -2,8 +2,9 @@
 
 A dict's children that are small plain tensors (up to ``SMALL_BYTES``) stored in one chunk, restored into
 existing CPU tensors of the same dtype and shape, are read straight from the index's columns: the walk matches
-children to index rows and targets, and each time ``FLUSH_BYTES`` of them are pending hands them to the read
-pool, sorted into runs of neighbouring bytes of a file, while it goes on. A run is one vectored read straight
+children to index rows and targets, and each time ``FLUSH_BYTES`` of them are pending (from any number of dicts:
+an optimizer's state is a small dict per parameter) hands them to the read pool, sorted into runs of
+neighbouring bytes of a file, while it goes on; the rest when the walk ends. A run is one vectored read straight
 into its targets' memory (the alignment gaps land in a scratch buffer), then every chunk's checksum is
 verified in the target: a damaged chunk raises ``CorruptSnapshotError`` naming its path. Runs of tiny chunks
 (the mean under ``TINY_BYTES``, where the gaps would outnumber the bytes) are read into a buffer and copied out
@@ -108,6 +109,11 @@ class BulkTensors:
         self._storage, self._manifest, self._rank, self._reads = storage, manifest, rank, reads
         self._lookup: _Lookup | None = None
         self._loaded: list[torch.Tensor] = []
+        # Picks not yet handed to the read pool (from any number of dicts: an optimizer's state is a small dict
+        # per parameter) and their cost.
+        self._codes: list[int] = []
+        self._pointers: list[int] = []
+        self._pending = 0
 
     def finish(self) -> None:
         """Once every read is done: a target with the negative or conjugate bit (a view made by ``_neg_view``,
@@ -134,17 +140,16 @@ class BulkTensors:
         return self._lookup
 
     def children(self, path: str, keys: list[Any], template: Any) -> dict[str, torch.Tensor]:
-        """The children of the dict at ``path`` (keys as stored) loaded here, by key; reads complete at join."""
-        if not isinstance(template, Mapping) or len(keys) < 16:
+        """The children of the dict at ``path`` (keys as stored) loaded here, by key; their reads are complete
+        after :meth:`flush` and the read pool's join."""
+        if type(template) is not dict and not isinstance(template, Mapping):  # (an ABC check costs 1 us)
             return {}
         lookup = self._tables()
         if not lookup.indexes:
             return {}
         get, strided, code_of, fits = template.get, torch.strided, lookup.codes.get, lookup.fits
         loaded: dict[str, torch.Tensor] = {}
-        codes: list[int] = []
-        pointers: list[int] = []
-        pending = 0
+        codes, pointers, pending = self._codes, self._pointers, self._pending
         for key in keys:
             if type(key) is not str:
                 continue
@@ -170,10 +175,15 @@ class BulkTensors:
                 # switch interval): on a cold disk the reads then start while the walk goes on (94-96 % of the
                 # disk's read instead of 90 % for 5,000 tensors of 40 KB).
                 time.sleep(0)
-        if codes:
-            self._submit(lookup, codes, pointers)
+        self._codes, self._pointers, self._pending = codes, pointers, pending
         self._loaded += loaded.values()
         return loaded
+
+    def flush(self) -> None:
+        """Hand the picks still pending to the read pool (before it is joined)."""
+        if self._codes:
+            self._submit(self._tables(), self._codes, self._pointers)
+            self._codes, self._pointers, self._pending = [], [], 0
 
     def _submit(self, lookup: _Lookup, codes: list[int], pointers: list[int]) -> None:
         """Hand picked tensors to the read pool, in runs of neighbouring bytes of a file."""

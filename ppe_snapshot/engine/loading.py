@@ -57,6 +57,8 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
         value = inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
                         leaf_loader(storage, allow_pickle, budget, reads), obj_out,
                         load_children=bulk.children if bulk is not None else None)
+        if bulk is not None:
+            bulk.flush()
     except RecursionError:
         raise _too_deep(storage, path) from None
     finally:

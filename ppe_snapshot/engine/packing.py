@@ -64,8 +64,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def is_direct(tensor: torch.Tensor) -> bool:
     """Whether a tensor's memory can be written or read as is: on the host, contiguous, and no conjugate or
-    negative view (whose memory holds other values than the tensor shows)."""
-    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    negative view (whose memory holds other values than the tensor shows). The conjugate bit is asked of complex
+    tensors only (a real one's conjugate is itself): ``is_conj`` releases the GIL, which costs 10-30 us beside a
+    running read thread (a restore of 10^5 tensors the usual way spent 1.3 s in it)."""
+    return tensor.is_cpu and tensor.is_contiguous() and not (tensor.dtype.is_complex and tensor.is_conj()) \
+        and not tensor.is_neg()
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
