@@ -6,13 +6,14 @@ Python loop (``bare_loop``: the calls every tensor costs in the interpreter plus
 * 64 MiB in N float32 tensors, N = 10^4 and 10^5: take (durable) and restore into the existing tensors
   (page cache);
 * 10^5 0-d float32 tensors: take and restore;
+* 64 MiB in an Adam state of 33,334 parameters (a dict of step, exp_avg, exp_avg_sq each: 10^5 tensors);
 * 5,000 small tensors (0.19 GiB): cold restore (page cache dropped) vs the disk's cold read of the same
   bytes (the snapshot's data file read sequentially, cache dropped), in the same round; then the warm restore
   of the same snapshot (the restore's own work, for reference).
 
 Every method runs once per round, rounds interleave them; the report gives medians.
 
-    python benchmarks/bench_many_tensors.py [--rounds 3] [--dir /path/on/the/disk] [--cases 1e4,1e5,0d,cold]
+    python benchmarks/bench_many_tensors.py [--rounds 3] [--dir /path/on/the/disk] [--cases 1e4,1e5,0d,adam,cold]
     python benchmarks/bench_many_tensors.py --profile take|restore [--count 100000]  # cProfile, top 25
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import torch
 import xxhash
@@ -50,6 +52,32 @@ def many(count: int) -> ps.StateDict:
 def scalars(count: int) -> ps.StateDict:
     torch.manual_seed(0)
     return ps.StateDict({f"t{i}": torch.tensor(float(i)) for i in range(count)})
+
+
+def optimizer_like(params: int) -> ps.StateDict:
+    """An Adam state of ``params`` parameters: a dict per parameter (step, exp_avg, exp_avg_sq), 64 MiB in all
+    (the other half of a model's tensors: an optimizer's, a small dict each)."""
+    torch.manual_seed(0)
+    per = TOTAL // 4 // (2 * params)
+    return ps.StateDict({
+        "state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(per), "exp_avg_sq": torch.randn(per)}
+                  for i in range(params)},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(params))}]})
+
+
+def tensors_of(value: object) -> Iterator[torch.Tensor]:
+    """Every tensor of a nested state, in order."""
+    if isinstance(value, dict):
+        for v in value.values():
+            if type(v) is torch.Tensor:
+                yield v
+            else:
+                yield from tensors_of(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_of(v)
+    elif isinstance(value, torch.Tensor):
+        yield value
 
 
 def small(count: int = 5000) -> ps.StateDict:
@@ -85,7 +113,7 @@ def bare_loop(app: dict, path: str) -> float:
     paused, as the take pauses it (with it running, the loop took 2x as long)."""
     gc.disable()
     start = time.perf_counter()
-    tensors = [t for obj in app.values() for t in obj.state_dict().values()]
+    tensors = [t for obj in app.values() for t in tensors_of(obj.state_dict())]
     buffer = mmap.mmap(-1, (sum((t.nbytes + 63) & -64 for t in tensors) + 4095) & -4096)
     base, view, rows, offset = ctypes.addressof(ctypes.c_char.from_buffer(buffer)), memoryview(buffer), [], 0
     for t in tensors:
@@ -111,9 +139,8 @@ def torch_load(app: dict, path: str) -> float:
     loaded = torch.load(path, weights_only=True)
     with torch.no_grad():
         for key, obj in app.items():
-            own = obj.state_dict()
-            for name, tensor in loaded[key].items():
-                own[name].copy_(tensor)
+            for own, tensor in zip(tensors_of(obj.state_dict()), tensors_of(loaded[key])):
+                own.copy_(tensor)
     return time.perf_counter() - start
 
 
@@ -211,7 +238,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--cases", default="1e4,1e5,0d,cold")
+    parser.add_argument("--cases", default="1e4,1e5,0d,adam,cold")
     parser.add_argument("--profile", choices=("take", "restore"))
     parser.add_argument("--count", type=int, default=100_000)
     parser.add_argument("--report", default=None, help="also write the markdown report to this file")
@@ -224,7 +251,9 @@ def main() -> None:
         cases = args.cases.split(",")
         states = {"64 MiB in 10^4 float32": (lambda: many(10_000)) if "1e4" in cases else None,
                   "64 MiB in 10^5 float32": (lambda: many(100_000)) if "1e5" in cases else None,
-                  "10^5 0-d float32": (lambda: scalars(100_000)) if "0d" in cases else None}
+                  "10^5 0-d float32": (lambda: scalars(100_000)) if "0d" in cases else None,
+                  "64 MiB in an Adam state of 33,334 parameters (10^5 tensors)":
+                      (lambda: optimizer_like(33_334)) if "adam" in cases else None}
         results = Results()
         for case, build in states.items():
             if build is None:
