@@ -24,7 +24,7 @@ class BlobWriter(abc.ABC):
 
     @abc.abstractmethod
     def write(self, buffers: Sequence[memoryview]) -> None:
-        """Append ``buffers`` in order."""
+        """Append ``buffers`` in order; done with them when it returns (the caller reuses them)."""
 
     @abc.abstractmethod
     def close(self) -> int:
