@@ -10,7 +10,8 @@ Taking a snapshot
     calls it: the only collective); ``job.stage(provider)`` copies the state into a staging buffer;
     ``job.write_and_commit()`` writes and commits (in a thread, or in another process: the job pickles;
     there ``release_staging()`` / ``use_staged(buffer)`` hand the staged image over). ``LOCAL`` as ``pg``
-    takes or restores in this process alone; ``group_rank(pg)`` is (rank, world size).
+    takes or restores in this process alone; ``group_rank(pg)`` is (rank, world size). ``gc_paused()``
+    pauses Python's cyclic collector around a take the caller waits for (as ``Snapshot.take`` does).
 State objects
     :class:`Stateful`, :class:`StateDict`, :class:`RNGState`, :class:`OptimizerState`.
 The format, in one place (``engine/format.py``)
@@ -39,6 +40,7 @@ from ppe_snapshot.engine.format import (
     MANIFEST_NAME, PARTS_DIR, Container, InProgress, Kind, Raw, abort_name, data_file, new_take_id,
     parse_parts_name, part_name, takes_in_progress,
 )
+from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.hostmem import new_shared_buffer
 from ppe_snapshot.engine.loading import leaf_loader
 from ppe_snapshot.engine.manifest import (
@@ -58,8 +60,8 @@ from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, pr
 
 __all__ = [
     # taking and restoring
-    "LOCAL", "LocalGroup", "PendingSnapshot", "Snapshot", "StagingProvider", "TakeJob", "TensorPrepare", "group_rank",
-    "prepare_take",
+    "LOCAL", "LocalGroup", "PendingSnapshot", "Snapshot", "StagingProvider", "TakeJob", "TensorPrepare", "gc_paused",
+    "group_rank", "prepare_take",
     # state objects
     "OptimizerState", "RNGState", "StateDict", "Stateful",
     # the format

@@ -338,7 +338,7 @@ class PayloadAppender:
             at, source, n = self.position - self._gather_start, data.data_ptr(), data.nbytes
             self._gather[at:at + n] = MEMORY[source:source + n]
             self.position += n
-            return xxhash.xxh3_64_intdigest(self._gather[at:at + data.nbytes])
+            return xxhash.xxh3_64_intdigest(self._gather[at:at + n])
         self._end_gather()
         bounced, chunks = needs_bounce(payload), []
         for view in _payload_views(payload, self._bounce, bounced):

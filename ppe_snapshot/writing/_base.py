@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from pytorch_pfn_extras.writing import Writer
 
-from ppe_snapshot.engine import LOCAL, StateDict, TakeJob, group_rank, prepare_take
+from ppe_snapshot.engine import LOCAL, StateDict, TakeJob, gc_paused, group_rank, prepare_take
 from ppe_snapshot.storage import is_local, join
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._files import FileSave
@@ -204,10 +204,13 @@ class SimpleWriter(WriterBase):
 
     def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
               allow_pickle: bool, start: float) -> None:
-        job, step = self._prepare(path, app_state, metadata, pg, allow_pickle)
-        began = time.perf_counter()
-        _replace.commit_in_place(job, step)
-        self._finish(path, start, began, job.layout.size)
+        with gc_paused():  # the caller waits; the take's objects are gone before the collector runs (Snapshot.take)
+            job, step = self._prepare(path, app_state, metadata, pg, allow_pickle)
+            began = time.perf_counter()
+            _replace.commit_in_place(job, step)
+            size = job.layout.size
+            del job, step
+        self._finish(path, start, began, size)
 
     def _save_file(self, save: FileSave, target: Any, start: float) -> None:
         began = time.perf_counter()
