@@ -32,10 +32,9 @@ from ppe_snapshot.engine.hostmem import MEMORY
 from ppe_snapshot.engine.index import Index, IndexTable
 from ppe_snapshot.engine.manifest import Manifest
 from ppe_snapshot.engine.reads import ReadBatch, mismatch_error, read_file_into, read_views_into
-from ppe_snapshot.engine.serialization import torch_dtype
+from ppe_snapshot.engine.serialization import PLAIN_TENSOR_TYPES, torch_dtype
 from ppe_snapshot.storage import Storage
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: Neighbouring chunks share a read as in every batch of reads.
 MAX_GAP, MAX_RUN = ReadBatch.MAX_GAP, ReadBatch.MAX_RUN
 #: Tensors up to this size are loaded in bulk; larger ones are read straight into their targets.
@@ -154,7 +153,7 @@ class BulkTensors:
             if type(key) is not str:
                 continue
             target = get(key)
-            if type(target) not in _PLAIN:
+            if type(target) not in PLAIN_TENSOR_TYPES:
                 continue
             code = code_of(f"{path}/{key}" if "%" not in key and "/" not in key else child_path(path, key))
             if code is None or (fit := fits[code]) is None:

@@ -23,8 +23,8 @@ from ppe_snapshot.engine.format import Container, Raw
 from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
 from ppe_snapshot.engine.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.engine.serialization import (
-    RAW_DTYPE_NAMES, can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, raw_storage_problem,
-    torch_dtype,
+    PLAIN_TENSOR_TYPES, RAW_DTYPE_NAMES, can_store_raw, decode_value, dtype_name, encode_value, is_raw_array,
+    raw_storage_problem, torch_dtype,
 )
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 
@@ -66,8 +66,7 @@ def child_paths(prefix: str, keys: list[Any]) -> list[str]:
     return [child_path(prefix, key) for key in keys]
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_TYPES = frozenset(_PLAIN_TENSORS)
+_PLAIN_TYPES = frozenset(PLAIN_TENSOR_TYPES)
 _DTYPE, _LAYOUT, _GRAD = map(operator.attrgetter, ("dtype", "layout", "requires_grad"))
 _NESTED, _META = map(operator.attrgetter, ("is_nested", "is_meta"))
 
@@ -147,7 +146,7 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
                     raise UnsupportedValueError(
                         f"keys {seen[child]!r} and {k!r} of {path or 'the state'} map to the same path {child!r}")
                 seen[child] = k
-            if type(v) in _PLAIN_TENSORS and (dtype := v.dtype) in names and v.layout is strided \
+            if type(v) in PLAIN_TENSOR_TYPES and (dtype := v.dtype) in names and v.layout is strided \
                     and not v.is_nested and not v.is_meta:  # can_store_raw() inline: the short way
                 v = v.detach() if v.requires_grad else v
                 if plain is None:

@@ -26,6 +26,7 @@ from ppe_snapshot.engine.flatten import Payload, PlainTensors
 from ppe_snapshot.engine.format import Raw
 from ppe_snapshot.engine.hostmem import MEMORY
 from ppe_snapshot.engine.manifest import Chunk
+from ppe_snapshot.engine.serialization import PLAIN_TENSOR_TYPES
 from ppe_snapshot.storage import BlobWriter, Storage
 
 ALIGNMENT = 64
@@ -71,13 +72,10 @@ def is_direct(tensor: torch.Tensor) -> bool:
         and not tensor.is_neg()
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def is_copyable_raw(tensor: torch.Tensor) -> bool:
     """Whether a tensor's bytes may be copied straight from its memory (``MEMORY``): a plain tensor (no
     subclass with its own storage semantics) that :func:`is_direct` allows."""
-    return type(tensor) in _PLAIN_TENSORS and is_direct(tensor)
+    return type(tensor) in PLAIN_TENSOR_TYPES and is_direct(tensor)
 
 
 @dataclass(slots=True)
@@ -310,7 +308,7 @@ class PayloadAppender:
         small = min(GATHER_BYTES, CHUNK_BYTES)  # CHUNK_BYTES read at call time: tests shrink it
         gather, gather_start, gather_end = memoryview(b""), 0, -1  # no gathering buffer yet
         for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
-            if n <= small and kind == tensor and type(data) in _PLAIN_TENSORS and data.is_cpu \
+            if n <= small and kind == tensor and type(data) in PLAIN_TENSOR_TYPES and data.is_cpu \
                     and data.is_contiguous() and not data.is_conj() and not data.is_neg():  # is_copyable_raw()
                 if offset + n > gather_end:
                     self._new_gather()  # at the current position: the padding up to offset is in the buffer

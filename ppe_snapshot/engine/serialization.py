@@ -33,6 +33,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     )
     if isinstance(dtype := getattr(torch, name, None), torch.dtype)
 }
+#: The tensor types whose memory is the tensor (no subclass with storage semantics of its own).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 #: The dtypes stored as raw bytes, with their names in a manifest.
 RAW_DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 #: Every dtype torch defines (quantized ones included), as a ``$dtype`` value may name them.

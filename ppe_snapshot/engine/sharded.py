@@ -22,15 +22,12 @@ from typing import Any
 import torch
 
 from ppe_snapshot.engine.manifest import Chunk, Shard, ShardedTensorEntry
-from ppe_snapshot.engine.serialization import dtype_name
+from ppe_snapshot.engine.serialization import PLAIN_TENSOR_TYPES, dtype_name
 from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 
 #: Separates a sharded tensor's path from a shard's number in a rank's file layout; ``%``
 #: followed by ``#`` never occurs in a logical path (``%`` is always escaped as ``%25``).
 _SHARD_MARK = "%#"
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _loaded_class(module: str, name: str) -> type | None:
@@ -50,7 +47,7 @@ def sharded_tensor_class() -> type | None:
 
 def is_sharded(value: Any) -> bool:
     """Whether ``value`` is a DTensor or a ShardedTensor."""
-    if type(value) in _PLAIN_TENSORS:  # the common case, asked once per tensor of the state
+    if type(value) in PLAIN_TENSOR_TYPES:  # the common case, asked once per tensor of the state
         return False
     classes = tuple(c for c in (dtensor_class(), sharded_tensor_class()) if c is not None)
     return bool(classes) and isinstance(value, classes)
