@@ -48,20 +48,6 @@ PER_TENSOR_COST = 256
 TINY_BYTES = 2048
 
 
-def _shapes(index: Index) -> list[tuple[int, ...]]:
-    """Every tensor row's shape as a tuple (grouped by number of dimensions: no Python loop per row)."""
-    ndims, dims = index.cols["tensor_ndim"], index.cols["dims"]
-    shapes = np.empty(len(ndims), dtype=object)
-    left = np.ones(len(ndims), dtype=bool)
-    while left.any():  # once per number of dimensions (np.unique: a lazy import of 10 ms on its first call)
-        ndim = int(ndims[np.argmax(left)])
-        rows = np.flatnonzero(ndims == ndim)
-        left[rows] = False
-        block = dims[index.dims_start[rows][:, None] + np.arange(ndim)].tolist()
-        shapes[rows] = np.fromiter(map(tuple, block), dtype=object, count=len(rows))
-    return shapes.tolist()
-
-
 class _Lookup:
     """The tensor rows of a restore's index files (its rank's, then the replicated one), as the walk needs them.
 
@@ -95,7 +81,7 @@ def _fits(index: Index) -> list[tuple[torch.dtype, tuple[int, ...], int] | None]
     nbytes[single] = cols["chunk_nbytes"][first[single]]
     dtypes = [torch_dtype(name) if kind == "tensor" else None for kind, name in index.header["dtypes"]]
     row_dtypes = np.array(dtypes + [None], dtype=object)[cols["tensor_dtype"]]
-    fits: list[Any] = list(zip(row_dtypes.tolist(), _shapes(index), (nbytes + PER_TENSOR_COST).tolist()))
+    fits: list[Any] = list(zip(row_dtypes.tolist(), index.shapes.tuples(), (nbytes + PER_TENSOR_COST).tolist()))
     for row in np.flatnonzero(~single | (nbytes > SMALL_BYTES) | np.equal(row_dtypes, None)).tolist():
         fits[row] = None
     return fits

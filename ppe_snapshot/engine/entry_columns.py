@@ -32,10 +32,10 @@ def dtype_key(dtype: torch.dtype | np.dtype) -> tuple[str, str]:
 
 
 class ShapeColumns:
-    """The shapes of many rows as two int64 arrays: per row its number of dimensions (``ndims``), and the
-    dimensions of all rows one after another (``dims``), as an index file stores them. No tuple per tensor: a
-    take of 10^5 tensors made as many ``torch.Size`` objects, read each back for the index, and left them to a
-    collection of the garbage collector (12 ms)."""
+    """The shapes of many rows as two integer arrays: per row its number of dimensions (``ndims``), and the
+    dimensions of all rows one after another (``dims``), as an index file stores them (``Index.shapes``). No
+    tuple per tensor: a take of 10^5 tensors made as many ``torch.Size`` objects, read each back for the index,
+    and left them to a collection of the garbage collector (12 ms)."""
 
     def __init__(self, ndims: np.ndarray | None = None, dims: np.ndarray | None = None) -> None:
         self.ndims = np.zeros(0, dtype=np.int64) if ndims is None else ndims
@@ -54,7 +54,8 @@ class ShapeColumns:
         over its item size, so only tensors of two dimensions or more are asked for their shape."""
         ndims = np.fromiter(map(_DIM, tensors), np.int64, len(tensors))
         dims = np.zeros(int(ndims.sum()), dtype=np.int64)
-        starts = np.cumsum(ndims) - ndims
+        shapes = cls(ndims, dims)  # its dims filled in below
+        starts = shapes.starts()
         vectors = np.flatnonzero(ndims == 1)
         if len(vectors):
             itemsize = {dtype: dtype.itemsize for dtype in set(dtypes)}
@@ -66,7 +67,7 @@ class ShapeColumns:
             within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             dims[np.repeat(starts[higher], counts) + within] = np.fromiter(
                 itertools.chain.from_iterable(tensors[i].shape for i in higher.tolist()), np.int64)
-        return cls(ndims, dims)
+        return shapes
 
     def __len__(self) -> int:
         return len(self.ndims)
@@ -74,11 +75,27 @@ class ShapeColumns:
     def __add__(self, other: "ShapeColumns") -> "ShapeColumns":
         return ShapeColumns(np.concatenate((self.ndims, other.ndims)), np.concatenate((self.dims, other.dims)))
 
-    def shape(self, row: int) -> list[int]:
+    def starts(self) -> np.ndarray:
+        """Where each row's dimensions start in ``dims``."""
         if self._starts is None:
-            self._starts = np.cumsum(self.ndims) - self.ndims
-        start = int(self._starts[row])
+            self._starts = np.cumsum(self.ndims, dtype=np.int64) - self.ndims
+        return self._starts
+
+    def shape(self, row: int) -> list[int]:
+        start = int(self.starts()[row])
         return self.dims[start:start + int(self.ndims[row])].tolist()
+
+    def tuples(self) -> list[tuple[int, ...]]:
+        """Every row's shape as a tuple (grouped by number of dimensions: no Python loop per row)."""
+        shapes = np.empty(len(self.ndims), dtype=object)
+        left = np.ones(len(self.ndims), dtype=bool)
+        while left.any():  # once per number of dimensions (np.unique: a lazy import of 10 ms on its first call)
+            ndim = int(self.ndims[np.argmax(left)])
+            rows = np.flatnonzero(self.ndims == ndim)
+            left[rows] = False
+            block = self.dims[self.starts()[rows][:, None] + np.arange(ndim)].tolist()
+            shapes[rows] = np.fromiter(map(tuple, block), dtype=object, count=len(rows))
+        return shapes.tolist()
 
     def take(self, rows: Sequence[int]) -> "ShapeColumns":
         """The shapes of ``rows``, in that order."""

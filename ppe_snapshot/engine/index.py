@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.entry_columns import EntryColumns
+from ppe_snapshot.engine.entry_columns import EntryColumns, ShapeColumns
 from ppe_snapshot.engine.index_checks import COLUMNS, columns_problem, header_problem
 from ppe_snapshot.engine.manifest import (
     Chunk, ContainerEntry, Entry, LazyEntries, ObjectEntry, Shard, ShardedTensorEntry, TensorEntry, entry_from_json,
@@ -184,8 +184,7 @@ class Index:
         self.tensor_rows = {path: i for i, path in enumerate(header["tensors"])}
         ends = cols["tensor_chunk_end"]
         self.tensor_chunk_start = np.concatenate(([0], ends[:-1])) if len(ends) else ends
-        dims_end = np.cumsum(cols["tensor_ndim"], dtype=np.int64)
-        self.dims_start = dims_end - cols["tensor_ndim"]
+        self.shapes = ShapeColumns(cols["tensor_ndim"], cols["dims"])
         #: The sharded tensors this index lists: path -> [path, dtype, shape].
         self.sharded_rows: dict[str, list[Any]] = {s[0]: s for s in header["sharded"]}
         self._shards: dict[str, list[Shard]] | None = None
@@ -275,9 +274,7 @@ class IndexTable(LazyEntries):
         index, cols = self._index, self._index.cols
         kind, dtype = index.header["dtypes"][int(cols["tensor_dtype"][row])]
         start, end = int(index.tensor_chunk_start[row]), int(cols["tensor_chunk_end"][row])
-        d0 = int(index.dims_start[row])
-        shape = cols["dims"][d0:d0 + int(cols["tensor_ndim"][row])].tolist()
-        return TensorEntry(dtype, shape, chunk_list(index, start, end), kind, self._replicated)
+        return TensorEntry(dtype, index.shapes.shape(row), chunk_list(index, start, end), kind, self._replicated)
 
     def check_all(self) -> None:
         for path in self._others:
