@@ -202,15 +202,13 @@ class SimpleWriter(WriterBase):
     copy). See :class:`WriterBase` for the arguments.
     """
 
+    @gc_paused()  # the caller waits; the take's objects go with the locals before the collector runs again
     def _take(self, path: str, app_state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
               allow_pickle: bool, start: float) -> None:
-        with gc_paused():  # the caller waits; the take's objects are gone before the collector runs (Snapshot.take)
-            job, step = self._prepare(path, app_state, metadata, pg, allow_pickle)
-            began = time.perf_counter()
-            _replace.commit_in_place(job, step)
-            size = job.layout.size
-            del job, step
-        self._finish(path, start, began, size)
+        job, step = self._prepare(path, app_state, metadata, pg, allow_pickle)
+        began = time.perf_counter()
+        _replace.commit_in_place(job, step)
+        self._finish(path, start, began, job.layout.size)
 
     def _save_file(self, save: FileSave, target: Any, start: float) -> None:
         began = time.perf_counter()
