@@ -107,9 +107,11 @@ class PlainTensors:
         self.dtypes += dtypes
         return True
 
-    def as_items(self) -> dict[str, Payload]:
-        """Every tensor as a flatten item (for a take that decides path by path which are replicated)."""
-        return {path: Payload(Raw.TENSOR, tensor) for path, tensor in zip(self.paths, self.tensors)}
+    def move_into(self, items: dict[str, FlatItem]) -> None:
+        """Every tensor into ``items`` as a flatten item (after the items: parents stay before children), none
+        left here."""
+        items.update(zip(self.paths, (Payload(Raw.TENSOR, tensor) for tensor in self.tensors)))
+        self.paths, self.tensors, self.dtypes = [], [], []
 
 
 def _is_plain(value: Any) -> bool:
@@ -187,11 +189,15 @@ def flatten(key: str, state: Any, allow_pickle: bool = False, plain: PlainTensor
     return out
 
 
-def mark_replicated(items: dict[str, FlatItem], patterns: Iterable[str]) -> None:
-    """Mark items matching a glob (or containers whose children all are) as replicated."""
+def mark_replicated(items: dict[str, FlatItem], patterns: Iterable[str], plain: PlainTensors | None = None) -> None:
+    """Mark items matching a glob (or containers whose children all are) as replicated. When any is, the
+    ``plain`` tensors are moved into ``items`` first: a glob may match them, and a container's flag depends
+    on all its children."""
     patterns = list(patterns)
     if not patterns and not any(item.replicated for item in items.values()):
         return  # nothing is replicated, so no container is
+    if plain is not None:
+        plain.move_into(items)
     children: dict[str, list[str]] = collections.defaultdict(list)
     for path in items:
         if "/" in path:

@@ -280,11 +280,7 @@ def _apply_tensor_prepare(items: dict[str, Any], tensor_prepare: TensorPrepare) 
 
 def _plan(app_state: dict[str, Any], items: dict[str, Any], plain: PlainTensors, replicated: list[str], rank: int,
           world_size: int) -> RankPlan:
-    patterns = replicated_patterns(app_state, replicated) + sharded_state_patterns(items)
-    if plain.paths and (patterns or any(item.replicated for item in items.values())):
-        items.update(plain.as_items())  # replication is decided path by path (and a container's by its children)
-        plain = PlainTensors()
-    mark_replicated(items, patterns)
+    mark_replicated(items, replicated_patterns(app_state, replicated) + sharded_state_patterns(items), plain)
     return plan_rank(items, rank, world_size, plain)
 
 
