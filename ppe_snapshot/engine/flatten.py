@@ -77,14 +77,14 @@ class PlainTensors:
     from here to the index file. A plain tensor is a ``torch.Tensor`` or ``Parameter`` (no subclass), detached,
     strided, not nested nor meta, of a dtype stored as raw bytes, on any device; it is never replicated."""
 
+    #: A dict of at least this many values is checked by :meth:`add_all`; a smaller one (an optimizer's state of a
+    #: parameter) value by value, which costs less for a few values than the passes and sets of ``add_all``.
+    MANY = 8
+
     def __init__(self) -> None:
         self.paths: list[str] = []
         self.tensors: list[torch.Tensor] = []
         self.dtypes: list[torch.dtype] = []
-
-    #: A dict of at least this many values is checked by :meth:`add_all`; a smaller one (an optimizer's state of a
-    #: parameter) value by value, which costs less for a few values than the passes and sets of ``add_all``.
-    MANY = 8
 
     def add(self, path: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         self.paths.append(path)

@@ -321,7 +321,7 @@ class PayloadAppender:
             else:
                 self.pad_to(offset)
                 payload = Payload(kind, data)
-                if kind == tensor and needs_bounce(payload):
+                if needs_bounce(payload):
                     self._bounce = host_copy_buffer(n, self._bounce)
                 add(self._append(payload))  # it ends the gathering buffer
                 gather_end = -1
