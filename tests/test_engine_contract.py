@@ -188,18 +188,6 @@ def test_value_needing_pickle_is_named_by_every_writer(tmp_path, writer_name):
 
 # -- the commit protocol on file systems where a file is visible before it is complete ---------
 
-def test_an_abort_marker_aborts_even_before_its_reason_is_written(tmp_path):
-    from ppe_snapshot import SnapshotError
-    from ppe_snapshot.engine import commit
-    from ppe_snapshot.storage import open_storage
-
-    storage = open_storage(str(tmp_path / "snap"))
-    (tmp_path / "snap" / ".parts").mkdir(parents=True)
-    (tmp_path / "snap" / ".parts" / "abc.abort").write_bytes(b"")  # created, not yet written
-    with pytest.raises(SnapshotError, match="was not committed: rank 0 aborted the take"):
-        commit.wait_for_commit(storage, "abc", timeout=5)
-
-
 def test_a_part_still_being_written_is_read_again(tmp_path):
     import threading
 

@@ -10,7 +10,8 @@ Taking a snapshot
     calls it: the only collective); ``job.stage(provider)`` copies the state into a staging buffer;
     ``job.write_and_commit()`` writes and commits (in a thread, or in another process: the job pickles;
     there ``release_staging()`` / ``use_staged(buffer)`` hand the staged image over). ``LOCAL`` as ``pg``
-    takes or restores in this process alone; ``group_rank(pg)`` is (rank, world size). ``gc_paused()``
+    takes or restores in this process alone; ``group_rank(pg)`` is (rank, world size); ``agree_max(group, value,
+    tag)`` is the largest value of a gloo group's ranks, naming a rank that died (``rank_channel.py``). ``gc_paused()``
     pauses Python's cyclic collector around a take the caller waits for (as ``Snapshot.take`` does).
 State objects
     :class:`Stateful`, :class:`StateDict`, :class:`RNGState`, :class:`OptimizerState`.
@@ -50,6 +51,7 @@ from ppe_snapshot.engine.manifest import (
 from ppe_snapshot.engine.commit_v2 import upgrade as upgrade_snapshot
 from ppe_snapshot.engine.manifest_v2 import read_manifest
 from ppe_snapshot.engine.packing import PayloadAppender, align, host_copy_buffer, is_direct, needs_bounce, tensor_bytes
+from ppe_snapshot.engine.rank_channel import agree_max
 from ppe_snapshot.engine.ranks import LOCAL, LocalGroup, group_rank
 from ppe_snapshot.engine.reads import read_into
 from ppe_snapshot.engine.serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
@@ -60,8 +62,8 @@ from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, pr
 
 __all__ = [
     # taking and restoring
-    "LOCAL", "LocalGroup", "PendingSnapshot", "Snapshot", "StagingProvider", "TakeJob", "TensorPrepare", "gc_paused",
-    "group_rank", "prepare_take",
+    "LOCAL", "LocalGroup", "PendingSnapshot", "Snapshot", "StagingProvider", "TakeJob", "TensorPrepare", "agree_max",
+    "gc_paused", "group_rank", "prepare_take",
     # state objects
     "OptimizerState", "RNGState", "StateDict", "Stateful",
     # the format

@@ -1,11 +1,11 @@
 """The commit protocol: data first, manifest last.
 
 Every rank makes its data files durable, then publishes a small *part*
-(its entries and file sizes, or the error that stopped it) under
-``.parts/``. Rank 0 collects all parts and writes the manifest, the commit
-point; on any error it writes an abort marker instead. Other ranks wait for
-either. This needs no collective on the training process group, so
-background saves can run it.
+(its entries and file sizes) under ``.parts/``. Rank 0 reads all parts once
+every rank said (through the take's rank channel, ``rank_channel.py``) that
+its part is published, checks them and writes the manifest, the commit
+point; when the take fails the ranks write an abort marker instead, so
+that a listing does not take it for a take in progress.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ppe_snapshot.engine.manifest import (
 from ppe_snapshot.engine.manifest_v2 import write_manifest
 from ppe_snapshot.engine.serialization import decode_value
 from ppe_snapshot.engine.sharded import merge_sharded
-from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError, SnapshotExistsError
+from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage
 
@@ -209,27 +209,3 @@ def clean_parts(storage: Storage, take_id: str, world_size: int) -> None:
     for r in range(world_size):
         storage.remove(part_name(take_id, r))
     storage.remove(abort_name(take_id))
-
-
-def wait_for_commit(storage: Storage, take_id: str, timeout: float | None = None) -> None:
-    """Ranks other than 0: wait until rank 0 committed (or aborted) this take."""
-    def ready():
-        if storage.exists(abort_name(take_id)):  # aborted, whether or not its reason can be read yet
-            try:
-                reason = storage.read_bytes(abort_name(take_id)).decode(errors="replace")
-            except OSError:
-                reason = ""
-            return reason or "rank 0 aborted the take"
-        if storage.exists(MANIFEST_NAME):
-            try:
-                doc = jsonio.loads(storage.read_bytes(MANIFEST_NAME))
-            except (ValueError, OSError):
-                return None
-            if type(doc) is dict and doc.get("take_id") == take_id:
-                return ""
-        return None
-
-    reason = _poll(lambda: f"rank 0 to commit snapshot {storage.url}", ready,
-                   SETTINGS.commit_timeout if timeout is None else timeout)
-    if reason:
-        raise SnapshotAbortedError(f"snapshot {storage.url} was not committed: {reason}")

@@ -17,11 +17,13 @@ from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine.packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
 from ppe_snapshot.engine.planner import RankPlan, plan_rank, replicated_patterns
+from ppe_snapshot.engine.rank_channel import TakeChannel, connection_error, side_group
 from ppe_snapshot.engine.ranks import group_rank
 from ppe_snapshot.engine.serialization import can_store_raw, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
 from ppe_snapshot.engine.staging import new_staging_buffer, stage, write_staged
 from ppe_snapshot.engine.stateful import take_states
+from ppe_snapshot.engine.take_end import Watched, abandon, conclude, retry_marks
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, open_storage
@@ -57,6 +59,14 @@ class TakeJob:
     version: int = 1
     #: Version 2: the shared state this rank expects (paths, replicated containers), see ``commit_v2``.
     shared: tuple[list[str], dict[str, Any]] = field(default_factory=lambda: ([], {}))
+    #: Several ranks: how they tell each other they are done or failed (lives in the process that prepared
+    #: the job: not pickled, see :meth:`write_part` / :meth:`conclude`).
+    channel: TakeChannel | None = None
+    #: Where :meth:`write_part` runs in another process: tells it the take failed elsewhere (its parent's channel).
+    stopped: Callable[[], str | None] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "channel": None}
 
     @gc_paused()  # a state of many tensors makes as many objects here: no collection walks them meanwhile
     def stage(self, provider: StagingProvider | None = None) -> None:
@@ -68,7 +78,7 @@ class TakeJob:
                 buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
             stage(self.layout, buffer, reused=provider is not None)  # a provider's buffer may hold an old image
         except BaseException as e:
-            self.fail(e)
+            self.conclude(e)
             raise
         self.staged = buffer
         self.layout.let_go()  # the job must not keep the live state alive
@@ -82,33 +92,58 @@ class TakeJob:
         self.staged = buffer
 
     def write_and_commit(self) -> None:
-        try:
-            part = self._part(self._write())
-        except BaseException as e:
-            self.fail(e)
-            raise
-        finally:
-            self.staged = None
+        """Write this rank's data and commit (several ranks: :meth:`write_part`, then :meth:`conclude`)."""
         if self.world_size == 1:
+            try:
+                part = self._part(self._write())
+            finally:
+                self.staged = None
             commit_protocol.commit(self.storage, commit_protocol.merge([part], self.take_id, self.metadata),
                                    self.version)
             return
+        try:
+            self.write_part()
+        except BaseException as e:
+            self.conclude(e)
+            raise
+        self.conclude(None)
+
+    def write_part(self) -> None:
+        """Several ranks: write this rank's data and publish its part in storage (in any process)."""
+        try:
+            part = self._part(self._write())
+        finally:
+            self.staged = None
         if self.version == 2:
             commit_v2.publish(self.storage, self.take_id, part, self.shared)
         else:
             commit_protocol.publish_part(self.storage, self.take_id, part)
-        if self.rank == 0:
-            self._commit_all()
-        else:
-            commit_protocol.wait_for_commit(self.storage, self.take_id)
+
+    def conclude(self, error: BaseException | None) -> None:
+        """Several ranks, in the process that prepared the job, once :meth:`write_part` ended (``error``: why it
+        failed): commit (rank 0) or learn the verdict; raises unless the take committed. One rank: nothing."""
+        if self.channel is not None:
+            conclude(self, self.channel, error)
+
+    def when_failed(self, callback: Callable[[], None]) -> None:
+        """Several ranks: call ``callback`` once this rank knows the take failed elsewhere (from another thread)."""
+        if self.channel is not None:
+            self.channel.when_failed(callback)
+
+    def failure(self) -> str | None:
+        """Why the take cannot commit, once this rank knows of a failure elsewhere; None so far."""
+        if self.channel is not None:
+            return self.channel.failure()
+        return self.stopped() if self.stopped is not None else None
 
     def _write(self) -> Written:
         if not self.layout.paths:
             return []
+        storage: Any = self.storage if self.world_size == 1 else Watched(self.storage, self.failure)
         if self.staged is not None:
-            return write_staged(self.storage, self.layout, self.staged)
+            return write_staged(storage, self.layout, self.staged)
         with gc_paused():  # from the live tensors: the caller waits for this take anyway
-            return write_from_sources(self.storage, self.layout)
+            return write_from_sources(storage, self.layout)
 
     @gc_paused()
     def _part(self, written: Written) -> commit_protocol.RankPart:
@@ -146,57 +181,6 @@ class TakeJob:
             (part.replicated if entry.replicated else own.objects)[path] = entry
         return part
 
-    def _commit_all(self) -> None:
-        if self.version == 2:
-            self._commit_all_v2()
-            return
-        try:
-            parts = commit_protocol.gather_parts(self.storage, self.take_id, self.world_size)
-        except BaseException as e:
-            commit_protocol.abort(self.storage, self.take_id, f"rank 0 stopped waiting: {e!r}")
-            raise
-        self._abort_on_failures([f"rank {p.rank}: {p.error}" for p in parts if p.error])
-        try:
-            commit_protocol.commit(self.storage, commit_protocol.merge(parts, self.take_id, self.metadata))
-        except BaseException as e:
-            commit_protocol.abort(self.storage, self.take_id, f"rank 0 could not commit: {e!r}")
-            raise
-        commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
-
-    def _commit_all_v2(self) -> None:
-        try:
-            parts = commit_v2.merge_and_commit(self.storage, self.take_id, self.world_size, self.metadata)
-        except BaseException as e:
-            commit_protocol.abort(self.storage, self.take_id, f"rank 0 could not commit: {e!r}")
-            raise
-        self._abort_on_failures([f"rank {p['rank']}: {p['error']}" for p in parts if p["error"]])
-        commit_protocol.clean_parts(self.storage, self.take_id, self.world_size)
-        commit_v2.clean_details(self.storage, self.take_id, self.world_size)
-
-    def _abort_on_failures(self, failures: list[str]) -> None:
-        """Rank 0, when some ranks reported failing: abort the take (every rank raises) and raise."""
-        if failures:
-            reason = "; ".join(failures)
-            commit_protocol.abort(self.storage, self.take_id, reason)
-            raise SnapshotAbortedError(f"snapshot {self.storage.url} was not committed: {reason}")
-
-    def fail(self, error: BaseException) -> None:
-        """Tell the other ranks this rank cannot finish, so that none of them waits in vain."""
-        _announce_failure(self.storage, self.take_id, self.rank, self.world_size, error)
-
-
-def _announce_failure(storage: Storage, take_id: str, rank: int, world_size: int, error: BaseException) -> None:
-    """Rank 0 aborts the take at once; another rank publishes its error for rank 0 to abort with."""
-    if world_size == 1:
-        return
-    try:
-        if rank == 0:
-            commit_protocol.abort(storage, take_id, f"rank 0: {error!r}")
-        else:
-            commit_protocol.publish_part(storage, take_id, commit_protocol.RankPart(rank, error=repr(error)))
-    except Exception:  # the storage itself is failing; the others time out instead
-        pass
-
 
 @dataclass
 class _Agreement:
@@ -227,7 +211,11 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, rep
     proposals = [proposal]
     if world_size > 1:
         proposals = [None] * world_size
-        dist.all_gather_object(proposals, proposal, group=pg)
+        try:
+            dist.all_gather_object(proposals, proposal, group=pg)
+        except RuntimeError as e:  # gloo: a peer's connection closed (it died before the take); NCCL: its error
+            raise SnapshotAbortedError(f"snapshot {path} not taken: the ranks could not agree on the take, a rank "
+                                       f"died or lost its connection ({connection_error(e)})") from e
     if local_error is not None:
         raise local_error
     if proposals[0].get("exists"):
@@ -316,16 +304,19 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
         items, plain = _flatten_all(app_state, allow_pickle, tensor_prepare)
     except Exception as e:  # every rank must still reach the agreement below
         error = e
+    retry_marks()
     storage = open_storage(str(path), storage_options)
     agreed = _agree(str(path), storage, rank, world_size, pg, globs, error)
     if storage.url != agreed.path:
         storage = open_storage(agreed.path, storage_options)
+    channel = TakeChannel(side_group(pg), rank, world_size, agreed.take_id) if world_size > 1 else None
     try:
         plan = _plan(app_state, items, plain, agreed.replicated, rank, world_size)
         layout = lay_out(data_file(rank), plan.payloads, plan.plain)
         shared = commit_v2.expected_shared(items) if agreed.version == 2 and world_size > 1 else ([], {})
     except BaseException as e:  # the others are about to write: make them raise, not wait
-        _announce_failure(storage, agreed.take_id, rank, world_size, e)
-        raise
+        if channel is None:
+            raise
+        abandon(channel, storage, agreed.take_id, e)
     return TakeJob(storage, agreed.take_id, rank, world_size, layout, plan.entries, dict(metadata or {}),
-                   sharded=plan.sharded, version=agreed.version, shared=shared)
+                   sharded=plan.sharded, version=agreed.version, shared=shared, channel=channel)

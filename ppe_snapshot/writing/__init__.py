@@ -27,6 +27,7 @@ _HOMES = {
     "ThreadQueueWriter": "_thread",
     "ProcessWriter": "_process",
     "ProcessQueueWriter": "_process",
+    "BackgroundAbortError": "_async",
     "BackgroundSaveError": "_async",
     "SaveStats": "contract",
     "SnapshotWriter": "contract",
@@ -39,7 +40,7 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
-    from ppe_snapshot.writing._async import BackgroundSaveError
+    from ppe_snapshot.writing._async import BackgroundAbortError, BackgroundSaveError
     from ppe_snapshot.writing._base import SimpleWriter, is_ppe_default_fs
     from ppe_snapshot.writing._process import ProcessQueueWriter, ProcessWriter
     from ppe_snapshot.writing._replace import remove_snapshot, replaced_name, side_name

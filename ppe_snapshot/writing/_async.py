@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ppe_snapshot.engine import TakeJob, new_staging_buffer
-from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.writing._base import WriterBase, add_note, logger
 from ppe_snapshot.writing._files import FileSave, stage_object
 from ppe_snapshot.writing._replace import AfterCommit
@@ -45,6 +45,11 @@ class BackgroundSaveError(SnapshotError, RuntimeError):
     """
 
 
+class BackgroundAbortError(BackgroundSaveError, SnapshotAbortedError):
+    """A save of several ranks that ran in the background was aborted because another rank failed or died:
+    both a :class:`BackgroundSaveError` and a :class:`~ppe_snapshot.errors.SnapshotAbortedError`."""
+
+
 def surfaced(error: BaseException) -> BackgroundSaveError:
     """The error to raise in the caller for a background ``error``; raise it ``from error``."""
     if isinstance(error, BackgroundSaveError):
@@ -52,8 +57,8 @@ def surfaced(error: BaseException) -> BackgroundSaveError:
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
     if sys.version_info < (3, 11):  # the notes (the worker's traceback among them) are not printed there
         text = "\n".join([text, *getattr(error, "__notes__", [])])
-    return BackgroundSaveError(f"a snapshot save failed in the background: {type(error).__name__}: {error}\n"
-                               f"{text}")
+    kind = BackgroundAbortError if isinstance(error, SnapshotAbortedError) else BackgroundSaveError
+    return kind(f"a snapshot save failed in the background: {type(error).__name__}: {error}\n{text}")
 
 
 @dataclass

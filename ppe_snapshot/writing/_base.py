@@ -171,12 +171,12 @@ class WriterBase(Writer, SnapshotWriter):
         Rank 0 of ``pg`` decides where the take goes (every rank follows it in
         ``prepare_take``) and is the one that moves the committed snapshot.
         """
-        requested, replacement = path, None
+        replacement = None
         if group_rank(pg)[0] == 0:
             path, replacement = _replace.plan(path, self._storage_options)
         job = prepare_take(path, app_state, pg=pg, storage_options=self._storage_options, allow_pickle=allow_pickle,
                            metadata=metadata)
-        return job, _replace.after_commit(job, requested, replacement, self._storage_options)
+        return job, _replace.after_commit(job, replacement)
 
     def _new_stats(self, path: str, start: float, nbytes: int | None) -> dict[str, Any]:
         stats = {"path": path, "bytes": nbytes, "blocking_s": time.perf_counter() - start, "write_s": None}

@@ -67,7 +67,7 @@ def _rebuild_error(data: bytes | None, text: str) -> BaseException:
 class _Worker:
     """The worker process, the pipes to it, and the thread that collects its answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, stops: torch.Tensor) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
         jobs_end, self._jobs = ctx.Pipe(duplex=False)
         self._results, results_end = ctx.Pipe(duplex=False)
@@ -83,6 +83,7 @@ class _Worker:
         self._started = threading.Event()  # set when it did, or when it exited first
         self._collector = threading.Thread(target=self._collect, name="ppe-snapshot-results", daemon=True)
         self._collector.start()
+        self._jobs.send_bytes(ForkingPickler.dumps(("stops", stops)))
 
     def wait_started(self, writer: str) -> None:
         """Block until the worker has started; a clear error when it died while starting."""
@@ -168,11 +169,15 @@ class _ProcessBase(AsyncWriter):
         super().__init__(savefun, fs, out_dir, queue_depth=queue_depth, **kwds)
         self._tickets = itertools.count()
         self._registered: set[int] = set()
+        #: One byte per slot, shared with the worker: set when the take of several ranks in the slot failed
+        #: elsewhere, so that the worker stops writing it (the parent speaks for the worker to the other ranks).
+        self._stops = new_shared_buffer(queue_depth)
+        self._slot_jobs: list[TakeJob | None] = [None] * queue_depth
         self._worker: _Worker | None = None
         if _in_spawn_bootstrap():  # this is the worker importing the unguarded script: say so, start nothing
             raise RuntimeError(f"{type(self).__name__} created while a worker process imports the main "
                                f"module; {UNGUARDED_MAIN.format(writer=type(self).__name__)}")
-        self._worker = _Worker()
+        self._worker = _Worker(self._stops)
 
     @property
     def worker_pid(self) -> int | None:
@@ -201,7 +206,7 @@ class _ProcessBase(AsyncWriter):
                 worker.close()  # reports the saves it lost
                 logger.warning("the writer process (pid %s) %s; starting a new one",
                                worker.process.pid, _exit_reason(worker.process.exitcode))
-            worker = self._worker = _Worker()
+            worker = self._worker = _Worker(self._stops)
             worker.wait_started(type(self).__name__)
             for slot, buffer in enumerate(self._buffers):
                 if buffer is not None:
@@ -230,12 +235,37 @@ class _ProcessBase(AsyncWriter):
 
     def _submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit) -> None:
         job.release_staging()  # the worker holds the slot's buffer already
-        self._send(ticket, ("take", ticket.slot, job, step))
+        if job.world_size == 1:
+            self._send(ticket, ("take", ticket.slot, job, step))
+            return
+        slot = ticket.slot  # the worker writes and publishes the part; this process concludes (the channel is here)
+        self._stops[slot], self._slot_jobs[slot] = 0, job
+        job.when_failed(lambda: self._stop_writing(slot, job))
+        try:
+            self._send(ticket, ("take", slot, job, None), lambda error, nbytes: threading.Thread(
+                target=self._conclude, args=(ticket, job, step, error), name="ppe-snapshot-conclude").start())
+        except BaseException as e:  # never handed over: the other ranks must hear of it, not wait
+            job.conclude(e)
+
+    def _stop_writing(self, slot: int, job: TakeJob) -> None:
+        if self._slot_jobs[slot] is job:  # still this take's slot
+            self._stops[slot] = 1
+
+    def _conclude(self, ticket: Ticket, job: TakeJob, step: AfterCommit, error: BaseException | None) -> None:
+        self._slot_jobs[ticket.slot] = None
+        try:
+            job.conclude(error)
+            if step is not None:
+                step.promote()
+        except BaseException as e:
+            self._finish(ticket, e, None)
+        else:
+            self._finish(ticket, None, None)
 
     def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
         self._send(ticket, ("file", ticket.slot, save, skeleton))
 
-    def _send(self, ticket: Ticket, work: tuple[Any, ...]) -> None:
+    def _send(self, ticket: Ticket, work: tuple[Any, ...], on_done: OnDone | None = None) -> None:
         number = next(self._tickets)
         kind, *rest = work
         try:
@@ -245,7 +275,7 @@ class _ProcessBase(AsyncWriter):
                             f"be pickled ({e}). Use a module-level savefun such as torch.save (and a picklable "
                             "fs), or a ThreadWriter") from e
         ticket.handoff = time.perf_counter()
-        self._live_worker().submit(number, payload, partial(self._finish, ticket), ticket.stats["path"])
+        self._live_worker().submit(number, payload, on_done or partial(self._finish, ticket), ticket.stats["path"])
         self._started = True
 
     def _settings(self) -> dict[str, Any]:

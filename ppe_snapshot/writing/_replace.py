@@ -15,9 +15,9 @@ taken into):
   first), then the new one is copied to the name, its manifest last, and
   removed from beside it.
 
-A snapshot of several ranks is moved by rank 0 once every other rank has
-confirmed, with a small file beside the name, that it saw the commit: they
-learn of it by polling the manifest where the take went.
+A snapshot of several ranks is moved by rank 0 once it told every other
+rank of the commit (the take's rank channel): none of them looks for it
+where it was taken.
 
 At every moment one complete snapshot exists under the name or beside it,
 and :func:`ppe_snapshot.retention.list_snapshots` lists both names for a
@@ -28,22 +28,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
-from ppe_snapshot.errors import SnapshotError
-from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import exchange, is_local, sync_directory, url_to_fs
 
 #: Where a snapshot replacing ``<name>`` is written until it takes the name.
 SIDE_SUFFIX = ".ppe-snapshot-next"
-#: Beside the name, where the other ranks of a take confirm they saw its commit.
-ACKS_SUFFIX = ".ppe-snapshot-acks"
 
 
 def side_name(name: str) -> str:
@@ -97,9 +92,6 @@ class Replacement:
     """Moves a committed snapshot from beside ``final`` to ``final``; picklable for the writer process."""
     final: str
     storage_options: dict[str, Any] | None = None
-    #: A take of several ranks: its id and the number of ranks (the others confirm before the move).
-    take_id: str = ""
-    world_size: int = 1
 
     @property
     def side(self) -> str:
@@ -137,8 +129,6 @@ class Replacement:
 
     def promote(self) -> None:
         """Give the committed snapshot beside the name the name; the one it replaces is removed."""
-        if self.world_size > 1:
-            self._await_acks()
         if not self._local:
             self.remove(self.final)
             fs, final = self._fs()
@@ -153,46 +143,6 @@ class Replacement:
             self.remove(final)  # no exchange here: for a moment only the new one, beside, is complete
         os.rename(side, final)
         sync_directory(os.path.dirname(os.path.abspath(final)))
-
-
-    def _await_acks(self) -> None:
-        """Wait until every other rank confirmed it saw the commit; then drop the confirmations."""
-        fs, final = self._fs()
-        acks = final + ACKS_SUFFIX
-        expected = {f"{self.take_id}.rank{r}" for r in range(1, self.world_size)}
-        deadline, delay = time.monotonic() + SETTINGS.commit_timeout, 0.002
-        while True:
-            try:
-                seen = {os.path.basename(p.rstrip("/")) for p in fs.ls(acks, detail=False, refresh=True)}
-            except FileNotFoundError:
-                seen = set()
-            if expected <= seen:
-                break
-            if time.monotonic() > deadline:
-                raise SnapshotError(f"{self.side} was committed but ranks {sorted(expected - seen)} never confirmed "
-                                    f"it after {SETTINGS.commit_timeout:.0f} s; it stays beside {self.final}, where autoload "
-                                    "finds it")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        try:
-            fs.rm(acks, recursive=True)
-        except FileNotFoundError:
-            pass
-
-
-@dataclass
-class Ack:
-    """A rank other than 0 saw the commit of a take that replaces ``final``: it says so (picklable)."""
-    final: str
-    take_id: str
-    rank: int
-    storage_options: dict[str, Any] | None = None
-
-    def promote(self) -> None:
-        fs, final = url_to_fs(self.final, self.storage_options)
-        acks = final.rstrip("/") + ACKS_SUFFIX
-        fs.makedirs(acks, exist_ok=True)
-        fs.pipe_file(f"{acks}/{self.take_id}.rank{self.rank}", b"")
 
 
 def _move(fs: fsspec.AbstractFileSystem, source: str, dest: str) -> None:
@@ -247,23 +197,14 @@ def plan(path: str, storage_options: dict[str, Any] | None) -> tuple[str, Replac
     return replacement.side, replacement
 
 
-#: What a rank does once its take committed: move it to the name (rank 0), confirm the commit (others).
-AfterCommit = Optional[Union[Replacement, Ack]]
+#: What rank 0 does once its take committed: move it to the name (every other rank learnt of the commit from
+#: rank 0 before, through the take's rank channel, so the move cannot hide it from them).
+AfterCommit = Optional[Replacement]
 
 
-def after_commit(job: Any, requested: str, replacement: Replacement | None,
-                 storage_options: dict[str, Any] | None) -> AfterCommit:
-    """The step after ``job`` commits, for a take asked for at ``requested``: rank 0's ``replacement``, or on
-    another rank an :class:`Ack` when rank 0 sent the take beside the name."""
-    if job.world_size == 1:
-        return replacement
-    if job.rank == 0:
-        if replacement is not None:
-            replacement.take_id, replacement.world_size = job.take_id, job.world_size
-        return replacement
-    if job.storage.url == side_name(requested):
-        return Ack(requested, job.take_id, job.rank, storage_options)
-    return None
+def after_commit(job: Any, replacement: Replacement | None) -> AfterCommit:
+    """The step after ``job`` commits: rank 0's ``replacement`` (nothing on other ranks)."""
+    return replacement if job.rank == 0 else None
 
 
 def commit_in_place(job: Any, step: AfterCommit) -> None:

@@ -4,8 +4,11 @@ It never touches CUDA: every save arrives staged in a host shared-memory
 buffer that the parent sent once (and again only when it grew). Messages:
 
 * ``("buffer", slot, tensor)``: the staging buffer of a slot;
+* ``("stops", tensor)``: one byte per slot, set by the parent when the take of several ranks in that slot failed
+  elsewhere (the write stops at its next block);
 * ``("take", ticket, slot, job, step)``: write and commit an engine snapshot, then run
-  ``step`` (see ``_replace.after_commit``: give it its name when it replaces one);
+  ``step`` (see ``_replace.after_commit``: give it its name when it replaces one); a take of several ranks is
+  only written and its part published: the parent, which speaks for the worker to the other ranks, concludes it;
 * ``("file", ticket, slot, save, skeleton)``: write a single file;
 * ``("stop",)``: finish what is queued, then exit.
 
@@ -22,8 +25,9 @@ import signal
 import sys
 import threading
 import traceback
+from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,14 +49,18 @@ def serve(jobs: Connection, results: Connection, parent_pid: int) -> None:
     results.send(READY)  # the spawn bootstrap (which imports the parent's main module again) is over
     threading.Thread(target=_receive, args=(jobs, inbox, parent_pid), daemon=True).start()
     buffers: dict[int, torch.Tensor] = {}
+    stops = torch.zeros(0, dtype=torch.uint8)
     while (message := inbox.get()) is not None:
         kind, *rest = message
         if kind == "buffer":
             slot, buffer = rest
             buffers[slot] = buffer
             continue
+        if kind == "stops":
+            stops = rest[0]
+            continue
         ticket, slot, *work = rest
-        reply = (ticket, *_run(kind, work, buffers[slot]))
+        reply = (ticket, *_run(kind, work, buffers[slot], partial(_stopped, stops, slot)))
         del message, rest, work
         try:
             results.send(reply)
@@ -80,12 +88,21 @@ def _receive(jobs: Connection, inbox: "queue.SimpleQueue[tuple[Any, ...] | None]
         inbox.put(None)
 
 
-def _run(kind: str, work: list[Any], buffer: torch.Tensor) -> tuple[Any, int | None]:
+def _stopped(stops: torch.Tensor, slot: int) -> str | None:
+    return "the take failed on another rank" if slot < len(stops) and stops[slot] else None
+
+
+def _run(kind: str, work: list[Any], buffer: torch.Tensor, stopped: Callable[[], str | None]
+         ) -> tuple[Any, int | None]:
     try:
         if kind == "take":
             job, step = work
             job.use_staged(buffer)
-            commit_in_place(job, step)
+            if job.world_size > 1:
+                job.stopped = stopped
+                job.write_part()
+            else:
+                commit_in_place(job, step)
             return None, None
         save, skeleton = work
         return None, save.run(materialize(skeleton, buffer))
