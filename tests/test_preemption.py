@@ -168,3 +168,21 @@ def test_bad_signals(signals, error, fragment):
         ppe_snapshot.snapshot(save_on_signals=signals)
     with pytest.raises(TypeError, match="preempted_exit_code must be an int"):
         ppe_snapshot.snapshot(save_on_signals=(signal.SIGTERM,), preempted_exit_code="1")
+
+
+def test_a_rank_that_died_is_named_by_the_signal_agreement_of_the_others(tmp_path):
+    """SHARDED (no collective in the training step): rank 2 is SIGKILLed; at their next agreement ranks 0 and 1
+    raise a SnapshotError naming it, instead of waiting in a collective."""
+    procs = _start(str(tmp_path), "ThreadWriter", "SHARDED", 3)
+    for proc in procs:
+        _wait_for_iteration(proc, 3)
+    procs[2].kill()
+    procs[0].send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    results = _finish(procs)
+    assert time.monotonic() - started < 30
+    assert results[2][0] == -signal.SIGKILL
+    for code, stdout, stderr in results[:2]:
+        assert code == 1, stderr[-3000:]
+        assert "SnapshotError: preemption: the ranks could not agree, rank 2 died or lost its connection" in stderr, \
+            stderr[-3000:]

@@ -9,12 +9,15 @@ waits until the save is durable, finalizes the manager and raises
 
 Several ranks (DISTRIBUTED / SHARDED): schedulers signal ranks at slightly
 different times, or only some. Every ``check_every`` iterations the ranks
-agree with one all-reduce (MAX of the signal number) on a gloo group of their
-own, created at construction, never on the training group; all ranks see the
-same result at the same iteration, so all save that iteration together and
-none waits for another. Its cost is in benchmarks/RESULTS.md. Then every rank
-waits for its writer and meets the others at a barrier on that group before
-any exits (a launcher such as torchrun stops the others when one exits).
+agree on the largest signal number, point to point through rank 0 on a gloo
+group of their own (created at construction, never the training group), so
+that a rank whose process died is named on every other rank (a
+:class:`SnapshotError`) instead of leaving them in a collective; all ranks see
+the same result at the same iteration, so all save that iteration together
+and none waits for another. Its cost is in benchmarks/RESULTS.md. Then every
+rank waits for its writer and meets the others (the same exchange) before any
+exits (a launcher such as torchrun stops the others when one exits). A save
+that failed (a rank died during it) still finalizes the manager, then raises.
 
 A second signal while the save runs is recorded and otherwise ignored: the
 save completes and ``Preempted`` is raised. Only SIGKILL (a scheduler's end
@@ -29,10 +32,10 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
-from ppe_snapshot.errors import Preempted
+from ppe_snapshot.engine import agree_max
+from ppe_snapshot.errors import Preempted, SnapshotError
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class Preemption:
         #: The signal whose snapshot is due (agreed by every rank), or None.
         self.decided: int | None = None
         self._group = group
+        self._exchanges = 0  # the tag of each agreement (every rank counts the same)
         self._previous: dict[signal.Signals, Any] = {}
 
     @classmethod
@@ -113,16 +117,22 @@ class Preemption:
             if self._group is None:
                 self.decided = self.received
             elif manager.iteration % self.check_every == 0:
-                flag = torch.tensor([self.received or 0], dtype=torch.int64)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-                self.decided = int(flag.item()) or None
+                self.decided = self._agree(self.received or 0) or None
         return self.decided is not None
 
     def barrier(self) -> None:
         """Every rank waits here until all have made their part durable (a rank exiting early may make a
         launcher such as torchrun kill the others)."""
         if self._group is not None:
-            dist.barrier(group=self._group)
+            self._agree(0)
+
+    def _agree(self, value: int) -> int:
+        """The largest ``value`` of the ranks; a :class:`SnapshotError` naming a rank that died."""
+        self._exchanges += 1
+        try:
+            return agree_max(self._group, value, self._exchanges)
+        except SnapshotError as e:
+            raise SnapshotError(f"preemption: the ranks could not agree, {e}") from e
 
     def exit_status(self) -> int:
         assert self.decided is not None
@@ -158,7 +168,10 @@ def preempt(snapshot: Any, manager: Any, preemption: Preemption) -> None:
     finally:
         if available is False:
             manager._model_available = False
-    preemption.barrier()
+    try:
+        preemption.barrier()
+    except SnapshotError as e:  # a rank died: finalize all the same, then raise
+        failure = failure if failure is not None else e
     finalize = getattr(manager, "finalize", None)
     if callable(finalize):
         finalize()  # every extension's finalize (this one puts the signal handlers back) and the writers'
