@@ -2,8 +2,8 @@
 
 One process: a ppe ExtensionsManager running empty iterations, with a snapshot extension (trigger far away)
 with and without ``save_on_signals``; the difference per iteration is the check (a wrapped trigger reading a
-flag). Several ranks: the agreement, one all-reduce of one int64 on a gloo group of its own, timed per call
-on 2 ranks of this machine (``--ranks``). Methods interleaved round by round; medians.
+flag). Several ranks: the agreement (an exchange of the signal number through rank 0, point to point on a gloo
+group of its own, so that a rank that died is named), timed per call on ``--ranks`` ranks of this machine. Methods interleaved round by round; medians.
 
     python benchmarks/bench_preemption.py --rounds 5 --iterations 20000 --ranks 2
 """
@@ -93,7 +93,7 @@ def main() -> None:
         for p in procs:
             p.join()
     m = statistics.median(times)
-    print(f"{args.ranks} ranks: agreement (gloo all-reduce of one int64 on a side group) {m * 1e6:.1f} us per "
+    print(f"{args.ranks} ranks: agreement (an exchange through rank 0 on a gloo side group) {m * 1e6:.1f} us per "
           f"check = {m / STEP_S * 100:.3f} % of a 50 ms step if checked every iteration, "
           f"{m / CHECK_EVERY / STEP_S * 100:.3f} % checked every {CHECK_EVERY} (the default); rounds "
           f"{', '.join(f'{t * 1e6:.0f}' for t in times)} us")

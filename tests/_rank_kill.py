@@ -7,8 +7,8 @@
 
 The victim (``spec["victim"]``) kills itself with SIGKILL, recording the time in ``<dir>/killed.json`` first:
 ``spec["when"]`` = ``"delay"`` kills ``spec["delay"]`` seconds into save ``spec["save"]`` (scaled by the second
-save's duration when ``spec["scaled"]``; at the latest when that save returns); ``"after_manifest"`` kills
-rank 0 just after it wrote the manifest of that save. ``spec["failing_rank"]`` gets a storage whose every write
+save's duration when ``spec["scaled"]``; at the latest when that save returns); ``"before_save"`` just before
+that save starts; ``"after_manifest"`` kills rank 0 just after it wrote the manifest of that save. ``spec["failing_rank"]`` gets a storage whose every write
 raises ``OSError`` (an fsspec file system); ``spec["slow_rank"]`` one that sleeps ``spec["slow_s"]`` per data write.
 """
 from __future__ import annotations
@@ -135,6 +135,8 @@ def main(rank: int, world_size: int, port: int, spec: dict) -> None:
             entry = {"start": time.time()}
             record["saves"].append(entry)
             timer = None
+            if victim == rank and spec.get("when") == "before_save" and i == spec["save"]:
+                _die(out, rank, "before_save")
             if victim == rank and spec.get("when") == "delay" and i == spec["save"]:
                 delay = spec["delay"] * (steady if spec.get("scaled") and steady else 1.0)
                 timer = threading.Timer(delay, _die, args=(out, rank, "delay"))

@@ -28,38 +28,57 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
+from ppe_snapshot.settings import SETTINGS
 
 #: The size of one status or verdict (a JSON document, zero-padded); longer error texts are cut.
 MESSAGE_BYTES = 4096
 #: How long a receive may wait in its thread: the waiting caller applies the commit timeout itself.
 _RECEIVE_WAIT = timedelta(days=30)
+#: Tags of :func:`exchange` on a side group start here (a take's channel uses tags below 2**28 + 1).
+_EXCHANGE_TAGS = 1 << 29
+#: The longest document :func:`exchange` accepts from a peer.
+_MAX_DOCUMENT = 64 << 20
 
-_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+class SideGroup:
+    """A gloo group of a process group's ranks (the same processes in the same order) and its exchanges so far."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self._exchanges = 0
+
+    def next_tag(self) -> int:
+        """The tag of the next :func:`exchange` (every rank makes the same exchanges in the same order)."""
+        self._exchanges += 1
+        return _EXCHANGE_TAGS + self._exchanges % _EXCHANGE_TAGS
+
+
+_groups: dict[tuple[int, ...], tuple[Any, SideGroup]] = {}
 _groups_lock = threading.Lock()
 
 
-def side_group(pg: Any) -> Any:
-    """The gloo group of ``pg``'s ranks that takes speak over; made (a collective of those ranks) the first time.
-
-    Remade after the default group was destroyed and initialized again.
-    """
+def side_group(pg: Any) -> SideGroup:
+    """The gloo group of ``pg``'s ranks that takes speak over; made (a collective of those ranks, waiting at most
+    ``PPE_SNAPSHOT_COMMIT_TIMEOUT`` for all of them) the first time, and again after the default group was
+    destroyed and initialized again."""
     world = dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(pg if pg is not None else world))
     with _groups_lock:
         known = _groups.get(ranks)
         if known is not None and known[0] is world:
             return known[1]
-        group = dist.new_group(list(ranks), backend="gloo", timeout=_RECEIVE_WAIT, use_local_synchronization=True)
-        _groups[ranks] = (world, group)
-        return group
+        group = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=SETTINGS.commit_timeout),
+                               use_local_synchronization=True)
+        _groups[ranks] = (world, SideGroup(group))
+        return _groups[ranks][1]
 
 
 def _encode(doc: dict[str, Any]) -> torch.Tensor:
     data = json.dumps(doc).encode()
-    if len(data) > MESSAGE_BYTES:
-        doc = {**doc, "reason": doc["reason"][: MESSAGE_BYTES // 2] + " [...]"}
-        data = json.dumps(doc, ensure_ascii=True).encode()[:MESSAGE_BYTES]
+    while len(data) > MESSAGE_BYTES:  # only an error text can be that long
+        doc = {**doc, "reason": doc["reason"][: len(doc["reason"]) // 2] + " [...]"}
+        data = json.dumps(doc).encode()
     message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
     message[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return message
@@ -231,40 +250,61 @@ class TakeChannel:
                 self._lost(peer, e)
 
 
-def agree_max(group: Any, value: int, tag: int) -> int:
-    """The largest ``value`` given by the ranks of the gloo ``group`` (every rank calls it with the same ``tag``).
+def _send_document(group: Any, peer: int, tag: int, doc: Any) -> None:
+    data = json.dumps(doc).encode()
+    group.send([torch.tensor([len(data)], dtype=torch.int64)], peer, tag).wait()
+    group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, tag).wait()
 
-    Sent through rank 0 point to point, so that a rank whose process died is named: raises
-    :class:`~ppe_snapshot.errors.SnapshotError` on every surviving rank (rank 0 waits for every live rank first).
+
+def _receive_document(group: Any, peer: int, tag: int) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    group.recv([size], peer, tag).wait()
+    if not 0 < int(size) <= _MAX_DOCUMENT:
+        raise SnapshotError(f"rank {peer} sent a document of {int(size)} bytes")
+    data = torch.empty(int(size), dtype=torch.uint8)
+    group.recv([data], peer, tag).wait()
+    return json.loads(bytes(data.numpy()))
+
+
+def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any]) -> Any:
+    """What rank 0 decides (``decide`` of every rank's ``doc``, in rank order) from what each rank of the gloo
+    ``group`` gives (JSON values; every rank calls it with the same ``tag``).
+
+    Point to point through rank 0, so that a rank whose process died is named: raises
+    :class:`~ppe_snapshot.errors.SnapshotAbortedError` on every surviving rank (rank 0 hears every live rank
+    first); unlike a collective, no survivor is left waiting for a peer of the dead rank.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if world_size == 1:
-        return value
+        return decide([doc])
     if rank != 0:
-        answer = torch.tensor([value, 0], dtype=torch.int64)
         try:
-            group.send([answer[:1].clone()], 0, tag).wait()
-            group.recv([answer], 0, tag).wait()
+            _send_document(group, 0, tag, doc)
+            answer = _receive_document(group, 0, tag)
         except RuntimeError as e:
-            raise SnapshotError(_peer_lost(0, e)) from e
-        if answer[1]:
-            raise SnapshotError(f"rank {int(answer[1]) - 1} died or lost its connection (rank 0 could not reach it)")
-        return int(answer[0])
-    best, lost = value, None
+            raise SnapshotAbortedError(_peer_lost(0, e)) from e
+        if answer.get("lost"):
+            raise SnapshotAbortedError(answer["lost"])
+        return answer["decided"]
+    docs, lost = [doc], None
     for peer in range(1, world_size):
-        received = torch.zeros(1, dtype=torch.int64)
         try:
-            group.recv([received], peer, tag).wait()
-            best = max(best, int(received))
+            docs.append(_receive_document(group, peer, tag))
         except RuntimeError as e:
-            lost = lost or (peer, e)
-    answer = torch.tensor([best, 0 if lost is None else lost[0] + 1], dtype=torch.int64)
+            docs.append(None)
+            lost = lost or _peer_lost(peer, e)
+    answer = {"lost": lost} if lost else {"decided": decide(docs)}
     for peer in range(1, world_size):
-        if lost is None or peer != lost[0]:
+        if docs[peer] is not None:
             try:
-                group.send([answer], peer, tag).wait()
-            except RuntimeError:  # that rank died too: it is no longer waiting
+                _send_document(group, peer, tag, answer)
+            except RuntimeError:  # that rank died meanwhile: it is no longer waiting
                 pass
-    if lost is not None:
-        raise SnapshotError(_peer_lost(*lost))
-    return best
+    if lost:
+        raise SnapshotAbortedError(lost)
+    return answer["decided"]
+
+
+def agree_max(group: Any, value: int, tag: int) -> int:
+    """The largest ``value`` given by the ranks of the gloo ``group`` (an :func:`exchange`)."""
+    return exchange(group, value, tag, max)

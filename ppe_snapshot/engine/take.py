@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
 from ppe_snapshot.engine import commit as commit_protocol
 from ppe_snapshot.engine import commit_v2
@@ -17,7 +16,7 @@ from ppe_snapshot.engine.gcpause import gc_paused
 from ppe_snapshot.engine.manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine.packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
 from ppe_snapshot.engine.planner import RankPlan, plan_rank, replicated_patterns
-from ppe_snapshot.engine.rank_channel import TakeChannel, connection_error, side_group
+from ppe_snapshot.engine.rank_channel import SideGroup, TakeChannel, exchange, side_group
 from ppe_snapshot.engine.ranks import group_rank
 from ppe_snapshot.engine.serialization import can_store_raw, raw_storage_problem
 from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
@@ -193,12 +192,13 @@ class _Agreement:
     version: int = 1
 
 
-def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, replicated: list[str],
+def _agree(path: str, storage: Storage, rank: int, world_size: int, side: SideGroup | None, replicated: list[str],
            local_error: BaseException | None) -> _Agreement:
     """Every rank learns rank 0's path and take id, the common globs, and whether any rank cannot take part.
 
     Rank 0 checks that no snapshot exists at the path. A rank whose flatten
-    failed still joins this exchange, so the others raise instead of waiting.
+    failed still joins this exchange, so the others raise instead of waiting;
+    so does every survivor when a rank died (the exchange names it).
     """
     proposal: dict[str, Any] = {"path": path, "take_id": new_take_id(), "replicated": replicated,
                                 "error": repr(local_error) if local_error else None,
@@ -208,23 +208,31 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, pg: Any, rep
             commit_protocol.refuse_overwrite(storage)
         except SnapshotExistsError as e:  # raised on every rank, after the exchange
             proposal["exists"] = str(e)
-    proposals = [proposal]
-    if world_size > 1:
-        proposals = [None] * world_size
+    if side is None:
+        agreed = _decide([proposal])
+    else:
         try:
-            dist.all_gather_object(proposals, proposal, group=pg)
-        except RuntimeError as e:  # gloo: a peer's connection closed (it died before the take); NCCL: its error
-            raise SnapshotAbortedError(f"snapshot {path} not taken: the ranks could not agree on the take, a rank "
-                                       f"died or lost its connection ({connection_error(e)})") from e
+            agreed = exchange(side.group, proposal, side.next_tag(), _decide)
+        except SnapshotAbortedError as e:
+            raise SnapshotAbortedError(f"snapshot {path} not taken: the ranks could not agree on the take, {e}"
+                                       ) from e
     if local_error is not None:
         raise local_error
-    if proposals[0].get("exists"):
-        raise SnapshotExistsError(proposals[0]["exists"])
-    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(proposals) if p["error"]]
-    if failed:
-        raise SnapshotAbortedError(f"snapshot {path} not taken: {'; '.join(failed)}")
-    common = [g for g in proposals[0]["replicated"] if all(g in p["replicated"] for p in proposals)]
-    return _Agreement(proposals[0]["path"], proposals[0]["take_id"], common, proposals[0]["version"])
+    if agreed["exists"]:
+        raise SnapshotExistsError(agreed["exists"])
+    if agreed["failed"]:
+        raise SnapshotAbortedError(f"snapshot {path} not taken: {'; '.join(agreed['failed'])}")
+    return _Agreement(agreed["path"], agreed["take_id"], agreed["replicated"], agreed["version"])
+
+
+def _decide(proposals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0: the agreement, from every rank's proposal (rank 0's path, take id and version; the globs every
+    rank gave; which ranks failed)."""
+    first = proposals[0]
+    return {"path": first["path"], "take_id": first["take_id"], "version": first["version"],
+            "exists": first.get("exists"),
+            "failed": [f"rank {r}: {p['error']}" for r, p in enumerate(proposals) if p["error"]],
+            "replicated": [g for g in first["replicated"] if all(g in p["replicated"] for p in proposals)]}
 
 
 def _globs(replicated: Iterable[str] | None) -> list[str]:
@@ -291,8 +299,9 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
                  metadata: dict[str, Any] | None = None, tensor_prepare: TensorPrepare | None = None) -> TakeJob:
     """Flatten and plan this rank's share; agree with the other ranks of ``pg`` on path, take id and globs.
 
-    Every rank of ``pg`` calls it (the only collective of a take); ``pg=LOCAL``
-    for a take by this process alone. ``tensor_prepare(path, tensor, tracing)``
+    Every rank of ``pg`` calls it (the agreement is an exchange through rank 0 on
+    the take's side group, made by the first take on ``pg``'s ranks: a collective
+    of theirs); ``pg=LOCAL`` for a take by this process alone. ``tensor_prepare(path, tensor, tracing)``
     may replace each plain tensor by the one to store (the seed's
     ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot.
     """
@@ -306,10 +315,11 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
         error = e
     retry_marks()
     storage = open_storage(str(path), storage_options)
-    agreed = _agree(str(path), storage, rank, world_size, pg, globs, error)
+    side = side_group(pg) if world_size > 1 else None
+    agreed = _agree(str(path), storage, rank, world_size, side, globs, error)
     if storage.url != agreed.path:
         storage = open_storage(agreed.path, storage_options)
-    channel = TakeChannel(side_group(pg), rank, world_size, agreed.take_id) if world_size > 1 else None
+    channel = TakeChannel(side.group, rank, world_size, agreed.take_id) if side is not None else None
     try:
         plan = _plan(app_state, items, plain, agreed.replicated, rank, world_size)
         layout = lay_out(data_file(rank), plan.payloads, plan.plain)
