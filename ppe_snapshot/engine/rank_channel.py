@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
+from ppe_snapshot.errors import SnapshotAbortedError
 from ppe_snapshot.settings import SETTINGS
 
 #: The size of one status or verdict (a JSON document, zero-padded); longer error texts are cut.
@@ -250,20 +250,43 @@ class TakeChannel:
                 self._lost(peer, e)
 
 
-def _send_document(group: Any, peer: int, tag: int, doc: Any) -> None:
+def _receive_all(group: Any, buffers: dict[int, torch.Tensor], tag: int) -> str | None:
+    """Rank 0: receive into ``buffers[peer]`` from every peer at once. Why the first lost peer was lost (None:
+    none was); the lost peers' buffers are removed."""
+    lost, works = None, {}
+    for peer, buffer in list(buffers.items()):
+        try:
+            works[peer] = group.recv([buffer], peer, tag)
+        except RuntimeError as e:
+            lost = lost or _peer_lost(peer, e)
+            del buffers[peer]
+    for peer, work in works.items():
+        try:
+            work.wait()
+        except RuntimeError as e:
+            lost = lost or _peer_lost(peer, e)
+            del buffers[peer]
+    return lost
+
+
+def _send_all(group: Any, messages: dict[int, torch.Tensor], tag: int) -> None:
+    """Rank 0: send ``messages[peer]`` to every peer at once (a peer that died meanwhile no longer waits)."""
+    works = []
+    for peer, message in messages.items():
+        try:
+            works.append(group.send([message], peer, tag))
+        except RuntimeError:
+            pass
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
+
+
+def _as_bytes(doc: Any) -> tuple[torch.Tensor, torch.Tensor]:
     data = json.dumps(doc).encode()
-    group.send([torch.tensor([len(data)], dtype=torch.int64)], peer, tag).wait()
-    group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, tag).wait()
-
-
-def _receive_document(group: Any, peer: int, tag: int) -> Any:
-    size = torch.zeros(1, dtype=torch.int64)
-    group.recv([size], peer, tag).wait()
-    if not 0 < int(size) <= _MAX_DOCUMENT:
-        raise SnapshotError(f"rank {peer} sent a document of {int(size)} bytes")
-    data = torch.empty(int(size), dtype=torch.uint8)
-    group.recv([data], peer, tag).wait()
-    return json.loads(bytes(data.numpy()))
+    return torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any]) -> Any:
@@ -278,33 +301,58 @@ def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any])
     if world_size == 1:
         return decide([doc])
     if rank != 0:
+        size = torch.zeros(1, dtype=torch.int64)
         try:
-            _send_document(group, 0, tag, doc)
-            answer = _receive_document(group, 0, tag)
+            for work in [group.send([part], 0, tag) for part in _as_bytes(doc)]:
+                work.wait()
+            group.recv([size], 0, tag).wait()
+            answer = torch.empty(int(size), dtype=torch.uint8)
+            group.recv([answer], 0, tag).wait()
         except RuntimeError as e:
             raise SnapshotAbortedError(_peer_lost(0, e)) from e
-        if answer.get("lost"):
-            raise SnapshotAbortedError(answer["lost"])
-        return answer["decided"]
-    docs, lost = [doc], None
-    for peer in range(1, world_size):
-        try:
-            docs.append(_receive_document(group, peer, tag))
-        except RuntimeError as e:
-            docs.append(None)
-            lost = lost or _peer_lost(peer, e)
-    answer = {"lost": lost} if lost else {"decided": decide(docs)}
-    for peer in range(1, world_size):
-        if docs[peer] is not None:
-            try:
-                _send_document(group, peer, tag, answer)
-            except RuntimeError:  # that rank died meanwhile: it is no longer waiting
-                pass
+        decided = json.loads(bytes(answer.numpy()))
+        if decided.get("lost"):
+            raise SnapshotAbortedError(decided["lost"])
+        return decided["decided"]
+    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in range(1, world_size)}
+    lost = _receive_all(group, sizes, tag)
+    for peer, size in sizes.items():
+        if not 0 < int(size) <= _MAX_DOCUMENT:
+            lost = lost or f"rank {peer} sent a document of {int(size)} bytes"
+    payloads = {peer: torch.empty(int(size), dtype=torch.uint8) for peer, size in sizes.items()
+                if 0 < int(size) <= _MAX_DOCUMENT}
+    lost = _receive_all(group, payloads, tag) or lost
+    answer = {"lost": lost} if lost else {
+        "decided": decide([doc, *(json.loads(bytes(payloads[p].numpy())) for p in range(1, world_size))])}
+    size, data = _as_bytes(answer)
+    _send_all(group, dict.fromkeys(sizes, size), tag)
+    _send_all(group, dict.fromkeys(sizes, data), tag)
     if lost:
         raise SnapshotAbortedError(lost)
     return answer["decided"]
 
 
 def agree_max(group: Any, value: int, tag: int) -> int:
-    """The largest ``value`` given by the ranks of the gloo ``group`` (an :func:`exchange`)."""
-    return exchange(group, value, tag, max)
+    """The largest ``value`` given by the ranks of the gloo ``group``: an :func:`exchange` of one number each way,
+    naming a rank that died in a :class:`~ppe_snapshot.errors.SnapshotAbortedError`."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if world_size == 1:
+        return value
+    if rank != 0:
+        answer = torch.zeros(2, dtype=torch.int64)
+        try:
+            group.send([torch.tensor([value], dtype=torch.int64)], 0, tag).wait()
+            group.recv([answer], 0, tag).wait()
+        except RuntimeError as e:
+            raise SnapshotAbortedError(_peer_lost(0, e)) from e
+        if answer[1]:
+            raise SnapshotAbortedError(f"rank {int(answer[1]) - 1} died or lost its connection")
+        return int(answer[0])
+    values = {peer: torch.zeros(1, dtype=torch.int64) for peer in range(1, world_size)}
+    lost = _receive_all(group, values, tag)
+    first_lost = min(set(range(1, world_size)) - set(values), default=-1)
+    answer = torch.tensor([max([value, *(int(v) for v in values.values())]), first_lost + 1], dtype=torch.int64)
+    _send_all(group, dict.fromkeys(values, answer), tag)
+    if lost:
+        raise SnapshotAbortedError(lost)
+    return int(answer[0])
