@@ -8,8 +8,9 @@
 The victim (``spec["victim"]``) kills itself with SIGKILL, recording the time in ``<dir>/killed.json`` first:
 ``spec["when"]`` = ``"delay"`` kills ``spec["delay"]`` seconds into save ``spec["save"]`` (scaled by the second
 save's duration when ``spec["scaled"]``; at the latest when that save returns); ``"before_save"`` just before
-that save starts; ``"after_manifest"`` kills rank 0 just after it wrote the manifest of that save. ``spec["failing_rank"]`` gets a storage whose every write
-raises ``OSError`` (an fsspec file system); ``spec["slow_rank"]`` one that sleeps ``spec["slow_s"]`` per data write.
+that save starts; ``"after_manifest"`` kills rank 0 just after it wrote the manifest of that save.
+``spec["failing_rank"]`` gets a storage whose every write raises ``OSError`` (an fsspec file system);
+``spec["slow_rank"]`` one that sleeps ``spec["slow_s"]`` per data write.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-KINDS = ("take", "async_take", "simple", "thread", "process")
+KINDS = ("take", "async_take", "simple", "thread", "process")  # and "distributed", "dcp"
 
 
 def _die(out: str, rank: int, how: str) -> None:
@@ -80,6 +81,31 @@ def _kill_after_manifest(out: str, rank: int, save: int, counter: list[int]) -> 
     commit_v2.merge_and_commit = merge_then_die
 
 
+def _distributed_saver():
+    """Each save is one iteration of a ppe manager whose DISTRIBUTED snapshot extension (rank 0 writes, with a
+    ThreadWriter) saves ``<dir>/save<iteration>`` (iterations count from 1) at every iteration."""
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+    from ppe_snapshot import writing
+
+    manager, writer = None, writing.ThreadWriter()
+
+    def save(path, state):
+        nonlocal manager
+        if manager is None:
+            model = torch.nn.Module()
+            model.w = torch.nn.Parameter(state["m"].state_dict()["w"])
+            manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 100,
+                                                     iters_per_epoch=1000, out_dir=os.path.dirname(path))
+            manager.extend(ppe_snapshot.snapshot(writer=writer, filename="save{.iteration}",
+                                                 snapshot_mode=ppe_snapshot.SnapshotMode.DISTRIBUTED, saver_rank=0),
+                           trigger=(1, "iteration"))
+        with manager.run_iteration():
+            pass
+    return save, writer.wait
+
+
 def _saver(kind: str, storage_options: dict | None):
     """A function ``save(path, state)`` that returns when the save is handed off, and ``finish()``."""
     from ppe_snapshot import Snapshot, writing
@@ -97,6 +123,8 @@ def _saver(kind: str, storage_options: dict | None):
         import torch.distributed.checkpoint as dcp
         return (lambda path, state: dcp.save({f"w{dist.get_rank()}": state["m"].state_dict()["w"]}, checkpoint_id=path),
                 lambda: None)
+    if kind == "distributed":
+        return _distributed_saver()
     cls = {"simple": writing.SimpleWriter, "thread": writing.ThreadWriter, "process": writing.ProcessWriter}[kind]
     writer = cls(storage_options=storage_options)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import zlib
 
 import pytest
@@ -21,6 +22,13 @@ DEAD_RANK_BOUND_S = 10.0
 #: The bound within which every rank raises after one rank's storage failed entirely.
 STORAGE_FAILURE_BOUND_S = 5.0
 TRIALS = int(os.environ.get("RANK_KILL_TRIALS", "1"))
+
+
+@pytest.fixture(autouse=True)
+def _free_the_disk(tmp_path):
+    """A trial writes up to 1 GiB: removed once checked (a run of 100 trials would otherwise fill the disk)."""
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def kill_spec(tmp_path, kind: str, seed: int) -> dict:
@@ -78,6 +86,17 @@ def test_four_ranks_one_killed_before_a_save_all_others_know(tmp_path, victim):
         if rank != victim:
             assert "could not agree on the take" in record["error"]["message"], record
     assert check_run_dir(str(tmp_path)) == ["save0", "save1"]
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_distributed_mode_a_rank_killed_during_a_save(tmp_path, victim):
+    """DISTRIBUTED: rank 0 writes alone (ThreadWriter), the ranks meet through it at every save; killing the saver
+    or another rank mid-save makes every other rank raise naming it."""
+    spec = {"dir": str(tmp_path), "kind": "distributed", "saves": 5, "mib": 64, "victim": victim, "when": "delay",
+            "save": 2, "delay": 0.5, "scaled": True}
+    result = _rank_kill.run_trial(spec)
+    check_survivors(result, victim, DEAD_RANK_BOUND_S)
+    assert {"save1", "save2"} <= set(check_run_dir(str(tmp_path)))
 
 
 def test_rank_0_killed_after_writing_the_manifest_leaves_a_complete_snapshot(tmp_path):

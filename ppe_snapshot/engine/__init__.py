@@ -7,12 +7,14 @@ Taking a snapshot
     :class:`Snapshot` (``take``, ``async_take``, ``restore``, ``read_object``, ``verify``,
     ``get_manifest``), :class:`PendingSnapshot`. In stages, for writers that run the write elsewhere:
     ``job = prepare_take(path, app_state, *, pg=..., ...)`` plans this rank's share (every rank of ``pg``
-    calls it: the only collective); ``job.stage(provider)`` copies the state into a staging buffer;
+    calls it); ``job.stage(provider)`` copies the state into a staging buffer;
     ``job.write_and_commit()`` writes and commits (in a thread, or in another process: the job pickles;
     there ``release_staging()`` / ``use_staged(buffer)`` hand the staged image over). ``LOCAL`` as ``pg``
-    takes or restores in this process alone; ``group_rank(pg)`` is (rank, world size); ``agree_max(group, value,
-    tag)`` is the largest value of a gloo group's ranks, naming a rank that died (``rank_channel.py``). ``gc_paused()``
-    pauses Python's cyclic collector around a take the caller waits for (as ``Snapshot.take`` does).
+    takes or restores in this process alone; ``group_rank(pg)`` is (rank, world size). Between ranks, naming a
+    rank that died (``rank_channel.py``): ``side_group(pg)`` (the gloo group beside ``pg`` that takes use),
+    ``exchange(group, doc, tag, decide, root=, pickled=)`` (through one rank), ``agree_max(group, value,
+    tag)``. ``gc_paused()`` pauses Python's cyclic collector around a take the caller waits for (as
+    ``Snapshot.take`` does).
 State objects
     :class:`Stateful`, :class:`StateDict`, :class:`RNGState`, :class:`OptimizerState`.
 The format, in one place (``engine/format.py``)
@@ -51,7 +53,7 @@ from ppe_snapshot.engine.manifest import (
 from ppe_snapshot.engine.commit_v2 import upgrade as upgrade_snapshot
 from ppe_snapshot.engine.manifest_v2 import read_manifest
 from ppe_snapshot.engine.packing import PayloadAppender, align, host_copy_buffer, is_direct, needs_bounce, tensor_bytes
-from ppe_snapshot.engine.rank_channel import agree_max
+from ppe_snapshot.engine.rank_channel import SideGroup, agree_max, exchange, side_group
 from ppe_snapshot.engine.ranks import LOCAL, LocalGroup, group_rank
 from ppe_snapshot.engine.reads import read_into
 from ppe_snapshot.engine.serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
@@ -62,8 +64,8 @@ from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, pr
 
 __all__ = [
     # taking and restoring
-    "LOCAL", "LocalGroup", "PendingSnapshot", "Snapshot", "StagingProvider", "TakeJob", "TensorPrepare", "agree_max",
-    "gc_paused", "group_rank", "prepare_take",
+    "LOCAL", "LocalGroup", "PendingSnapshot", "SideGroup", "Snapshot", "StagingProvider", "TakeJob", "TensorPrepare",
+    "agree_max", "exchange", "gc_paused", "group_rank", "prepare_take", "side_group",
     # state objects
     "OptimizerState", "RNGState", "StateDict", "Stateful",
     # the format

@@ -20,6 +20,7 @@ slow is waited for (up to ``PPE_SNAPSHOT_COMMIT_TIMEOUT`` once the waiting rank'
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import threading
 from datetime import timedelta
@@ -284,37 +285,43 @@ def _send_all(group: Any, messages: dict[int, torch.Tensor], tag: int) -> None:
             pass
 
 
-def _as_bytes(doc: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    data = json.dumps(doc).encode()
+def _as_bytes(doc: Any, pickled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    data = pickle.dumps(doc) if pickled else json.dumps(doc).encode()
     return torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any]) -> Any:
-    """What rank 0 decides (``decide`` of every rank's ``doc``, in rank order) from what each rank of the gloo
-    ``group`` gives (JSON values; every rank calls it with the same ``tag``).
+def _loads(data: torch.Tensor, pickled: bool) -> Any:
+    return pickle.loads(bytes(data.numpy())) if pickled else json.loads(bytes(data.numpy()))
 
-    Point to point through rank 0, so that a rank whose process died is named: raises
-    :class:`~ppe_snapshot.errors.SnapshotAbortedError` on every surviving rank (rank 0 hears every live rank
+
+def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any], *, root: int = 0,
+             pickled: bool = False) -> Any:
+    """What rank ``root`` decides (``decide`` of every rank's ``doc``, in rank order) from what each rank of the
+    gloo ``group`` gives (every rank calls it with the same ``tag`` and ``root``). Documents are JSON values, or
+    any picklable value with ``pickled`` (between the processes of one job, as torch's ``*_object`` collectives).
+
+    Point to point through ``root``, so that a rank whose process died is named: raises
+    :class:`~ppe_snapshot.errors.SnapshotAbortedError` on every surviving rank (``root`` hears every live rank
     first); unlike a collective, no survivor is left waiting for a peer of the dead rank.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if world_size == 1:
         return decide([doc])
-    if rank != 0:
+    if rank != root:
         size = torch.zeros(1, dtype=torch.int64)
         try:
-            for work in [group.send([part], 0, tag) for part in _as_bytes(doc)]:
+            for work in [group.send([part], root, tag) for part in _as_bytes(doc, pickled)]:
                 work.wait()
-            group.recv([size], 0, tag).wait()
+            group.recv([size], root, tag).wait()
             answer = torch.empty(int(size), dtype=torch.uint8)
-            group.recv([answer], 0, tag).wait()
+            group.recv([answer], root, tag).wait()
         except RuntimeError as e:
-            raise SnapshotAbortedError(_peer_lost(0, e)) from e
-        decided = json.loads(bytes(answer.numpy()))
+            raise SnapshotAbortedError(_peer_lost(root, e)) from e
+        decided = _loads(answer, pickled)
         if decided.get("lost"):
             raise SnapshotAbortedError(decided["lost"])
         return decided["decided"]
-    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in range(1, world_size)}
+    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in range(world_size) if peer != root}
     lost = _receive_all(group, sizes, tag)
     for peer, size in sizes.items():
         if not 0 < int(size) <= _MAX_DOCUMENT:
@@ -323,8 +330,8 @@ def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any])
                 if 0 < int(size) <= _MAX_DOCUMENT}
     lost = _receive_all(group, payloads, tag) or lost
     answer = {"lost": lost} if lost else {
-        "decided": decide([doc, *(json.loads(bytes(payloads[p].numpy())) for p in range(1, world_size))])}
-    size, data = _as_bytes(answer)
+        "decided": decide([doc if r == root else _loads(payloads[r], pickled) for r in range(world_size)])}
+    size, data = _as_bytes(answer, pickled)
     _send_all(group, dict.fromkeys(sizes, size), tag)
     _send_all(group, dict.fromkeys(sizes, data), tag)
     if lost:

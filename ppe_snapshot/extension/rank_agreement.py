@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
-from ppe_snapshot.engine import LOCAL, RNGState
+from ppe_snapshot.engine import LOCAL, RNGState, exchange, side_group
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.extension.ppe_extension import _Snapshot
 from ppe_snapshot.extension.preemption import Preemption
@@ -88,28 +88,39 @@ class DistributedSnapshot(_DistributedExtension):
     """Every rank gives its state; ``saver_rank`` writes it; every rank can restore it."""
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
+        # The ranks meet through the saver, point to point on the side gloo group of the engine's takes: a rank
+        # that dies meanwhile is named on every other rank (a collective could leave some waiting for it).
         name = self._format_name(manager)
         state = state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
         rng = self._gather_rng_states() if self._engine_writer is not None else None
-        failure: list[str | None] = [None]
+        failure = None
         if self._is_saver:
             try:
                 self._save(manager, name, state, LOCAL, rng)
             except Exception as e:
-                failure[0] = f"{type(e).__name__}: {e}"
-                self._broadcast(failure)
+                failure = f"{type(e).__name__}: {e}"
+                self._meet(failure)
                 raise
-        self._broadcast(failure)  # also the barrier: every rank returns once the save is handed off
-        if failure[0] is not None:
-            raise SnapshotError(f"snapshot {name} failed on saver rank {self._saver_rank}: {failure[0]}")
+        failure = self._meet(failure)  # also the barrier: every rank returns once the save is handed off
+        if failure is not None:
+            raise SnapshotError(f"snapshot {name} failed on saver rank {self._saver_rank}: {failure}")
+
+    def _meet(self, doc: Any, decide: Any = None) -> Any:
+        """What the saver rank decides from every rank's ``doc`` (by default: its own), naming a rank that died."""
+        if self._size == 1:
+            return doc
+        side = side_group(None)
+        saver = self._saver_rank
+        return exchange(side.group, doc, side.next_tag(), decide or (lambda docs: docs[saver]), root=saver,
+                        pickled=True)
 
     def _gather_rng_states(self) -> dict[int, Any] | None:
         """Every rank's RNG state, on the saver rank (it writes them all; each rank restores its own)."""
         if self._size == 1:
             return self._rng_states()
-        states: list[Any] | None = [None] * self._size if self._is_saver else None
-        dist.gather_object(RNGState().state_dict(), states, dst=self._saver_rank)
-        return dict(enumerate(states)) if states is not None else None
+        states: dict[int, Any] = {}
+        self._meet(RNGState().state_dict(), lambda docs: states.update(enumerate(docs)))
+        return states if self._is_saver else None
 
     def _broadcast(self, objects: list[Any]) -> None:
         if self._size > 1:
