@@ -285,3 +285,40 @@ def test_the_real_command(kinds):
     assert converted.returncode == 0 and converted.stderr == "" and (kinds / "a.safetensors").exists()
     differ = _run("diff", str(kinds / "a.safetensors"), str(kinds / "torchdcp"))
     assert differ.returncode == 0, differ.stderr
+
+
+def _colliding(tmp_path: Path) -> Path:
+    """Two tensors whose keys join into one: model/a.b (ones) and model.a/b (zeros)."""
+    path = tmp_path / "coll"
+    Snapshot.take(str(path), {"model": StateDict({"a.b": torch.ones(2)}), "model.a": StateDict(b=torch.zeros(2))})
+    return path
+
+
+@pytest.mark.parametrize("target, name", [("safetensors", "c.safetensors"), ("dcp", "c.dcp")])
+def test_convert_refuses_keys_that_collide_once_joined(tmp_path, capsys, target, name):
+    src, dst = _colliding(tmp_path), tmp_path / name
+    assert main(["convert", "--to", target, str(src), str(dst)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "'model/a.b' and 'model.a/b' both become 'model.a.b'" in err[0]
+    assert not dst.exists()  # nothing written
+    dst.write_bytes(b"keep")  # --force: the file already there stays as it was
+    assert main(["convert", "--force", "--to", target, str(src), str(dst)]) == 2
+    assert dst.read_bytes() == b"keep"
+
+
+def test_diff_and_inspect_keep_keys_that_collide_once_joined_apart(tmp_path, capsys):
+    src = _colliding(tmp_path)
+    assert main(["diff", str(src), str(src)]) == 0
+    assert capsys.readouterr().out.startswith("equal: 2 entries")
+    other = tmp_path / "other"
+    Snapshot.take(str(other), {"model": StateDict({"a.b": torch.ones(2) * 3}), "model.a": StateDict(b=torch.zeros(2))})
+    assert main(["diff", "--json", str(src), str(other)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["values"] == [{"key": "model/a.b", "max_abs_diff": 2.0}]
+    torch_file = tmp_path / "coll.pt"  # a torch.save file keeps the nesting; inspect flattens it
+    assert main(["convert", "--to", "torch", str(src), str(torch_file)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--json", str(torch_file)]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert {"model/a.b", "model.a/b"} <= {entry["key"] for entry in entries}

@@ -9,7 +9,7 @@ import json
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import fsspec
 import torch
@@ -221,19 +221,37 @@ def read_safetensors(source: Source) -> dict[str, Any]:
         return load_safetensors(f.read())
 
 
-def flatten(value: Any, prefix: str = "", sep: str = ".") -> dict[str, Any]:
-    """Nested dicts, lists and tuples as one level, keys joined with ``sep`` (``models.main.weight``)."""
+def _leaves(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
     if isinstance(value, dict) and value:
-        out: dict[str, Any] = {}
         for key, item in value.items():
-            out.update(flatten(item, f"{prefix}{sep}{key}" if prefix else str(key), sep))
-        return out
-    if isinstance(value, (list, tuple)) and value and not hasattr(value, "_fields"):
-        out = {}
+            yield from _leaves(item, (*path, str(key)))
+    elif isinstance(value, (list, tuple)) and value and not hasattr(value, "_fields"):
         for i, item in enumerate(value):
-            out.update(flatten(item, f"{prefix}{sep}{i}" if prefix else str(i), sep))
-        return out
-    return {prefix: value}
+            yield from _leaves(item, (*path, str(i)))
+    else:
+        yield path, value
+
+
+def flatten(value: Any, sep: str = ".", *, distinct: bool = False) -> dict[str, Any]:
+    """Nested dicts, lists and tuples as one level, keys joined with ``sep`` (``models.main.weight``).
+
+    Keys that join to the same string (``{"a.b": x}`` and ``{"a": {"b": y}}``) raise :class:`UsageError` naming
+    both paths; with ``distinct`` each of them is keyed by its path with ``/`` between keys instead (``a.b`` and
+    ``a/b``), so that every value keeps a key of its own.
+    """
+    leaves = list(_leaves(value, ()))
+    joined = [sep.join(path) for path, _ in leaves]
+    first: dict[str, tuple[str, ...]] = {}
+    clashing = set()
+    for key, (path, _) in zip(joined, leaves):
+        if key in first:
+            if not distinct:
+                raise UsageError(f"{'/'.join(first[key])!r} and {'/'.join(path)!r} both become {key!r} when their "
+                                 f"keys are joined with {sep!r}; this target cannot hold both (convert to a "
+                                 "snapshot or a torch file, or rename one)")
+            clashing.add(key)
+        first.setdefault(key, path)
+    return {("/".join(path) if key in clashing else key): item for key, (path, item) in zip(joined, leaves)}
 
 
 def describe_value(value: Any) -> dict[str, Any]:

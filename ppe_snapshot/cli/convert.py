@@ -1,7 +1,9 @@
 """``convert``: between engine snapshots, ppe torch.save files, torch DCP directories and safetensors files.
 
 What a target cannot hold (RNG states beyond a torch.save file's manager state, non-tensor values in a
-safetensors file) is named on stderr, never dropped silently. An existing DST is refused unless ``--force``.
+safetensors file) is named on stderr, never dropped silently; keys that the flat targets (safetensors, DCP)
+would join into one (``{"a.b": x}`` beside ``{"a": {"b": y}}``) are refused before anything is written. An
+existing DST is refused unless ``--force``.
 """
 from __future__ import annotations
 
@@ -107,6 +109,8 @@ def convert(args: argparse.Namespace) -> str:
     existing = _check_destination(args.dst, args.storage_options, args.force)
     with progress(4, f"convert {args.src}", unit="step") as bar:
         state, left_out = ({}, []) if upgrade else read_state(source, allow_pickle=args.allow_pickle)
+        if target in ("safetensors", "dcp"):
+            flatten(state)  # keys that collide once joined are refused here, before anything is written
         bar.update(2)
         aside = _move_aside(args.dst, args.storage_options) if existing else None
         fs, root = filesystem(args.dst, args.storage_options)

@@ -61,7 +61,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     states = []
     for path in (args.a, args.b):
         state, _ = read_state(open_source(path, args.storage_options))
-        states.append(flatten(state))
+        states.append(flatten(state, distinct=True))
     report = compare(states[0], states[1], args.atol)
     if args.json:
         print(json.dumps(report, indent=2))
