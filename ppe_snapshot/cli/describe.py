@@ -203,7 +203,8 @@ def inspect_source(source: Source) -> dict[str, Any]:
     elif source.kind == Kind.SAFETENSORS:
         entries = _safetensors_entries(source)
     else:
-        entries = [{"key": key, **describe_value(value)} for key, value in flatten(read_state(source)[0], distinct=True).items()]
+        flat = flatten(read_state(source)[0], distinct=True)
+        entries = [{"key": key, **describe_value(value)} for key, value in flat.items()]
     tensors = [e for e in entries if "dtype" in e and "bytes" in e]
     return {"path": source.path, "kind": source.kind, "metadata": metadata, **written, "entries": entries,
             "tensors": len(tensors), "tensor_bytes": sum(e["bytes"] for e in tensors)}
