@@ -322,3 +322,38 @@ def test_diff_and_inspect_keep_keys_that_collide_once_joined_apart(tmp_path, cap
     assert main(["inspect", "--json", str(torch_file)]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
     assert {"model/a.b", "model.a/b"} <= {entry["key"] for entry in entries}
+
+
+def test_rng_states_are_recognised_by_what_was_saved(tmp_path, capsys):
+    """A user's dict under the key "rng" is state; an RNGState under another key is an RNG state."""
+    path = tmp_path / "snap"
+    Snapshot.take(str(path), {"rng": StateDict(seed=1, w=torch.ones(2)), "gen": RNGState()})
+    assert main(["convert", "--to", "torch", str(path), str(tmp_path / "s.pt")]) == 0
+    err = capsys.readouterr().err
+    assert "not written: gen (RNG states" in err and "rng" not in err.replace("RNG", "")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)  # what was written loads without pickle's objects
+    assert loaded["rng"]["seed"] == 1 and torch.equal(loaded["rng"]["w"], torch.ones(2)) and "gen" not in loaded
+
+
+def test_diff_reports_rng_states_that_differ(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    torch.manual_seed(0)
+    Snapshot.take(str(a), {"state": StateDict(w=torch.ones(2)), "rng": RNGState()})
+    torch.rand(3)  # the torch generator moved on
+    Snapshot.take(str(b), {"state": StateDict(w=torch.ones(2)), "rng": RNGState()})
+    assert main(["diff", str(a), str(a)]) == 0
+    assert capsys.readouterr().out.startswith("equal: 1 entries, RNG states equal")
+    assert main(["diff", str(a), str(b)]) == 1
+    assert capsys.readouterr().out == "RNG differs:   rng.torch\n"
+    assert main(["diff", "--json", str(a), str(b)]) == 1
+    assert json.loads(capsys.readouterr().out)["rng"]["values"] == [{"key": "rng.torch"}]
+    assert main(["diff", "--ignore-rng", str(a), str(b)]) == 0
+
+
+def test_diff_shows_long_values_around_their_first_difference(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    Snapshot.take(str(a), {"state": StateDict(note="x" * 200 + "A" + "y" * 50)})
+    Snapshot.take(str(b), {"state": StateDict(note="x" * 200 + "B" + "y" * 50)})
+    assert main(["diff", "--json", str(a), str(b)]) == 1
+    (item,) = json.loads(capsys.readouterr().out)["values"]
+    assert "xA" in item["a"] and "xB" in item["b"] and item["a"] != item["b"]

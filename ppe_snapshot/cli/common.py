@@ -21,8 +21,8 @@ from ppe_snapshot.run_dir import load_file
 
 #: The app state key under which the extension and the writers store a target's state dict.
 STATE_KEY = "state"
-#: The app state key prefix of the RNG states the extension stores (``rng/<rank>``).
-RNG_PREFIX = "rng"
+#: The generators an RNG state holds (``RNGState``'s state dict; ``cuda`` only where CUDA was initialized).
+RNG_GENERATORS = {"torch", "numpy", "python"}
 #: torch.save files begin with a zip archive (the default) or a pickle (the legacy format).
 TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
 #: The file torch's own DCP FileSystemWriter writes last.
@@ -159,37 +159,43 @@ def top_level_keys(snap: Snapshot) -> list[str]:
     return keys
 
 
-def split_engine_state(snap: Snapshot) -> tuple[list[str], list[str]]:
-    """(the keys that hold training state, the keys that hold RNG states) of an engine snapshot."""
-    keys = top_level_keys(snap)
-    rng = [k for k in keys if k == RNG_PREFIX or k.startswith(RNG_PREFIX + "%2F") or k.startswith(RNG_PREFIX + "/")]
-    return [k for k in keys if k not in rng], rng
+def is_rng_state(value: Any) -> bool:
+    """Whether ``value`` is what ``RNGState`` saves (torch, numpy and Python generators, maybe CUDA's), or a
+    dict of such states (by rank, as the extension saves them): recognised by what was saved, not by its key."""
+    if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        return all(is_rng_state(v) for v in value.values())
+    return (isinstance(value, dict) and RNG_GENERATORS <= set(value) <= RNG_GENERATORS | {"cuda"}
+            and isinstance(value["torch"], torch.Tensor) and value["torch"].dtype == torch.uint8
+            and isinstance(value["numpy"], (tuple, list)) and len(value["numpy"]) == 5
+            and value["numpy"][0] == "MT19937")
 
 
-def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], list[str]]:
-    """The state a source holds as a nested dict, and what it holds beyond that (RNG states) that was left out.
+def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state a source holds as a nested dict, and the RNG states it holds beside it, by app state key.
 
     An engine snapshot written by the extension gives its ``state``; any other engine snapshot all its app
-    state keys. DCP directories (torch's own or the adapter's) come back as DCP's state dict.
+    state keys (those holding RNG states apart). DCP directories (torch's own or the adapter's) come back as
+    DCP's state dict.
     """
     if source.is_engine and source.kind != Kind.DCP_ADAPTER:
         snap = source.snapshot(allow_pickle)
-        keys, rng = split_engine_state(snap)
-        if keys == [STATE_KEY]:
-            state = snap.read_object(f"0/{STATE_KEY}")
-            return (state if isinstance(state, dict) else {STATE_KEY: state}), rng
-        return {k: snap.read_object(f"0/{k}") for k in keys}, rng
+        values = {k: snap.read_object(f"0/{k}") for k in top_level_keys(snap)}
+        rng = {k: v for k, v in values.items() if is_rng_state(v)}
+        state = {k: v for k, v in values.items() if k not in rng}
+        if list(state) == [STATE_KEY]:
+            state = state[STATE_KEY] if isinstance(state[STATE_KEY], dict) else state
+        return state, rng
     if source.kind in (Kind.DCP_ADAPTER, Kind.TORCH_DCP):
-        return read_dcp(source), []
+        return read_dcp(source), {}
     if source.kind == Kind.PPE_FILE:
         if allow_pickle:  # the user trusts the file: objects beyond tensors and plain values are unpickled
             with fsspec.open(source.path, "rb", **(source.storage_options or {})) as f:
                 state = torch.load(f, map_location="cpu", weights_only=False)
         else:
             state = load_file(source.path, source.storage_options)
-        return (state if isinstance(state, dict) else {"value": state}), []
+        return (state if isinstance(state, dict) else {"value": state}), {}
     if source.kind == Kind.SAFETENSORS:
-        return read_safetensors(source), []
+        return read_safetensors(source), {}
     raise UsageError(f"{source.path}: a {source.kind} snapshot cannot be read")
 
 

@@ -108,7 +108,7 @@ def convert(args: argparse.Namespace) -> str:
         raise UsageError(f"{args.src}: already a snapshot of the current format; copy the directory instead")
     existing = _check_destination(args.dst, args.storage_options, args.force)
     with progress(4, f"convert {args.src}", unit="step") as bar:
-        state, left_out = ({}, []) if upgrade else read_state(source, allow_pickle=args.allow_pickle)
+        state, rng = ({}, {}) if upgrade else read_state(source, allow_pickle=args.allow_pickle)
         if target in ("safetensors", "dcp"):
             flatten(state)  # keys that collide once joined are refused here, before anything is written
         bar.update(2)
@@ -119,7 +119,7 @@ def convert(args: argparse.Namespace) -> str:
                 upgrade_snapshot(open_storage(args.src, args.storage_options),
                                  open_storage(args.dst, args.storage_options))
             else:
-                _write(args, target, state, left_out)
+                _write(args, target, state, sorted(rng))
         except BaseException:
             _remove_partial(args.dst, args.storage_options)
             if aside is not None:  # the old DST comes back: a failed --force loses nothing

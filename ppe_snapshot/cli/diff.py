@@ -10,6 +10,9 @@ import torch
 
 from ppe_snapshot.cli.common import flatten, open_source, progress, read_state
 
+#: About how many characters of a value that differs are shown.
+SHOWN = 60
+
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.dtype == torch.bool:
@@ -27,6 +30,18 @@ def _equal_values(a: Any, b: Any) -> bool:
         return bool(a == b) and type(a) is type(b)
     except Exception:  # noqa: BLE001 - values that cannot be compared differ
         return False
+
+
+def shown_apart(a: str, b: str, width: int = SHOWN) -> tuple[str, str]:
+    """``a`` and ``b`` cut to about ``width`` characters around their first difference, so they show it."""
+    if len(a) <= width and len(b) <= width:
+        return a, b
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = max(0, first - width // 3)
+
+    def cut(text: str) -> str:
+        return ("..." if start else "") + text[start:start + width] + ("..." if start + width < len(text) else "")
+    return cut(a), cut(b)
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]:
@@ -52,45 +67,92 @@ def compare(a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]
             elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
                 report["changed"].append({"key": key, "a": type(x).__name__, "b": type(y).__name__})
             elif not _equal_values(x, y):
-                report["values"].append({"key": key, "a": repr(x)[:60], "b": repr(y)[:60]})
+                report["values"].append({"key": key, **dict(zip("ab", shown_apart(repr(x), repr(y))))})
     report["equal"] = not any(report[k] for k in ("only_in_a", "only_in_b", "changed", "values"))
     return report
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    states = []
-    for path in (args.a, args.b):
-        state, _ = read_state(open_source(path, args.storage_options))
-        states.append(flatten(state, distinct=True))
+    loaded = [read_state(open_source(path, args.storage_options)) for path in (args.a, args.b)]
+    states = [flatten(state, distinct=True) for state, _ in loaded]
     report = compare(states[0], states[1], args.atol)
+    rngs = [_generators(rng) for _, rng in loaded]
+    if not args.ignore_rng and rngs[0] and rngs[1]:  # both hold RNG states: the generators must match exactly
+        report["rng"] = _compare_generators(*rngs)
+        report["equal"] = report["equal"] and report["rng"]["equal"]
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if report["equal"] else 1
     if report["equal"]:
-        print(f"equal: {len(states[0])} entries" + (f" (atol {args.atol:g})" if args.atol else ""))
+        rng = ", RNG states equal" if "rng" in report else ""
+        print(f"equal: {len(states[0])} entries{rng}" + (f" (atol {args.atol:g})" if args.atol else ""))
         return 0
+    _print_report(report)
+    if "rng" in report and not report["rng"]["equal"]:
+        _print_report(report["rng"], "RNG ")
+    return 1
+
+
+def _generators(rng: dict[str, Any]) -> dict[str, Any]:
+    """Every generator's state by its key (``rng.0.torch``, ``gen.numpy``) from the RNG states of a snapshot."""
+    out: dict[str, Any] = {}
+    for key, state in rng.items():
+        by_rank = state if all(isinstance(v, dict) for v in state.values()) else {None: state}
+        for rank, generators in by_rank.items():
+            for name, value in generators.items():
+                out[".".join(str(part) for part in (key, rank, name) if part is not None)] = value
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Exact equality of generator states (tensors, arrays, tuples and lists of them, numbers)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    return _equal_values(a, b)
+
+
+def _compare_generators(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """``compare``'s report for two snapshots' generators: a generator differs or not (no amounts)."""
+    report: dict[str, Any] = {"only_in_a": sorted(set(a) - set(b)), "only_in_b": sorted(set(b) - set(a)),
+                              "changed": [], "values": []}
+    for key in sorted(set(a) & set(b)):
+        if not _same(a[key], b[key]):
+            report["values"].append({"key": key})
+    report["equal"] = not any(report[k] for k in ("only_in_a", "only_in_b", "values"))
+    return report
+
+
+def _print_report(report: dict[str, Any], section: str = "") -> None:
     for key in report["only_in_a"]:
-        print(f"only in A: {key}")
+        print(f"{section}only in A: {key}")
     for key in report["only_in_b"]:
-        print(f"only in B: {key}")
+        print(f"{section}only in B: {key}")
     for item in report["changed"]:
-        print(f"changed:   {item['key']}: {item['a']} -> {item['b']}")
+        print(f"{section}changed:   {item['key']}: {item['a']} -> {item['b']}")
     for item in report["values"]:
         if "max_abs_diff" in item:
-            print(f"differs:   {item['key']}: max abs diff {item['max_abs_diff']:.6g}")
+            print(f"{section}differs:   {item['key']}: max abs diff {item['max_abs_diff']:.6g}")
+        elif "a" in item:
+            print(f"{section}differs:   {item['key']}: {item['a']} -> {item['b']}")
         else:
-            print(f"differs:   {item['key']}: {item['a']} -> {item['b']}")
-    return 1
+            print(f"{section}differs:   {item['key']}")
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("diff", parents=[common], help="compare two snapshots; exit 1 if they differ",
                        description="Compare the state of two snapshots (any supported kinds; nested keys joined "
                                    "with '.'): keys only in A or only in B, dtype or shape changes, tensors whose "
-                                   "values differ (with the max abs difference) and other values that differ. "
-                                   "Exit status: 0 equal, 1 different, 2 usage error.")
+                                   "values differ (with the max abs difference) and other values that differ (long "
+                                   "ones shown around their first difference); RNG states (recognised by what was "
+                                   "saved) in a section of their own. Exit status: 0 equal, 1 different, 2 usage "
+                                   "error.")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--atol", type=float, default=0.0, help="tensors within this max abs difference are equal")
+    p.add_argument("--ignore-rng", action="store_true",
+                   help="leave the RNG states out (compared exactly by default, reported in their own section)")
     p.set_defaults(run_command=cmd_diff)
