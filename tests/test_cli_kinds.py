@@ -344,7 +344,8 @@ def test_diff_reports_rng_states_that_differ(tmp_path, capsys):
     assert main(["diff", str(a), str(a)]) == 0
     assert capsys.readouterr().out.startswith("equal: 1 entries, RNG states equal")
     assert main(["diff", str(a), str(b)]) == 1
-    assert capsys.readouterr().out == "RNG differs:   rng.torch\n"
+    assert capsys.readouterr().out == ("equal: 1 entries, but the RNG states differ (--ignore-rng to leave them "
+                                       "out):\nRNG differs:   rng.torch\n")
     assert main(["diff", "--json", str(a), str(b)]) == 1
     assert json.loads(capsys.readouterr().out)["rng"]["values"] == [{"key": "rng.torch"}]
     assert main(["diff", "--ignore-rng", str(a), str(b)]) == 0

@@ -83,10 +83,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if report["equal"] else 1
+    atol = f" (atol {args.atol:g})" if args.atol else ""
     if report["equal"]:
-        rng = ", RNG states equal" if "rng" in report else ""
-        print(f"equal: {len(states[0])} entries{rng}" + (f" (atol {args.atol:g})" if args.atol else ""))
+        print(f"equal: {len(states[0])} entries{', RNG states equal' if 'rng' in report else ''}{atol}")
         return 0
+    if not any(report[k] for k in ("only_in_a", "only_in_b", "changed", "values")):
+        print(f"equal: {len(states[0])} entries{atol}, but the RNG states differ (--ignore-rng to leave them out):")
     _print_report(report)
     if "rng" in report and not report["rng"]["equal"]:
         _print_report(report["rng"], "RNG ")
