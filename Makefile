@@ -1,14 +1,10 @@
-# `make test` works on a fresh clone: it creates .venv (unless a virtualenv is
-# already active) and installs requirements-dev.txt, re-installing only when
-# requirements-dev.txt / setup.cfg / setup.py change (stamp file in the venv).
+# `make test` works on a fresh clone: it creates the project's own .venv and installs
+# requirements-dev.txt, re-installing only when requirements-dev.txt / setup.cfg / setup.py
+# change (stamp file in the venv). A virtualenv that happens to be active is left alone;
+# `make test VENV=/path/to/venv` uses (and creates) that one instead.
 
-ifeq ($(strip $(VIRTUAL_ENV)),)
-VENV := .venv
+VENV ?= .venv
 PY   := $(VENV)/bin/python
-else
-VENV := $(VIRTUAL_ENV)
-PY   := python
-endif
 STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 
 .DEFAULT_GOAL := test
@@ -17,9 +13,7 @@ STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 venv: $(STAMP)
 
 $(STAMP): requirements-dev.txt setup.cfg setup.py
-ifeq ($(strip $(VIRTUAL_ENV)),)
 	test -x $(PY) || python3 -m venv $(VENV)
-endif
 	$(PY) -m pip install -r requirements-dev.txt
 	touch $@
 

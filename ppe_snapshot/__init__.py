@@ -1,8 +1,8 @@
 """ppe-snapshot: fast, atomic, resumable snapshots for PyTorch training loops."""
 from ppe_snapshot.engine import OptimizerState, PendingSnapshot, RNGState, Snapshot, StateDict, Stateful
 from ppe_snapshot.errors import (
-    CorruptSnapshotError, Preempted, SnapshotAbortedError, SnapshotError, SnapshotExistsError, SnapshotNotFoundError, StateMismatchError,
-    UnsupportedFormatError, UnsupportedValueError,
+    CorruptSnapshotError, Preempted, SnapshotAbortedError, SnapshotError, SnapshotExistsError, SnapshotNotFoundError,
+    StateMismatchError, UnsupportedFormatError, UnsupportedValueError,
 )
 
 # The subpackages are usable after ``import ppe_snapshot`` alone. None of them imports
@@ -13,11 +13,10 @@ from ppe_snapshot import retention, storage, writing  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "Preempted", "RNGState", "Snapshot", "SnapshotAbortedError", "SnapshotError",
-    "SnapshotExistsError",
-    "SnapshotMode", "SnapshotNotFoundError", "StateDict", "Stateful", "StateMismatchError",
-    "UnsupportedFormatError", "UnsupportedValueError", "retention", "snapshot", "snapshot_object", "storage",
-    "writing",
+    "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "Preempted", "RNGState", "Snapshot",
+    "SnapshotAbortedError", "SnapshotError", "SnapshotExistsError", "SnapshotMode", "SnapshotNotFoundError",
+    "StateDict", "Stateful", "StateMismatchError", "UnsupportedFormatError", "UnsupportedValueError", "retention",
+    "snapshot", "snapshot_object", "storage", "writing",
 ]
 
 _EXTENSION = ("SnapshotMode", "snapshot", "snapshot_object")
@@ -30,3 +29,7 @@ def __getattr__(name: str):
         from ppe_snapshot import extension
         return getattr(extension, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXTENSION})

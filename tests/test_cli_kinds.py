@@ -358,3 +358,22 @@ def test_diff_shows_long_values_around_their_first_difference(tmp_path, capsys):
     assert main(["diff", "--json", str(a), str(b)]) == 1
     (item,) = json.loads(capsys.readouterr().out)["values"]
     assert "xA" in item["a"] and "xB" in item["b"] and item["a"] != item["b"]
+
+
+def test_convert_to_dcp_fails_in_one_line(tmp_path, capsys):
+    src = tmp_path / "snap"
+    Snapshot.take(str(src), {"state": StateDict(w=torch.ones(2))})
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", "--to", "dcp", str(src), str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ppe-snapshot: {tmp_path / 'file' / 'sub'}: torch DCP could not write it: NotADirectoryError: "
+                   f"[Errno 20] Not a directory: '{tmp_path / 'file' / 'sub'}'"]
+
+
+def test_the_package_runs_as_the_command_and_ships_its_types():
+    done = subprocess.run([sys.executable, "-m", "ppe_snapshot", "--version"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+    import ppe_snapshot
+    assert {"snapshot", "snapshot_object", "SnapshotMode"} <= set(dir(ppe_snapshot)) & set(ppe_snapshot.__all__)
+    assert (Path(ppe_snapshot.__file__).parent / "py.typed").exists()

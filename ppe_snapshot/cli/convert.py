@@ -86,9 +86,16 @@ def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None) ->
 
     if storage_options or ("://" in dst and not dst.startswith("file://")):
         raise UsageError(f"{dst}: torch DCP directories are written to local paths only")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(dst.removeprefix("file://")), no_dist=True)
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(dst.removeprefix("file://")), no_dist=True)
+        except CheckpointException as e:  # a BaseException holding each rank's error and its traceback as text
+            cause = next(iter(e.failures.values()), e)
+            cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack)
+            raise UsageError(f"{dst}: torch DCP could not write it: {type(cause).__name__}: {cause}") from e
 
 
 def _format_version(path: str, storage_options: dict | None) -> int:
