@@ -377,3 +377,21 @@ def test_the_package_runs_as_the_command_and_ships_its_types():
     import ppe_snapshot
     assert {"snapshot", "snapshot_object", "SnapshotMode"} <= set(dir(ppe_snapshot)) & set(ppe_snapshot.__all__)
     assert (Path(ppe_snapshot.__file__).parent / "py.typed").exists()
+
+
+def test_ls_and_verify_say_what_they_checked(kinds, capsys):
+    run = kinds / "run"
+    flip_byte(run / "snapshot_iter_20" / "data" / "rank0.bin", 3)
+    assert main(["ls", str(run)]) == 0
+    footer = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "unless a checksum fails" in footer and "--deep reads every checksum" in footer
+    assert main(["ls", "--json", str(run)]) == 0
+    assert {row["checked"] for row in json.loads(capsys.readouterr().out)} == {"quick"}
+    assert main(["ls", "--deep", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "every checksum checked" in out and out.splitlines()[2].startswith("*  snapshot_iter_10")
+    assert main(["verify", "--quick", str(run / "snapshot_iter_20")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"OK      {run / 'snapshot_iter_20'}",
+        "checked: manifests and data file sizes only (--quick); without --quick every checksum is read (ppe files: "
+        "loaded)"]

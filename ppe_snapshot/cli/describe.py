@@ -117,6 +117,8 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
                  and positions[r["name"]].kind in COMPLETE_KINDS]
     if resumable:
         max(resumable, key=lambda r: positions[r["name"]].sort_key())["resume"] = True
+    for row in rows:  # what "complete" rests on: the quick check (manifest, sizes) or every checksum
+        row["checked"] = "deep" if deep else "quick"
     return rows
 
 
@@ -147,7 +149,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
     if any(r["resume"] for r in rows):
-        print(f"* autoload resumes from this one (filename {args.filename!r})")
+        checked = ("every checksum checked" if args.deep else "unless a checksum fails: checked here are manifests "
+                   "and data file sizes only; --deep reads every checksum")
+        print(f"* autoload resumes from this one (filename {args.filename!r}; {checked})")
     return 0
 
 

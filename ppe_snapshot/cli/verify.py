@@ -85,6 +85,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"DAMAGED {path}: {len(problems)} damaged entries")
             for problem in problems:
                 print(f"  {problem}")
+    if args.quick and len(args.paths) > unusable:
+        print("checked: manifests and data file sizes only (--quick); without --quick every checksum is read "
+              "(ppe files: loaded)")
     if unusable:
         return 2
     return 1 if damaged else 0
