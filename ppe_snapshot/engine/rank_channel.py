@@ -13,7 +13,8 @@ each other travels over a gloo group of the take's ranks, made once per set of r
 * on the first failure (an error status or a dead peer) rank 0 sends every live rank ``aborted`` at once; a
   rank that learns of a failure stops its own writes at the next block (:meth:`TakeChannel.failure`).
 
-Cost: one gloo group per set of ranks (made at the first multi-rank take), and per take one thread per peer on
+Cost: one gloo group per set of ranks (made at the start of their first multi-rank take; a rank dead before it
+is made is waited for up to ``PPE_SNAPSHOT_COMMIT_TIMEOUT``), and per take one thread per peer on
 rank 0 and one on every other rank, two messages of :data:`MESSAGE_BYTES` per rank. A rank that is alive but
 slow is waited for (up to ``PPE_SNAPSHOT_COMMIT_TIMEOUT`` once the waiting rank's own part is done).
 """

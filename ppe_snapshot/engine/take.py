@@ -306,6 +306,7 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot.
     """
     rank, world_size = group_rank(pg)
+    side = side_group(pg) if world_size > 1 else None  # the first take on these ranks makes it: as early as can be
     items, plain, globs, error = {}, PlainTensors(), [], None
     try:
         _check_metadata(metadata)
@@ -315,7 +316,6 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
         error = e
     retry_marks()
     storage = open_storage(str(path), storage_options)
-    side = side_group(pg) if world_size > 1 else None
     agreed = _agree(str(path), storage, rank, world_size, side, globs, error)
     if storage.url != agreed.path:
         storage = open_storage(agreed.path, storage_options)

@@ -44,6 +44,11 @@ class _DistributedExtension(_Snapshot):
         self._saver_rank = saver_rank
         self._rng_rank = self._rank
 
+    def initialize(self, manager: ExtensionsManagerProtocol) -> str | None:  # type: ignore[override]
+        if self._size > 1:  # the ranks' side group, made with every rank at the start rather than at a save
+            side_group(None)
+        return super().initialize(manager)
+
     def _watch(self, signals: Any, exit_code: int | None) -> Preemption:
         return Preemption.for_ranks(signals, exit_code)  # collective: every rank constructs the extension
 
