@@ -485,3 +485,19 @@ def test_condition_and_any_callable_writer_as_in_ppe():
     assert state is target.state_dict.return_value and kwargs == {"savefun": None}
     ext.finalize(manager)
     assert writer.finalize.call_count == 1
+
+
+def test_a_url_out_dir_leaves_nothing_local(tmp_path, monkeypatch):
+    """ppe's manager makes its default writer's out_dir a local directory even for a URL (``./memory:/...``);
+    the snapshot that stands in for that writer removes the empty stray, and saves to the URL."""
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://{uuid.uuid4().hex}/run"
+    model = torch.nn.Linear(2, 2)
+    manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 1,
+                                             iters_per_epoch=2, out_dir=url)
+    manager.extend(snapshot(), trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            pass
+    assert os.listdir(tmp_path) == []
+    Snapshot(join(url, "snapshot_iter_2")).verify()

@@ -10,6 +10,7 @@ an engine snapshot unless ``savefun=`` asks for ppe's single files.
 from __future__ import annotations
 
 import numbers
+import os
 import posixpath
 import re
 from typing import Any
@@ -79,7 +80,19 @@ def counterpart(writer: Any) -> SnapshotWriter | None:
     kind = _COUNTERPARTS.get(type(writer))
     if kind is None or not _plain_ppe_settings(writer):
         return None
+    _remove_local_shadow(writer.out_dir)
     return getattr(writing, kind)(out_dir=writer.out_dir)
+
+
+def _remove_local_shadow(out_dir: str) -> None:
+    """ppe's writer made ``out_dir`` a local directory even when it is a URL (``./s3:/bucket/run``, created by the
+    manager's own writer at its construction): remove that empty stray, and its empty parents up to ``s3:``."""
+    if "://" not in out_dir or out_dir.startswith("file://") or not os.path.isdir(out_dir):
+        return
+    try:
+        os.removedirs(out_dir)  # empty directories only, bottom up; stops at the first that is not empty
+    except OSError:
+        pass
 
 
 def stand_down(writer: Any, explicit: bool) -> None:
