@@ -16,10 +16,10 @@ __all__ = [
     "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "Preempted", "RNGState", "Snapshot",
     "SnapshotAbortedError", "SnapshotError", "SnapshotExistsError", "SnapshotMode", "SnapshotNotFoundError",
     "StateDict", "Stateful", "StateMismatchError", "UnsupportedFormatError", "UnsupportedValueError", "retention",
-    "snapshot", "snapshot_object", "storage", "writing",
+    "load_snapshot", "snapshot", "snapshot_object", "storage", "writing",
 ]
 
-_EXTENSION = ("SnapshotMode", "snapshot", "snapshot_object")
+_EXTENSION = ("SnapshotMode", "load_snapshot", "snapshot", "snapshot_object")
 
 
 def __getattr__(name: str):

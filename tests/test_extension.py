@@ -375,3 +375,56 @@ def test_stats_logged(tmp_path, caplog):
         run.train()
     run.snapshot.writer.finalize()
     assert "snapshot snapshot_iter_3 at iteration 3: blocking_s=" in caplog.text
+
+
+def test_autoload_into_a_changed_model_says_so(tmp_path):
+    """A model whose shapes changed since the run is not a damaged snapshot: autoload raises StateMismatchError
+    naming the snapshot and the entry, and tries no older snapshot."""
+    def manager_for(model):
+        manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 10,
+                                                 iters_per_epoch=2, out_dir=str(tmp_path))
+        manager.extend(ppe_snapshot.snapshot(autoload=True), trigger=(1, "iteration"))
+        return manager
+
+    saved = manager_for(torch.nn.Linear(2, 2))
+    for _ in range(2):
+        with saved.run_iteration():
+            pass
+    changed = torch.nn.Linear(3, 3)
+    with pytest.raises(ppe_snapshot.StateMismatchError) as raised:
+        manager_for(changed).start_extensions()
+    message = str(raised.value)
+    assert f"does not fit snapshot {tmp_path / 'snapshot_iter_2'}" in message
+    assert "state/models/main/weight" in message and "[2, 2]" in message and "[3, 3]" in message
+    assert "damaged" not in message and "snapshot_iter_1" not in message
+
+
+def test_load_snapshot_outside_the_trainer(tmp_path):
+    """One call loads a run's snapshot (a directory, or ppe's single file) into a fresh model and optimizer;
+    a changed model is named as such, and nothing is loaded into it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    optimizer = torch.optim.Adam(model.parameters())
+    manager = ppe.training.ExtensionsManager(model, optimizer, 10, iters_per_epoch=2, out_dir=str(tmp_path))
+    manager.extend(ppe_snapshot.snapshot(), trigger=(2, "iteration"))
+    manager.extend(ppe_snapshot.snapshot(savefun=torch.save, filename="file_{.iteration}"), trigger=(2, "iteration"))
+    for _ in range(2):
+        with manager.run_iteration():
+            model(torch.ones(4, 2)).sum().backward()
+            optimizer.step()
+    for name in ("snapshot_iter_2", "file_2"):
+        fresh = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        fresh_optimizer = torch.optim.Adam(fresh.parameters())
+        state = ppe_snapshot.load_snapshot(str(tmp_path / name), model=fresh, optimizer=fresh_optimizer)
+        assert state["_start_iteration"] == 2
+        for key, value in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[key], value), (name, key)
+        assert fresh_optimizer.state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+    changed = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1), torch.nn.Tanh())
+    before = {k: v.clone() for k, v in changed.state_dict().items()}
+    with pytest.raises(ppe_snapshot.StateMismatchError, match=r"the model does not fit the snapshot .*other shapes "
+                                                              r"\(0\.bias: saved \[3\], model \[4\]"):
+        ppe_snapshot.load_snapshot(str(tmp_path / "snapshot_iter_2"), model=changed)
+    assert all(torch.equal(changed.state_dict()[k], v) for k, v in before.items())
+    with pytest.raises(FileNotFoundError, match="no snapshot there"):
+        ppe_snapshot.load_snapshot(str(tmp_path / "nothing"))

@@ -19,7 +19,7 @@ from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.extension.ppe_extension import _Snapshot
 from ppe_snapshot.extension.preemption import Preemption
 from ppe_snapshot.extension.saved_state import state_of
-from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh
+from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh, target_changed
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +73,20 @@ class _DistributedExtension(_Snapshot):
         found = None
         for candidate in reversed(agreed):
             failure = attempt(lambda: self._restore(candidate, target, self._restore_pg))
-            # (why, whether state was touched): exceptions may not pickle; every rank then falls back together
-            outcome = None if failure is None else (f"rank {self._rank}: {failure.reason}", failure.error is not None)
-            outcomes: list[tuple[str, bool] | None] = [None] * self._size
+            # (why, whether state was touched, whether the target did not fit): exceptions may not pickle; every
+            # rank then falls back (or raises) together
+            outcome = None if failure is None else (f"rank {self._rank}: {failure.reason}", failure.error is not None,
+                                                    failure.mismatch)
+            outcomes: list[tuple[str, bool, bool] | None] = [None] * self._size
             dist.all_gather_object(outcomes, outcome)
             problems = [o for o in outcomes if o is not None]
             if not problems:
                 found = candidate
                 break
-            self._skip(candidate, "; ".join(reason for reason, _ in problems))
-            if any(partly for _, partly in problems):
+            if any(mismatch for _, _, mismatch in problems):
+                raise target_changed(candidate.url, "; ".join(reason for reason, _, mismatch in problems if mismatch))
+            self._skip(candidate, "; ".join(reason for reason, _, _ in problems))
+            if any(partly for _, partly, _ in problems):
                 touched.append(candidate.url)
         if found is None and touched:
             raise cannot_start_fresh(", ".join(touched))

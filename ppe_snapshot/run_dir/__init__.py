@@ -22,11 +22,11 @@ from ppe_snapshot.run_dir.names import FilenameFormat
 from ppe_snapshot.run_dir.policies import KeepAll, KeepBest, KeepEvery, KeepLatest, Policy, Union, as_policy, combine
 from ppe_snapshot.run_dir.pruning import prune, remove, select_prunable
 from ppe_snapshot.run_dir.resume import (
-    Failure, Unusable, attempt, cannot_start_fresh, holds_iteration, opened, restore_newest, skip,
+    Failure, Unusable, attempt, cannot_start_fresh, holds_iteration, opened, restore_newest, skip, target_changed,
 )
 from ppe_snapshot.run_dir.single_files import load_file
 
 __all__ = ["COMPLETE_KINDS", "METRICS_KEY", "Candidate", "CandidateKind", "Failure", "FilenameFormat", "KeepAll",
            "KeepBest", "KeepEvery", "KeepLatest", "Policy", "Union", "Unusable", "as_policy", "attempt",
            "cannot_start_fresh", "combine", "filesystem", "holds_iteration", "list_snapshots", "load_file", "opened",
-           "prune", "remove", "restore_newest", "select_prunable", "skip"]
+           "prune", "remove", "restore_newest", "select_prunable", "skip", "target_changed"]

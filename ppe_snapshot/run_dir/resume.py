@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ppe_snapshot.engine import LOCAL, Snapshot
-from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.errors import SnapshotError, StateMismatchError
 from ppe_snapshot.run_dir.listing import Candidate
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ class Failure:
     """Why one candidate could not be restored: ``error`` is None when nothing was touched (:class:`Unusable`)."""
     reason: str
     error: Exception | None
+    #: The snapshot is sound but the target does not fit it (a changed model): not damage, so no older snapshot
+    #: is tried (:func:`target_changed`).
+    mismatch: bool = False
 
 
 def attempt(restore: Callable[[], None]) -> Failure | None:
@@ -70,9 +73,19 @@ def attempt(restore: Callable[[], None]) -> Failure | None:
         restore()
     except Unusable as e:
         return Failure(str(e), None)
+    except StateMismatchError as e:
+        return Failure(str(e), e, mismatch=True)
     except Exception as e:  # noqa: BLE001 - a damaged snapshot is skipped, the next older one tried
         return Failure(f"{type(e).__name__}: {e}", e)
     return None
+
+
+def target_changed(url: str, reason: str) -> StateMismatchError:
+    """The error of an autoload whose target does not fit the newest snapshot (the model or optimizer changed)."""
+    return StateMismatchError(
+        f"autoload: the model, optimizer or other state being restored does not fit snapshot {url}, so it was not "
+        f"resumed from (was the model changed since that run?): {reason}. Resume with the state that was saved, or "
+        "start with autoload=False or another output directory.")
 
 
 def restore_newest(candidates: list[Candidate], restore: Callable[[Candidate], None],
@@ -84,6 +97,8 @@ def restore_newest(candidates: list[Candidate], restore: Callable[[Candidate], N
         failure = attempt(lambda: restore(candidate))
         if failure is None:
             return candidate
+        if failure.mismatch:
+            raise target_changed(candidate.url, failure.reason) from failure.error
         skip_one(candidate, failure.reason)
         if failure.error is not None:
             touched = (candidate, failure.error)

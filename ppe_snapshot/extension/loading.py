@@ -1,0 +1,103 @@
+"""``load_snapshot``: a snapshot of the extension, read outside the trainer (an inference script, a notebook).
+
+An engine snapshot (a directory) is read through the engine, ppe's single file with ``torch.load(...,
+weights_only=True)``. A model or optimizer given is checked against what was saved first, so that a changed model
+is reported as such (missing and unexpected keys, shapes), never as a damaged snapshot.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
+from ppe_snapshot.errors import StateMismatchError
+from ppe_snapshot.run_dir import filesystem, load_file
+from ppe_snapshot.storage import join
+
+#: The app-state key of the target's state in the extension's engine snapshots.
+STATE_KEY = "state"
+
+
+def load_snapshot(path: str, model: Any = None, optimizer: Any = None, *,
+                  storage_options: dict[str, Any] | None = None, allow_pickle: bool = False) -> Any:
+    """The state a snapshot of the extension saved (a manager's state dict, or ``snapshot_object``'s target's),
+    tensors on the CPU; with ``model`` / ``optimizer`` also loaded into them.
+
+    ``path`` is the snapshot (``out/snapshot_iter_100``, a directory, or ppe's single file; a local path or an
+    fsspec URL). ``model`` and ``optimizer`` take the manager's only model / optimizer, or the one named ``main``
+    (a dict ``{name: module}`` takes each by name); a snapshot of ``snapshot_object(model, ...)`` holds the
+    model's state itself. Raises :class:`~ppe_snapshot.StateMismatchError` naming the missing and unexpected keys
+    and the shapes that differ when the model does not fit, before anything is loaded into it.
+    """
+    state = _read(str(path), storage_options, allow_pickle)
+    if model is not None:
+        _load(model, _part(state, "models"), "model")
+    if optimizer is not None:
+        _load(optimizer, _part(state, "optimizers"), "optimizer")
+    return state
+
+
+def _read(path: str, storage_options: dict[str, Any] | None, allow_pickle: bool) -> Any:
+    fs, root = filesystem(path, storage_options)
+    if fs.isfile(root):
+        return load_file(path, storage_options)
+    if not fs.exists(join(root, MANIFEST_NAME)):
+        raise FileNotFoundError(f"{path}: no snapshot there (a snapshot directory has a {MANIFEST_NAME}; "
+                                "ppe's single-file snapshots are files)")
+    return Snapshot(path, pg=LOCAL, storage_options=storage_options, allow_pickle=allow_pickle).read_object(
+        f"0/{STATE_KEY}")
+
+
+def _part(state: Any, section: str) -> Any:
+    """The saved states of the manager's ``section`` (``models``, ``optimizers``); the whole state when the
+    snapshot holds one object's state (``snapshot_object``)."""
+    if not isinstance(state, dict) or section not in state:
+        return state
+    return state[section]
+
+
+def _load(target: Any, saved: Any, what: str) -> None:
+    if isinstance(target, dict):
+        for name, one in target.items():
+            if not isinstance(saved, dict) or name not in saved:
+                raise StateMismatchError(f"the snapshot holds no {what} named {name!r}; it holds "
+                                         f"{sorted(saved) if isinstance(saved, dict) else 'one state'}")
+            _load_one(one, saved[name], f"{what} {name!r}")
+        return
+    if isinstance(saved, dict) and _named(saved):
+        if len(saved) != 1 and "main" not in saved:
+            raise StateMismatchError(f"the snapshot holds several {what}s ({sorted(saved)}): pass a dict "
+                                     f"{{name: {what}}} to choose")
+        saved = saved["main"] if "main" in saved else next(iter(saved.values()))
+    _load_one(target, saved, what)
+
+
+def _named(saved: dict[str, Any]) -> bool:
+    """Whether ``saved`` maps names to states (the manager's ``models`` / ``optimizers``), not one state dict."""
+    return bool(saved) and all(isinstance(v, dict) for v in saved.values())
+
+
+def _load_one(target: Any, saved: Any, what: str) -> None:
+    if isinstance(target, torch.nn.Module):
+        _check_module(target, saved, what)
+    try:
+        target.load_state_dict(saved)
+    except (RuntimeError, ValueError, KeyError) as e:  # an optimizer of other parameter groups, ...
+        raise StateMismatchError(f"the {what} does not fit the snapshot: {e}") from e
+
+
+def _check_module(module: torch.nn.Module, saved: Any, what: str) -> None:
+    own = module.state_dict()
+    if not isinstance(saved, dict):
+        raise StateMismatchError(f"the snapshot holds a {type(saved).__name__} where the {what}'s state dict was "
+                                 "expected")
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    shapes = [f"{k}: saved {list(saved[k].shape)}, {what} {list(own[k].shape)}" for k in sorted(set(own) & set(saved))
+              if isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = ([f"missing keys {missing}"] if missing else []) + (
+            [f"unexpected keys {unexpected}"] if unexpected else []) + ([f"other shapes ({'; '.join(shapes)})"]
+                                                                      if shapes else [])
+        raise StateMismatchError(f"the {what} does not fit the snapshot (was it changed since the snapshot was "
+                                 f"saved?): {', '.join(parts)}")
