@@ -15,6 +15,8 @@ venv: $(STAMP)
 $(STAMP): requirements-dev.txt setup.cfg setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -r requirements-dev.txt
+	@# Azurite, Azure's blob storage emulator, for the az:// tests (skipped where npm is missing)
+	-command -v npm >/dev/null && npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3
 	touch $@
 
 test: venv

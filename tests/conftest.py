@@ -132,3 +132,29 @@ def proxied(s3_bucket, s3_endpoint, monkeypatch):
         yield f"{url}/run/snap", {**options, "client_kwargs": {"endpoint_url": proxy.url}}, proxy, client
     finally:
         proxy.close()
+
+
+@pytest.fixture(scope="session")
+def azurite():
+    """Azure's blob storage emulator on 127.0.0.1 for the session (skipped, saying why, where not installed)."""
+    import _azurite
+
+    pytest.importorskip("adlfs", reason="adlfs is not installed (make venv installs it)")
+    executable = _azurite.binary()
+    if executable is None:
+        pytest.skip("azurite is not installed: make venv installs it with npm (npm was not found, or failed)")
+    server = _azurite.Azurite(executable)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def az_container(azurite):
+    """A fresh container on the emulator: yields ``("az://<container>", storage_options)``."""
+    import fsspec
+
+    name = f"c{uuid.uuid4().hex[:20]}"
+    fs = fsspec.filesystem("az", skip_instance_cache=True, **azurite.storage_options)
+    fs.mkdir(name)
+    yield f"az://{name}", azurite.storage_options
+    fs.rm(name, recursive=True)

@@ -110,6 +110,7 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     if not fs.isdir(root):
         raise UsageError(f"{run}: not a directory (ls lists a run directory; use 'inspect' for one snapshot)")
     positions = {c.name: c for c in list_snapshots(run, filename, storage_options)}
+    fs.invalidate_cache(root)  # adlfs ignores refresh=True
     rows = [row for info in fs.ls(root, detail=True, refresh=True)
             if (row := _row(fs, root, run, info, storage_options, deep, positions)) is not None]
     rows.sort(key=lambda r: (r["iteration"] is None, r["iteration"] or 0, r["epoch"] or 0, r["name"]))

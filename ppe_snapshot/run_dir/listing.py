@@ -88,6 +88,9 @@ def filesystem(out_dir: str, storage_options: dict[str, Any] | None = None) -> t
 
 
 def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
+    """The entries under ``path`` as they are now: the file system's listing cache is dropped first (``refresh``
+    is not every file system's word for it: adlfs ignores it and answered with the listing of its first call)."""
+    fs.invalidate_cache(path)
     try:
         return fs.ls(path, detail=True, refresh=True)
     except (FileNotFoundError, NotADirectoryError):
