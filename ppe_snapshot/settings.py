@@ -17,8 +17,9 @@ variable                              default  meaning
 ``PPE_SNAPSHOT_COMMIT_TIMEOUT``       ``1800`` seconds a rank whose own part is done waits for live
                                                ranks that say nothing (rank 0 for the others' parts,
                                                they for its verdict); a rank that dies is known at once
-``PPE_SNAPSHOT_ABORT_BLOCK_MB``       ``64``   a rank of a take that failed elsewhere stops writing
-                                               within this many MiB of its own data
+``PPE_SNAPSHOT_ABORT_BLOCK_MB``       ``256``  a rank of a take that failed elsewhere stops writing
+                                               within this many MiB of its own data (smaller blocks
+                                               cost a staged write throughput: 64 MiB, 7 % here)
 ``PPE_SNAPSHOT_PART_MB``              ``8``    object stores: size in MiB of each part of a data
                                                file's multipart upload (S3)
 ``PPE_SNAPSHOT_UPLOAD_CONCURRENCY``   ``16``   object stores: parts of one data file in flight
@@ -44,7 +45,7 @@ class Settings:
     bounce_buffers: int = 2
     drain_threads: int = 1
     commit_timeout: float = 1800.0
-    abort_block_bytes: int = 64 << 20
+    abort_block_bytes: int = 256 << 20
     part_bytes: int = 8 << 20
     upload_concurrency: int = 16
     read_part_bytes: int = 8 << 20
@@ -59,7 +60,7 @@ class Settings:
             bounce_buffers=int(env.get("PPE_SNAPSHOT_BOUNCE_N", "2")),
             drain_threads=int(env.get("PPE_SNAPSHOT_DRAIN_THREADS", "1")),
             commit_timeout=float(env.get("PPE_SNAPSHOT_COMMIT_TIMEOUT", "1800")),
-            abort_block_bytes=int(env.get("PPE_SNAPSHOT_ABORT_BLOCK_MB", "64")) << 20,
+            abort_block_bytes=int(env.get("PPE_SNAPSHOT_ABORT_BLOCK_MB", "256")) << 20,
             part_bytes=int(env.get("PPE_SNAPSHOT_PART_MB", "8")) << 20,
             upload_concurrency=int(env.get("PPE_SNAPSHOT_UPLOAD_CONCURRENCY", "16")),
             read_part_bytes=int(env.get("PPE_SNAPSHOT_READ_PART_MB", "8")) << 20,
