@@ -84,3 +84,25 @@ def test_storage_keeps_the_dcp_aliases():
     assert ppe_snapshot.storage.SnapshotStorageReader is ppe_snapshot.dcp.SnapshotStorageReader
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         ppe_snapshot.storage.Nope  # noqa: B018
+
+
+def test_rng_state_crosses_ranks_as_json_and_comes_back_exactly():
+    """DISTRIBUTED mode sends each rank's RNG state to the saver as JSON (nothing a peer sends is unpickled)."""
+    import json
+    import random
+
+    import numpy as np
+    import torch
+
+    from ppe_snapshot import RNGState
+
+    state = RNGState().state_dict()
+    back = RNGState.from_json(json.loads(json.dumps(RNGState.to_json(state))))
+    assert torch.equal(back["torch"], state["torch"]) and back["torch"].dtype == torch.uint8
+    assert back["numpy"][0] == state["numpy"][0] and back["numpy"][2:] == state["numpy"][2:]
+    assert back["numpy"][1].dtype == np.uint32 and np.array_equal(back["numpy"][1], state["numpy"][1])
+    assert back["python"] == state["python"]
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    RNGState().load_state_dict(back)
+    drawn = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(drawn[0], expected[0]) and np.array_equal(drawn[1], expected[1]) and drawn[2] == expected[2]

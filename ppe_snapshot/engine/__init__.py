@@ -12,7 +12,7 @@ Taking a snapshot
     there ``release_staging()`` / ``use_staged(buffer)`` hand the staged image over). ``LOCAL`` as ``pg``
     takes or restores in this process alone; ``group_rank(pg)`` is (rank, world size). Between ranks, naming a
     rank that died (``rank_channel.py``): ``side_group(pg)`` (the gloo group beside ``pg`` that takes use),
-    ``exchange(group, doc, tag, decide, root=, pickled=)`` (through one rank), ``agree_max(group, value,
+    ``exchange(group, doc, tag, decide, root=)`` (through one rank), ``agree_max(group, value,
     tag)``. ``gc_paused()`` pauses Python's cyclic collector around a take the caller waits for (as
     ``Snapshot.take`` does).
 State objects

@@ -21,7 +21,6 @@ slow is waited for (up to ``PPE_SNAPSHOT_COMMIT_TIMEOUT`` once the waiting rank'
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import threading
 from datetime import timedelta
@@ -286,20 +285,19 @@ def _send_all(group: Any, messages: dict[int, torch.Tensor], tag: int) -> None:
             pass
 
 
-def _as_bytes(doc: Any, pickled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    data = pickle.dumps(doc) if pickled else json.dumps(doc).encode()
+def _as_bytes(doc: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    data = json.dumps(doc).encode()
     return torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _loads(data: torch.Tensor, pickled: bool) -> Any:
-    return pickle.loads(bytes(data.numpy())) if pickled else json.loads(bytes(data.numpy()))
+def _loads(data: torch.Tensor) -> Any:
+    return json.loads(bytes(data.numpy()))
 
 
-def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any], *, root: int = 0,
-             pickled: bool = False) -> Any:
+def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any], *, root: int = 0) -> Any:
     """What rank ``root`` decides (``decide`` of every rank's ``doc``, in rank order) from what each rank of the
-    gloo ``group`` gives (every rank calls it with the same ``tag`` and ``root``). Documents are JSON values, or
-    any picklable value with ``pickled`` (between the processes of one job, as torch's ``*_object`` collectives).
+    gloo ``group`` gives (every rank calls it with the same ``tag`` and ``root``). Documents are JSON values:
+    nothing a peer sends is unpickled.
 
     Point to point through ``root``, so that a rank whose process died is named: raises
     :class:`~ppe_snapshot.errors.SnapshotAbortedError` on every surviving rank (``root`` hears every live rank
@@ -311,14 +309,14 @@ def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any],
     if rank != root:
         size = torch.zeros(1, dtype=torch.int64)
         try:
-            for work in [group.send([part], root, tag) for part in _as_bytes(doc, pickled)]:
+            for work in [group.send([part], root, tag) for part in _as_bytes(doc)]:
                 work.wait()
             group.recv([size], root, tag).wait()
             answer = torch.empty(int(size), dtype=torch.uint8)
             group.recv([answer], root, tag).wait()
         except RuntimeError as e:
             raise SnapshotAbortedError(_peer_lost(root, e)) from e
-        decided = _loads(answer, pickled)
+        decided = _loads(answer)
         if decided.get("lost"):
             raise SnapshotAbortedError(decided["lost"])
         return decided["decided"]
@@ -331,8 +329,8 @@ def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any],
                 if 0 < int(size) <= _MAX_DOCUMENT}
     lost = _receive_all(group, payloads, tag) or lost
     answer = {"lost": lost} if lost else {
-        "decided": decide([doc if r == root else _loads(payloads[r], pickled) for r in range(world_size)])}
-    size, data = _as_bytes(answer, pickled)
+        "decided": decide([doc if r == root else _loads(payloads[r]) for r in range(world_size)])}
+    size, data = _as_bytes(answer)
     _send_all(group, dict.fromkeys(sizes, size), tag)
     _send_all(group, dict.fromkeys(sizes, data), tag)
     if lost:

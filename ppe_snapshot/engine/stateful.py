@@ -1,6 +1,7 @@
 """Stateful objects: anything with ``state_dict()`` / ``load_state_dict()``."""
 from __future__ import annotations
 
+import base64
 import random
 from typing import Any, Protocol, runtime_checkable
 
@@ -59,6 +60,35 @@ class RNGState:
         cuda = state_dict.get("cuda")
         if cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(cuda)[: torch.cuda.device_count()])
+
+    @staticmethod
+    def to_json(state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (as :meth:`state_dict` gives it) as JSON values, to send to another rank without pickle."""
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        version, internal, python_gauss = state["python"]
+        doc = {"torch": _b64(state["torch"].numpy()), "numpy": [name, _b64(np.asarray(keys, dtype="<u4")), pos,
+                                                                has_gauss, gauss],
+               "python": [version, list(internal), python_gauss]}
+        if "cuda" in state:
+            doc["cuda"] = [_b64(t.numpy()) for t in state["cuda"]]
+        return doc
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> dict[str, Any]:
+        """The state that :meth:`to_json` turned into ``doc``, with the types :meth:`state_dict` gives."""
+        name, keys, pos, has_gauss, gauss = doc["numpy"]
+        version, internal, python_gauss = doc["python"]
+        state = {"torch": torch.frombuffer(bytearray(base64.b64decode(doc["torch"])), dtype=torch.uint8),
+                 "numpy": (name, np.frombuffer(base64.b64decode(keys), dtype="<u4").astype(np.uint32), pos,
+                           has_gauss, gauss),
+                 "python": (version, tuple(internal), python_gauss)}
+        if "cuda" in doc:
+            state["cuda"] = [torch.frombuffer(bytearray(base64.b64decode(t)), dtype=torch.uint8) for t in doc["cuda"]]
+        return state
+
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(array.tobytes()).decode()
 
 
 def state_of(key: str, obj: Any) -> dict[str, Any]:

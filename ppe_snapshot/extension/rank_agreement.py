@@ -120,15 +120,15 @@ class DistributedSnapshot(_DistributedExtension):
             return doc
         side = side_group(None)
         saver = self._saver_rank
-        return exchange(side.group, doc, side.next_tag(), decide or (lambda docs: docs[saver]), root=saver,
-                        pickled=True)
+        return exchange(side.group, doc, side.next_tag(), decide or (lambda docs: docs[saver]), root=saver)
 
     def _gather_rng_states(self) -> dict[int, Any] | None:
         """Every rank's RNG state, on the saver rank (it writes them all; each rank restores its own)."""
         if self._size == 1:
             return self._rng_states()
         states: dict[int, Any] = {}
-        self._meet(RNGState().state_dict(), lambda docs: states.update(enumerate(docs)))
+        self._meet(RNGState.to_json(RNGState().state_dict()),
+                   lambda docs: states.update((r, RNGState.from_json(doc)) for r, doc in enumerate(docs)))
         return states if self._is_saver else None
 
     def _broadcast(self, objects: list[Any]) -> None:
