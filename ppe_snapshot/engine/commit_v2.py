@@ -45,11 +45,11 @@ def expected_shared(items: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
 
 
 def publish(storage: Storage, take_id: str, part: RankPart, shared: tuple[list[str], dict[str, Any]]) -> None:
-    """A rank's share of the commit, once its data is durable: its index, then its part."""
-    if part.error is None:
-        check_sizes(storage, part.files)  # here, not by rank 0: thousands of ranks check at once
-        storage.put_atomic(rank_index(part.rank), rank_index_bytes(
-            take_id, part.rank, part.entries, part.sharded, part.files, own_files=list(part.files)))
+    """A rank's share of the commit, once its data is durable: its index, then its part. (A rank that failed
+    says so through the take's rank channel and publishes nothing.)"""
+    check_sizes(storage, part.files)  # here, not by rank 0: thousands of ranks check at once
+    storage.put_atomic(rank_index(part.rank), rank_index_bytes(
+        take_id, part.rank, part.entries, part.sharded, part.files, own_files=list(part.files)))
     table = [[path, e.dtype, e.shape] for path, e in part.sharded.items()]
     doc = {
         "rank": part.rank, "error": part.error, "files": part.files,
@@ -144,11 +144,9 @@ def _check_shared(storage: Storage, take_id: str, parts: list[dict[str, Any]], r
 
 
 def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: dict[str, Any],
-                     timeout: float | None = None) -> list[dict[str, Any]]:
-    """Rank 0: wait for every part; unless one reports an error (returned, nothing written), check and commit."""
+                     timeout: float | None = None) -> None:
+    """Rank 0, once every rank said its part is published: read the parts, check them and commit."""
     parts = gather_documents(storage, take_id, world_size, timeout)
-    if any(p["error"] for p in parts):
-        return parts
     replicated: dict[str, Entry] = {}
     files: dict[str, int] = {}
     for part in parts:
@@ -169,7 +167,6 @@ def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: 
     # every rank checked its own files' sizes before publishing its part
     storage.put_atomic(SHARED_INDEX, shared_index_bytes(take_id, replicated, tensors, files))
     storage.put_atomic(MANIFEST_NAME, top_bytes(world_size, take_id, metadata))
-    return parts
 
 
 def upgrade(source: Storage, dest: Storage) -> None:

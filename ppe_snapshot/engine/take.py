@@ -93,12 +93,8 @@ class TakeJob:
     def write_and_commit(self) -> None:
         """Write this rank's data and commit (several ranks: :meth:`write_part`, then :meth:`conclude`)."""
         if self.world_size == 1:
-            try:
-                part = self._part(self._write())
-            finally:
-                self.staged = None
-            commit_protocol.commit(self.storage, commit_protocol.merge([part], self.take_id, self.metadata),
-                                   self.version)
+            commit_protocol.commit(self.storage, commit_protocol.merge([self._written()], self.take_id,
+                                                                       self.metadata), self.version)
             return
         try:
             self.write_part()
@@ -109,10 +105,7 @@ class TakeJob:
 
     def write_part(self) -> None:
         """Several ranks: write this rank's data and publish its part in storage (in any process)."""
-        try:
-            part = self._part(self._write())
-        finally:
-            self.staged = None
+        part = self._written()
         if self.version == 2:
             commit_v2.publish(self.storage, self.take_id, part, self.shared)
         else:
@@ -134,6 +127,13 @@ class TakeJob:
         if self.channel is not None:
             return self.channel.failure()
         return self.stopped() if self.stopped is not None else None
+
+    def _written(self) -> commit_protocol.RankPart:
+        """Write this rank's data; its part. The staging buffer is let go of either way."""
+        try:
+            return self._part(self._write())
+        finally:
+            self.staged = None
 
     def _write(self) -> Written:
         if not self.layout.paths:

@@ -9,12 +9,11 @@ listings do not count the take as in progress), and stops its own writes at the 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from ppe_snapshot.engine import commit as commit_protocol
-from ppe_snapshot.engine import commit_v2
+from ppe_snapshot.engine import commit_v2, jsonio
 from ppe_snapshot.engine.format import MANIFEST_NAME
-from ppe_snapshot.engine import jsonio
 from ppe_snapshot.engine.rank_channel import TakeChannel
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.settings import SETTINGS
@@ -100,7 +99,7 @@ def _committed_before(storage: Storage, take_id: str) -> bool:
     return type(doc) is dict and doc.get("take_id") == take_id
 
 
-def abandon(channel: TakeChannel, storage: Storage, take_id: str, error: BaseException) -> None:
+def abandon(channel: TakeChannel, storage: Storage, take_id: str, error: BaseException) -> NoReturn:
     """This rank failed (``error``): tell the others, mark the take aborted, and raise (``error`` itself, or the
     failure elsewhere that stopped this rank's writes)."""
     elsewhere = channel.failure()
@@ -143,22 +142,24 @@ def _commit(job: Any, channel: TakeChannel) -> None:
         failure = channel.gather(SETTINGS.commit_timeout)
     except TimeoutError as e:
         failure = f"rank 0 stopped waiting: {e}"
-    if failure is None:
-        try:
-            _write_manifest(job)
-        except BaseException as e:
-            failure = f"rank 0 could not commit: {e!r}"
-            channel.abort(failure)
-            mark_aborted(storage, take_id, failure)
-            raise
     if failure is not None:
-        channel.abort(failure)
-        mark_aborted(storage, take_id, failure)
+        _give_up(channel, storage, take_id, failure)
         raise SnapshotAbortedError(f"snapshot {storage.url} was not committed: {failure}")
+    try:
+        _write_manifest(job)
+    except BaseException as e:
+        _give_up(channel, storage, take_id, f"rank 0 could not commit: {e!r}")
+        raise
     channel.decide(committed=True)
     commit_protocol.clean_parts(storage, take_id, job.world_size)
     if job.version == 2:
         commit_v2.clean_details(storage, take_id, job.world_size)
+
+
+def _give_up(channel: TakeChannel, storage: Storage, take_id: str, reason: str) -> None:
+    """Rank 0: tell every live rank the take is aborted, and mark it so in storage."""
+    channel.abort(reason)
+    mark_aborted(storage, take_id, reason)
 
 
 def _write_manifest(job: Any) -> None:
