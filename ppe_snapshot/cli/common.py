@@ -15,14 +15,12 @@ import fsspec
 import torch
 
 from ppe_snapshot.dcp import DCP_KEY
-from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, Snapshot
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RNGState, Snapshot
 from ppe_snapshot.retention import filesystem
 from ppe_snapshot.run_dir import load_file
 
 #: The app state key under which the extension and the writers store a target's state dict.
 STATE_KEY = "state"
-#: The generators an RNG state holds (``RNGState``'s state dict; ``cuda`` only where CUDA was initialized).
-RNG_GENERATORS = {"torch", "numpy", "python"}
 #: torch.save files begin with a zip archive (the default) or a pickle (the legacy format).
 TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
 #: The file torch's own DCP FileSystemWriter writes last.
@@ -160,14 +158,11 @@ def top_level_keys(snap: Snapshot) -> list[str]:
 
 
 def is_rng_state(value: Any) -> bool:
-    """Whether ``value`` is what ``RNGState`` saves (torch, numpy and Python generators, maybe CUDA's), or a
-    dict of such states (by rank, as the extension saves them): recognised by what was saved, not by its key."""
+    """Whether ``value`` is an RNG state (``RNGState.is_state``) or a dict of them by rank, as the extension saves
+    them: recognised by what was saved, not by its key."""
     if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
-        return all(is_rng_state(v) for v in value.values())
-    return (isinstance(value, dict) and RNG_GENERATORS <= set(value) <= RNG_GENERATORS | {"cuda"}
-            and isinstance(value["torch"], torch.Tensor) and value["torch"].dtype == torch.uint8
-            and isinstance(value["numpy"], (tuple, list)) and len(value["numpy"]) == 5
-            and value["numpy"][0] == "MT19937")
+        return all(RNGState.is_state(v) for v in value.values())
+    return RNGState.is_state(value)
 
 
 def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -44,6 +44,11 @@ def shown_apart(a: str, b: str, width: int = SHOWN) -> tuple[str, str]:
     return cut(a), cut(b)
 
 
+def _differences(report: dict[str, Any]) -> bool:
+    """Whether a report of :func:`compare` (its own entries, not its ``rng`` section) lists any difference."""
+    return any(report[k] for k in ("only_in_a", "only_in_b", "changed", "values"))
+
+
 def compare(a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]:
     """Keys only in A / only in B, dtype or shape changes, differing tensors (max abs diff) and values."""
     report: dict[str, Any] = {"only_in_a": sorted(set(a) - set(b)), "only_in_b": sorted(set(b) - set(a)),
@@ -68,7 +73,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]
                 report["changed"].append({"key": key, "a": type(x).__name__, "b": type(y).__name__})
             elif not _equal_values(x, y):
                 report["values"].append({"key": key, **dict(zip("ab", shown_apart(repr(x), repr(y))))})
-    report["equal"] = not any(report[k] for k in ("only_in_a", "only_in_b", "changed", "values"))
+    report["equal"] = not _differences(report)
     return report
 
 
@@ -87,7 +92,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if report["equal"]:
         print(f"equal: {len(states[0])} entries{', RNG states equal' if 'rng' in report else ''}{atol}")
         return 0
-    if not any(report[k] for k in ("only_in_a", "only_in_b", "changed", "values")):
+    if not _differences(report):  # only the RNG states differ
         print(f"equal: {len(states[0])} entries{atol}, but the RNG states differ (--ignore-rng to leave them out):")
     _print_report(report)
     if "rng" in report and not report["rng"]["equal"]:
@@ -123,7 +128,7 @@ def _compare_generators(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     for key in sorted(set(a) & set(b)):
         if not _same(a[key], b[key]):
             report["values"].append({"key": key})
-    report["equal"] = not any(report[k] for k in ("only_in_a", "only_in_b", "values"))
+    report["equal"] = not _differences(report)
     return report
 
 

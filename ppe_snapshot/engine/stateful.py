@@ -31,6 +31,10 @@ class StateDict(dict):
         self.update(state_dict)
 
 
+#: The generators every RNG state holds (``cuda`` too where CUDA was initialized).
+_GENERATORS = {"torch", "numpy", "python"}
+
+
 class RNGState:
     """The global random number generators: torch (CPU and every CUDA device), numpy, Python.
 
@@ -60,6 +64,15 @@ class RNGState:
         cuda = state_dict.get("cuda")
         if cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(cuda)[: torch.cuda.device_count()])
+
+    @staticmethod
+    def is_state(value: Any) -> bool:
+        """Whether ``value`` is what :meth:`state_dict` gives (torch, numpy and Python generators, maybe CUDA's),
+        read back from a snapshot: recognised by its contents, whatever key it was saved under."""
+        return (isinstance(value, dict) and _GENERATORS <= set(value) <= _GENERATORS | {"cuda"}
+                and isinstance(value["torch"], torch.Tensor) and value["torch"].dtype == torch.uint8
+                and isinstance(value["numpy"], (tuple, list)) and len(value["numpy"]) == 5
+                and value["numpy"][0] == "MT19937")
 
     @staticmethod
     def to_json(state: dict[str, Any]) -> dict[str, Any]:

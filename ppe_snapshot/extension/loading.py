@@ -12,11 +12,9 @@ import torch
 
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
 from ppe_snapshot.errors import StateMismatchError
+from ppe_snapshot.extension.saved_state import STATE_KEY
 from ppe_snapshot.run_dir import filesystem, load_file
 from ppe_snapshot.storage import join
-
-#: The app-state key of the target's state in the extension's engine snapshots.
-STATE_KEY = "state"
 
 
 def load_snapshot(path: str, model: Any = None, optimizer: Any = None, *,

@@ -17,6 +17,8 @@ from ppe_snapshot.run_dir import METRICS_KEY, Candidate, CandidateKind, Unusable
 
 logger = logging.getLogger(__name__)
 
+#: The app-state key of the target's state in engine snapshots written by the extension.
+STATE_KEY = "state"
 #: The app-state key of the RNG states in engine snapshots written by the extension.
 RNG_KEY = "rng"
 
@@ -102,7 +104,7 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
     saved_kind = saved.get("ppe_snapshot_target", kind)
     if saved_kind != kind:
         raise Unusable(f"it holds a {saved_kind} target and this extension's target is a {kind}")
-    snap.restore({"state": TargetState(target)})
+    snap.restore({STATE_KEY: TargetState(target)})
     restore_rng(snap, pg, rng_rank)
 
 
