@@ -1,8 +1,8 @@
 """ppe-snapshot: fast, atomic, resumable snapshots for PyTorch training loops."""
 from ppe_snapshot.engine import OptimizerState, PendingSnapshot, RNGState, Snapshot, StateDict, Stateful
 from ppe_snapshot.errors import (
-    CorruptSnapshotError, Preempted, SnapshotAbortedError, SnapshotError, SnapshotExistsError, SnapshotNotFoundError,
-    StateMismatchError, UnsupportedFormatError, UnsupportedValueError,
+    AutoloadSkipWarning, CorruptSnapshotError, Preempted, SnapshotAbortedError, SnapshotError, SnapshotExistsError,
+    SnapshotNotFoundError, StateMismatchError, UnsupportedFormatError, UnsupportedValueError,
 )
 
 # The subpackages are usable after ``import ppe_snapshot`` alone. None of them imports
@@ -13,13 +13,13 @@ from ppe_snapshot import retention, storage, writing  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "Preempted", "RNGState", "Snapshot",
-    "SnapshotAbortedError", "SnapshotError", "SnapshotExistsError", "SnapshotMode", "SnapshotNotFoundError",
+    "AutoloadSkipWarning", "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "Preempted", "RNGState",
+    "Snapshot", "SnapshotAbortedError", "SnapshotError", "SnapshotExistsError", "SnapshotMode", "SnapshotNotFoundError",
     "StateDict", "Stateful", "StateMismatchError", "UnsupportedFormatError", "UnsupportedValueError", "retention",
-    "load_snapshot", "snapshot", "snapshot_object", "storage", "writing",
+    "epoch_batches", "load_snapshot", "snapshot", "snapshot_object", "storage", "writing",
 ]
 
-_EXTENSION = ("SnapshotMode", "load_snapshot", "snapshot", "snapshot_object")
+_EXTENSION = ("SnapshotMode", "epoch_batches", "load_snapshot", "snapshot", "snapshot_object")
 
 
 def __getattr__(name: str):

@@ -1,9 +1,10 @@
-"""Exceptions raised by ppe-snapshot.
+"""Exceptions raised by ppe-snapshot, and the category of its one warning that is also logged.
 
-Each one also derives from the built-in exception a caller would naturally
+Each exception also derives from the built-in exception a caller would naturally
 catch (``FileNotFoundError``, ``ValueError``, ...), so generic handlers keep
 working.
 """
+import warnings
 
 
 class SnapshotError(Exception):
@@ -53,3 +54,16 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         return (f"preempted by signal {self.signum} at iteration {self.iteration}; saved {self.snapshot}; "
                 f"exit status {self.code}")
+
+
+class AutoloadSkipWarning(UserWarning):
+    """Autoload passed over a snapshot (the message names it and why).
+
+    Reported once to the operator, through the ``ppe_snapshot`` loggers at WARNING level. It is also issued as
+    this warning, which Python ignores unless asked for (``pytest.warns``, ``warnings.simplefilter("always")``,
+    ``-W always::ppe_snapshot.AutoloadSkipWarning``), so that a test can catch it without the log line being
+    printed twice.
+    """
+
+
+warnings.filterwarnings("ignore", category=AutoloadSkipWarning)

@@ -17,8 +17,8 @@ The modules: ``ppe_extension`` (ppe's Extension protocol, one process),
 ``rank_agreement`` (DISTRIBUTED and SHARDED modes), ``saved_state`` (what a
 snapshot holds and restoring it), ``ppe_compat`` (ppe's arguments and
 writers), ``loading`` (``load_snapshot``: a snapshot read outside the
-trainer). Listing, pruning and choosing what to resume from are
-:mod:`ppe_snapshot.run_dir`'s; writers meet the extension through
+trainer), ``epoch_batches`` (the loop that resumes mid-epoch). Listing,
+pruning and choosing what to resume from are :mod:`ppe_snapshot.run_dir`'s; writers meet the extension through
 :class:`ppe_snapshot.writing.SnapshotWriter`.
 """
 from __future__ import annotations
@@ -29,13 +29,14 @@ from typing import Any, Callable
 from pytorch_pfn_extras.training.extensions import SnapshotMode
 from pytorch_pfn_extras.writing import Writer
 
+from ppe_snapshot.extension.epoch_batches import epoch_batches
 from ppe_snapshot.extension.loading import load_snapshot
 from ppe_snapshot.extension.ppe_extension import _Snapshot
 from ppe_snapshot.extension.rank_agreement import DistributedSnapshot, ShardedSnapshot
 from ppe_snapshot.extension.saved_state import RNG_KEY
 from ppe_snapshot.run_dir import Policy
 
-__all__ = ["RNG_KEY", "SnapshotMode", "load_snapshot", "snapshot", "snapshot_object"]
+__all__ = ["RNG_KEY", "SnapshotMode", "epoch_batches", "load_snapshot", "snapshot", "snapshot_object"]
 
 
 def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> _Snapshot:

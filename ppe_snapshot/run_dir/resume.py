@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ppe_snapshot.engine import LOCAL, Snapshot
-from ppe_snapshot.errors import SnapshotError, StateMismatchError
+from ppe_snapshot.errors import AutoloadSkipWarning, SnapshotError, StateMismatchError
 from ppe_snapshot.run_dir.listing import Candidate
 
 logger = logging.getLogger(__name__)
@@ -31,10 +31,10 @@ def cannot_start_fresh(what: str) -> SnapshotError:
 
 
 def skip(candidate: Candidate, reason: str) -> None:
-    """Warn (and log) that autoload does not use ``candidate``."""
+    """Say (at WARNING) that autoload does not use ``candidate``; see :class:`AutoloadSkipWarning`."""
     message = f"autoload: skipping snapshot {candidate.url}: {reason}"
     logger.warning(message)
-    warnings.warn(f"ppe_snapshot {message}", stacklevel=4)
+    warnings.warn(f"ppe_snapshot {message}", AutoloadSkipWarning, stacklevel=4)
 
 
 def holds_iteration(location: str, storage_options: dict[str, Any] | None, iteration: int) -> bool:

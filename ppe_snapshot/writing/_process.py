@@ -3,20 +3,21 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import multiprocessing.connection
-import queue
+import multiprocessing.spawn
 import os
 import pickle
+import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import fsspec.utils
 import torch
-import torch.multiprocessing
+import torch.multiprocessing  # noqa: F401 - registers how tensors in shared memory travel to the worker
 from pytorch_pfn_extras.writing import QueueWriter, StandardWriter
 
 from ppe_snapshot.engine import TakeJob, new_shared_buffer
@@ -25,19 +26,29 @@ from ppe_snapshot.writing._async import AsyncWriter, Ticket
 from ppe_snapshot.writing._base import SimpleWriter, add_note, logger
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._replace import AfterCommit
-from ppe_snapshot.writing._worker import READY, serve
+from ppe_snapshot.writing._worker import READY, frame
 
 OnDone = Callable[[BaseException | None, int | None], None]
 
 UNGUARDED_MAIN = (
-    "the script that creates the {writer} has no `if __name__ == \"__main__\":` guard: its worker process is "
-    "started with multiprocessing's 'spawn', which imports the script again in the worker, and that runs the "
-    "training code (and creates another writer) there. Fix: put the training code under "
-    "`if __name__ == \"__main__\":` (or use a ThreadWriter)")
+    "the script that creates the {writer} has no `if __name__ == \"__main__\":` guard, and a save refers to "
+    "something defined in it (a savefun, a class): the worker process imports the script to find it, and that runs "
+    "the training code (and creates another writer) there. Fix: put the training code under "
+    "`if __name__ == \"__main__\":`, or define what the save refers to in a module of its own")
+
+#: What the worker process runs: it takes its parent's import path from the pipe before it imports anything of
+#: ours, so that it finds the package wherever the parent found it (the parent's main script is not imported).
+_BOOT = ("import pickle, sys\n"
+         "from multiprocessing.connection import Connection\n"
+         "jobs, results = Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)\n"
+         "setup = pickle.loads(jobs.recv_bytes())\n"
+         "sys.path[:] = setup['sys_path']\n"
+         "from ppe_snapshot.writing._worker import serve\n"
+         "serve(jobs, results, setup)\n")
 
 
-def _in_spawn_bootstrap() -> bool:
-    """Whether this process is a spawned child still importing its parent's main module."""
+def _in_main_import() -> bool:
+    """Whether this process is a worker importing its parent's main script (see ``_worker``)."""
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
@@ -64,84 +75,93 @@ def _rebuild_error(data: bytes | None, text: str) -> BaseException:
     return error
 
 
+def _main_path() -> str | None:
+    """The parent's main script, which the worker imports only when a save refers to something defined there."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:  # an interactive session or ``python -m``
+        return None
+    return os.path.abspath(path)
+
+
 class _Worker:
-    """The worker process, the pipes to it, and the thread that collects its answers."""
+    """The worker process, the pipes to it, and the threads that feed it and collect its answers.
+
+    The worker is a fresh interpreter running ``_BOOT`` (never a fork of this process, and it does not import the
+    main script the way multiprocessing's ``spawn`` does), so a script without a ``__main__`` guard works.
+    Nothing here blocks the caller on the worker: messages queue for a sender thread while the worker starts.
+    """
 
     def __init__(self, stops: torch.Tensor) -> None:
-        ctx = torch.multiprocessing.get_context("spawn")
-        jobs_end, self._jobs = ctx.Pipe(duplex=False)
-        self._results, results_end = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=serve, args=(jobs_end, results_end, os.getpid()),
-                                   name="ppe-snapshot-writer", daemon=True)
-        self.process.start()
+        jobs_end, self._jobs = multiprocessing.Pipe(duplex=False)
+        self._results, results_end = multiprocessing.Pipe(duplex=False)
+        ends = (jobs_end.fileno(), results_end.fileno())
+        self.process = subprocess.Popen([multiprocessing.spawn.get_executable(), "-c", _BOOT, *map(str, ends)],
+                                        pass_fds=ends)
         jobs_end.close()  # only the worker holds these ends, so each side sees the other one go
         results_end.close()
         self._pending: dict[int, tuple[OnDone, str]] = {}
         self._lock = threading.Lock()
         self._exited = False
         self.ready = False  # the worker sent READY
-        self._started = threading.Event()  # set when it did, or when it exited first
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._outbox.put(pickle.dumps({
+            "sys_path": list(sys.path), "parent_pid": os.getpid(), "main_path": _main_path(),
+            "authkey": bytes(multiprocessing.current_process().authkey)}))  # to fetch the shared buffers' fds
+        self._outbox.put(frame("stops", None, stops))
+        self._sender = threading.Thread(target=self._send_all, name="ppe-snapshot-to-writer", daemon=True)
+        self._sender.start()
         self._collector = threading.Thread(target=self._collect, name="ppe-snapshot-results", daemon=True)
         self._collector.start()
-        self._jobs.send_bytes(ForkingPickler.dumps(("stops", stops)))
 
-    def wait_started(self, writer: str) -> None:
-        """Block until the worker has started; a clear error when it died while starting."""
-        self._started.wait()
-        if not self.ready:
-            raise SnapshotError(f"the {writer}'s worker process (pid {self.process.pid}) "
-                                f"{_exit_reason(self.process.exitcode)} while starting. The likely cause: "
-                                + UNGUARDED_MAIN.format(writer=writer))
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def alive(self) -> bool:
         with self._lock:
-            return not self._exited and self.process.is_alive()
+            return not self._exited and self.process.poll() is None
 
     def send_buffer(self, slot: int, buffer: torch.Tensor) -> None:
-        try:
-            self._jobs.send_bytes(ForkingPickler.dumps(("buffer", slot, buffer)))
-        except OSError as e:
-            raise SnapshotError(f"the writer process (pid {self.process.pid}) is gone: {e}") from e
+        self._outbox.put(frame("buffer", None, slot, buffer))
 
     def submit(self, ticket: int, payload: bytes, on_done: OnDone, path: str) -> None:
         with self._lock:
             if self._exited:
-                raise SnapshotError(f"the writer process (pid {self.process.pid}) "
-                                    f"{_exit_reason(self.process.exitcode)}; {path} was not saved")
+                raise SnapshotError(f"the writer process (pid {self.pid}) "
+                                    f"{_exit_reason(self.process.returncode)}; {path} was not saved")
             self._pending[ticket] = (on_done, path)
-        try:
-            self._jobs.send_bytes(payload)
-        except OSError as e:
-            with self._lock:
-                lost = self._pending.pop(ticket, None)
-            if lost is not None:  # else the collector already reported it
-                raise SnapshotError(f"could not hand {path} to the writer process (pid {self.process.pid}): {e}") from e
+        self._outbox.put(payload)
+
+    def _send_all(self) -> None:
+        while (payload := self._outbox.get()) is not None:
+            try:
+                self._jobs.send_bytes(payload)
+            except OSError:  # the worker is gone: the collector reports what it lost
+                return
 
     def _collect(self) -> None:
         while True:
-            ready = multiprocessing.connection.wait([self._results, self.process.sentinel])
-            if self._results not in ready:
-                break
             try:
                 ticket, error, nbytes = reply = self._results.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # the worker exited
                 break
             if reply == READY:
                 self.ready = True
-                self._started.set()
                 continue
             with self._lock:
                 on_done, _ = self._pending.pop(ticket)
             self._report(on_done, _rebuild_error(*error) if error is not None else None, nbytes)
-        self.process.join()
-        self._started.set()
+        self.process.wait()
         with self._lock:
             self._exited = True
             lost, self._pending = list(self._pending.values()), {}
-        reason = _exit_reason(self.process.exitcode)
+        reason = _exit_reason(self.process.returncode)
+        if not self.ready:
+            reason += " while starting (its error is on standard error above)"
         for on_done, path in lost:
-            self._report(on_done, SnapshotError(
-                f"the writer process (pid {self.process.pid}) {reason} before {path} was committed"), None)
+            self._report(on_done, SnapshotError(f"the writer process (pid {self.pid}) {reason} before {path} "
+                                                "was committed"), None)
 
     @staticmethod
     def _report(on_done: OnDone, error: BaseException | None, nbytes: int | None) -> None:
@@ -152,14 +172,13 @@ class _Worker:
 
     def close(self) -> None:
         """Let the worker finish what it was sent, then stop it."""
-        try:
-            self._jobs.send_bytes(ForkingPickler.dumps(("stop",)))
-        except OSError:  # already gone
-            pass
-        self.process.join()
+        self._outbox.put(frame("stop", None))
+        self._outbox.put(None)
+        self._sender.join()
+        self._jobs.close()  # the worker also stops when its pipe closes
+        self.process.wait()
         if self._collector is not threading.current_thread():
             self._collector.join()
-        self._jobs.close()
         self._results.close()
 
 
@@ -174,15 +193,15 @@ class _ProcessBase(AsyncWriter):
         self._stops = new_shared_buffer(queue_depth)
         self._slot_jobs: list[TakeJob | None] = [None] * queue_depth
         self._worker: _Worker | None = None
-        if _in_spawn_bootstrap():  # this is the worker importing the unguarded script: say so, start nothing
-            raise RuntimeError(f"{type(self).__name__} created while a worker process imports the main "
-                               f"module; {UNGUARDED_MAIN.format(writer=type(self).__name__)}")
+        if _in_main_import():  # this is the worker importing the unguarded script: say so, start nothing
+            raise RuntimeError(f"{type(self).__name__} created while its worker process imports the main "
+                               f"script; {UNGUARDED_MAIN.format(writer=type(self).__name__)}")
         self._worker = _Worker(self._stops)
 
     @property
     def worker_pid(self) -> int | None:
         """The pid of the worker process (None once finalized)."""
-        return self._worker.process.pid if self._worker is not None else None
+        return self._worker.pid if self._worker is not None else None
 
     def _check_path(self, path: str) -> None:
         if fsspec.utils.get_protocol(path) == "memory":
@@ -193,7 +212,7 @@ class _ProcessBase(AsyncWriter):
     def _acquire(self) -> int:
         slot = super()._acquire()
         try:
-            self._live_worker()  # a restart (seconds) happens before staging, not after
+            self._live_worker()
         except BaseException:
             self._release(slot)
             raise
@@ -205,14 +224,11 @@ class _ProcessBase(AsyncWriter):
             if worker is not None:
                 worker.close()  # reports the saves it lost
                 logger.warning("the writer process (pid %s) %s; starting a new one",
-                               worker.process.pid, _exit_reason(worker.process.exitcode))
+                               worker.pid, _exit_reason(worker.process.returncode))
             worker = self._worker = _Worker(self._stops)
-            worker.wait_started(type(self).__name__)
             for slot, buffer in enumerate(self._buffers):
                 if buffer is not None:
                     worker.send_buffer(slot, buffer)
-        elif not worker.ready:  # the first save: a worker that cannot start fails it, with the cause
-            worker.wait_started(type(self).__name__)
         return worker
 
     def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
@@ -269,7 +285,7 @@ class _ProcessBase(AsyncWriter):
         number = next(self._tickets)
         kind, *rest = work
         try:
-            payload = ForkingPickler.dumps((kind, number, *rest))
+            payload = frame(kind, number, *rest)
         except Exception as e:
             raise TypeError(f"{type(self).__name__} hands each save to its worker process, and this one cannot "
                             f"be pickled ({e}). Use a module-level savefun such as torch.save (and a picklable "
@@ -297,9 +313,10 @@ def _save_alone(settings: dict[str, Any], filename: str, out_dir: str, target: A
 class ProcessWriter(_ProcessBase, StandardWriter[multiprocessing.Process]):
     """Stages in the caller, writes and commits in one long-lived worker process.
 
-    The worker is started once, with the ``spawn`` method (never a fork per
-    snapshot), and is fed through a shared-memory staging buffer that the
-    writer allocates once, grows only when a snapshot needs more, and reuses;
+    The worker is started once, when the writer is created, as a fresh
+    interpreter (never a fork; the caller does not wait for its start), and
+    is fed through a shared-memory staging buffer that the writer allocates
+    once, grows only when a snapshot needs more, and reuses;
     the training process pays neither the GIL nor copy-on-write faults for
     the write. The caller is blocked only while the state is copied into that
     buffer (device-to-host for CUDA state; the worker never touches CUDA).
@@ -309,8 +326,11 @@ class ProcessWriter(_ProcessBase, StandardWriter[multiprocessing.Process]):
     next call. :meth:`finalize` and interpreter exit stop the worker after
     the save in flight; the worker also exits by itself when this process dies.
 
-    Like DataLoader workers, the spawned worker imports the main script:
-    guard the script's entry point with ``if __name__ == "__main__":``. It
+    The worker does not import the main script, so a script without an
+    ``if __name__ == "__main__":`` guard works, unless a save refers to
+    something defined in the script (a ``savefun``, a class of a saved
+    object): the worker then imports it, as multiprocessing's ``spawn``
+    would, and that needs the guard (the save fails saying so). It
     cannot write to ``memory://`` (that file system is private to a process).
     With a ``savefun``, tensors are staged to host memory, so CUDA tensors
     are saved as CPU tensors, and ``savefun`` (and ``fs``) must be picklable.

@@ -1,23 +1,33 @@
 """The ProcessWriter's worker process: writes and commits the saves staged by its parent.
 
-It never touches CUDA: every save arrives staged in a host shared-memory
-buffer that the parent sent once (and again only when it grew). Messages:
+A fresh interpreter (see ``_process._BOOT``), not a fork and not multiprocessing's ``spawn``: the parent's main
+script is imported only when a save refers to something defined there (a savefun, a class), so a script without
+a ``__main__`` guard works. It never touches CUDA: every save arrives staged in a host shared-memory buffer that
+the parent sent once (and again only when it grew).
 
-* ``("buffer", slot, tensor)``: the staging buffer of a slot;
-* ``("stops", tensor)``: one byte per slot, set by the parent when the take of several ranks in that slot failed
+The first message is the setup (plain pickle): the parent's ``sys_path``, ``parent_pid``, ``main_path`` and
+``authkey`` (with which the worker fetches the file descriptors of the shared buffers from its parent). Every
+other message is a :func:`frame` ``(kind, ticket, body)``, the body unpickled only where its errors can be
+answered:
+
+* ``buffer`` ``(slot, tensor)``: the staging buffer of a slot;
+* ``stops`` ``(tensor,)``: one byte per slot, set by the parent when the take of several ranks in that slot failed
   elsewhere (the write stops at its next block);
-* ``("take", ticket, slot, job, step)``: write and commit an engine snapshot, then run
-  ``step`` (see ``_replace.after_commit``: give it its name when it replaces one); a take of several ranks is
-  only written and its part published: the parent, which speaks for the worker to the other ranks, concludes it;
-* ``("file", ticket, slot, save, skeleton)``: write a single file;
-* ``("stop",)``: finish what is queued, then exit.
+* ``take`` ``(slot, job, step)``: write and commit an engine snapshot, then run ``step`` (see
+  ``_replace.after_commit``: give it its name when it replaces one); a take of several ranks is only written and
+  its part published: the parent, which speaks for the worker to the other ranks, concludes it;
+* ``file`` ``(slot, save, skeleton)``: write a single file;
+* ``stop``: finish what is queued, then exit.
 
 The worker first sends ``READY``; each save is answered with ``(ticket, error, nbytes)``, ``error`` being None or
-``(pickled exception or None, formatted traceback)``. The worker exits
-when its parent goes away (the pipe closes or it is re-parented).
+``(pickled exception or None, formatted traceback)``. The worker exits when its parent goes away (the pipe
+closes or it is re-parented).
 """
 from __future__ import annotations
 
+import io
+import multiprocessing
+import multiprocessing.spawn
 import os
 import pickle
 import queue
@@ -27,6 +37,7 @@ import threading
 import traceback
 from functools import partial
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
@@ -40,42 +51,72 @@ PARENT_CHECK_S = 1.0
 READY = (None, None, None)
 
 
-def serve(jobs: Connection, results: Connection, parent_pid: int) -> None:
+def frame(kind: str, ticket: int | None, *body: Any) -> bytes:
+    """A message to the worker (see the module's docstring); the body goes with the tensors' shared memory."""
+    return pickle.dumps((kind, ticket, bytes(ForkingPickler.dumps(body))))
+
+
+def serve(jobs: Connection, results: Connection, setup: dict[str, Any]) -> None:
+    multiprocessing.current_process().authkey = setup["authkey"]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process; it stops us
     torch.set_num_threads(1)  # leave the cores to training,
     os.nice(10)  # and let training win when both want a core: writing can wait, a step cannot
-    inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+    inbox: queue.SimpleQueue[tuple[str, int | None, bytes] | None] = queue.SimpleQueue()
     # A reader thread keeps the pipe drained, so the parent never blocks on a send while we write.
-    results.send(READY)  # the spawn bootstrap (which imports the parent's main module again) is over
-    threading.Thread(target=_receive, args=(jobs, inbox, parent_pid), daemon=True).start()
+    results.send(READY)
+    threading.Thread(target=_receive, args=(jobs, inbox, setup["parent_pid"]), daemon=True).start()
+    unpickle = partial(_unpickle, setup["main_path"])
     buffers: dict[int, torch.Tensor] = {}
     stops = torch.zeros(0, dtype=torch.uint8)
     while (message := inbox.get()) is not None:
-        kind, *rest = message
+        kind, ticket, body = message
         if kind == "buffer":
-            slot, buffer = rest
+            slot, buffer = unpickle(body)
             buffers[slot] = buffer
             continue
         if kind == "stops":
-            stops = rest[0]
+            stops, = unpickle(body)
             continue
-        ticket, slot, *work = rest
-        reply = (ticket, *_run(kind, work, buffers[slot], partial(_stopped, stops, slot)))
-        del message, rest, work
+        reply = (ticket, *_run(kind, partial(unpickle, body), buffers, stops))
+        del message, body
         try:
             results.send(reply)
         except OSError:  # the parent is gone
             return
 
 
-def _receive(jobs: Connection, inbox: "queue.SimpleQueue[tuple[Any, ...] | None]", parent_pid: int) -> None:
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a message's body; imports the parent's main script on the first reference to it."""
+
+    def __init__(self, data: bytes, main_path: str | None) -> None:
+        super().__init__(io.BytesIO(data))
+        self._main_path = main_path
+
+    def find_class(self, module: str, name: str) -> Any:
+        main = sys.modules["__main__"]
+        if module == "__main__" and self._main_path is not None and getattr(main, "__file__", None) != self._main_path:
+            process = multiprocessing.current_process()
+            process._inheriting = True  # type: ignore[attr-defined]  # a writer created by the import refuses
+            try:
+                multiprocessing.spawn.import_main_path(self._main_path)
+            finally:
+                del process._inheriting  # type: ignore[attr-defined]
+        return super().find_class(module, name)
+
+
+def _unpickle(main_path: str | None, body: bytes) -> Any:
+    return _Unpickler(body, main_path).load()
+
+
+def _receive(jobs: Connection, inbox: "queue.SimpleQueue[tuple[str, int | None, bytes] | None]",
+             parent_pid: int) -> None:
     try:
         while True:
             if not jobs.poll(PARENT_CHECK_S):
                 if os.getppid() != parent_pid:
                     return
                 continue
-            message = jobs.recv()
+            message = pickle.loads(jobs.recv_bytes())
             if message[0] == "stop":
                 return
             inbox.put(message)
@@ -92,20 +133,21 @@ def _stopped(stops: torch.Tensor, slot: int) -> str | None:
     return "the take failed on another rank" if slot < len(stops) and stops[slot] else None
 
 
-def _run(kind: str, work: list[Any], buffer: torch.Tensor, stopped: Callable[[], str | None]
+def _run(kind: str, body: Callable[[], Any], buffers: dict[int, torch.Tensor], stops: torch.Tensor
          ) -> tuple[Any, int | None]:
     try:
+        slot, *work = body()
         if kind == "take":
             job, step = work
-            job.use_staged(buffer)
+            job.use_staged(buffers[slot])
             if job.world_size > 1:
-                job.stopped = stopped
+                job.stopped = partial(_stopped, stops, slot)
                 job.write_part()
             else:
                 commit_in_place(job, step)
             return None, None
         save, skeleton = work
-        return None, save.run(materialize(skeleton, buffer))
+        return None, save.run(materialize(skeleton, buffers[slot]))
     except BaseException as e:
         return _describe(e), None
 
