@@ -222,3 +222,10 @@ def restore_elsewhere(root: str) -> dict[str, Any]:
     Snapshot(f"{root}/plain1", pg=LOCAL).restore({"model": model, "optim": optim})
     return {"dt": _restore_dtensors(f"{root}/dt4", world, Shard(0)), "fsdp": _restore_fsdp(root, "4", world),
             "plain1": full_state(model, optim)}
+
+
+def take_rows_on_two(path: str, storage_options: dict[str, Any]) -> None:
+    """Two ranks: ``reference("chunky")`` as a DTensor of rows split over the ranks, taken to ``path``."""
+    mesh = init_device_mesh("cpu", (2,))
+    state = StateDict(w=distribute_tensor(reference("chunky"), mesh, [Shard(0)]))
+    Snapshot.take(path, {"dt": state}, storage_options=storage_options)

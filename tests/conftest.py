@@ -3,6 +3,9 @@
 ``dist_run``     real multi-process gloo runs on a reused pool of spawned workers
 ``s3_endpoint``  a real S3-protocol server (moto) on 127.0.0.1 for the session
 ``s3_bucket``    a fresh bucket per test, as ``("s3://<bucket>", storage_options)``
+``gcs_bucket``   the same on a Google Cloud Storage emulator (``gs://``)
+``az_container`` the same on Azurite, Azure's blob storage emulator (``az://``)
+``object_store`` each of the three in turn, as an :class:`ObjectStore`
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -18,6 +23,10 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import _dist  # noqa: E402
+
+# gcsfs asks a bucket's type over gRPC at its first use, which an emulator does not answer (60 s per bucket):
+# off for the whole session, set before any worker process starts so that every process inherits it.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -148,13 +157,73 @@ def azurite():
     server.stop()
 
 
+def _fresh_bucket(scheme: str, options: dict[str, Any]):
+    """Yields ``("<scheme>://<new bucket>", options)``; the bucket and what it holds are removed afterwards."""
+    import fsspec
+
+    name = f"b{uuid.uuid4().hex[:20]}"
+    fs = fsspec.filesystem(scheme, skip_instance_cache=True, **options)
+    fs.mkdir(name)
+    try:
+        yield f"{scheme}://{name}", options
+    finally:
+        fs.rm(name, recursive=True)
+
+
 @pytest.fixture
 def az_container(azurite):
     """A fresh container on the emulator: yields ``("az://<container>", storage_options)``."""
-    import fsspec
+    yield from _fresh_bucket("az", azurite.storage_options)
 
-    name = f"c{uuid.uuid4().hex[:20]}"
-    fs = fsspec.filesystem("az", skip_instance_cache=True, **azurite.storage_options)
-    fs.mkdir(name)
-    yield f"az://{name}", azurite.storage_options
-    fs.rm(name, recursive=True)
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A Google Cloud Storage emulator on 127.0.0.1 for the session (skipped, saying why, where not installed)."""
+    pytest.importorskip("gcsfs", reason="gcsfs is not installed (make venv installs it)")
+    pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator is not installed (make venv installs it)")
+    import _gcs_emulator
+
+    server = _gcs_emulator.GcsEmulator()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator):
+    """A fresh bucket on the emulator: yields ``("gs://<bucket>", storage_options)``."""
+    yield from _fresh_bucket("gs", gcs_emulator.storage_options)
+
+
+@dataclass
+class ObjectStore:
+    """A fresh bucket (or container) of one object store: its URL, the storage options that reach it, and the
+    same options as the command line's ``--storage-option`` flags."""
+    kind: str
+    url: str
+    options: dict[str, Any]
+
+    @property
+    def cli_flags(self) -> list[str]:
+        def flat(options: dict[str, Any], prefix: str = "") -> list[str]:
+            flags = []
+            for key, value in options.items():
+                if isinstance(value, dict):
+                    flags += flat(value, f"{prefix}{key}.")
+                else:
+                    flags.append(f"--storage-option={prefix}{key}={value}")
+            return flags
+        return flat(self.options)
+
+    def fs(self) -> Any:
+        """A new client of the store (no listing cache shared with the code under test)."""
+        import fsspec
+
+        return fsspec.filesystem(self.url.split("://", 1)[0], skip_instance_cache=True, **self.options)
+
+
+@pytest.fixture(params=["s3", "gcs", "azure"])
+def object_store(request) -> ObjectStore:
+    """Each object store in turn, on its emulator on 127.0.0.1: S3 (moto), GCS, Azure (Azurite)."""
+    fixture = {"s3": "s3_bucket", "gcs": "gcs_bucket", "azure": "az_container"}[request.param]
+    url, options = request.getfixturevalue(fixture)
+    return ObjectStore(request.param, url, options)

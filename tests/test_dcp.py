@@ -232,14 +232,6 @@ def test_validate_checkpoint_id():
         assert not cls.validate_checkpoint_id(42)
 
 
-def test_dcp_round_trip_on_s3(s3_bucket):
-    url, options = s3_bucket
-    path = f"{url}/run/snap"
-    model, optim, extra = _save_dcp(path, options)
-    Snapshot(path, storage_options=options).verify()
-    _load_dcp_and_check(path, model, optim, extra, options)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dcp_cuda_tensors(tmp_path):
     path = str(tmp_path / "snap")

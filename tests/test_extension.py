@@ -311,21 +311,6 @@ def test_memory_url_with_thread_writer(tmp_path, straight):
     assert names == ["snapshot_iter_8", "snapshot_iter_10"]
 
 
-def test_s3_bucket(tmp_path, s3_bucket, straight):
-    bucket, storage_options = s3_bucket
-    url = f"{bucket}/run"
-    writer = lambda: make_writer("SimpleWriter", out_dir=url, storage_options=storage_options)  # noqa: E731
-    first = Run(str(tmp_path), ITERS, {"writer": writer(), "n_retains": 1})
-    with pytest.raises(Crash):
-        first.train(crash_at=7)
-    resumed = Run(str(tmp_path), ITERS, {"writer": writer(), "n_retains": 1, "autoload": True}, seed=1)
-    resumed.train()
-    assert resumed.snapshot.resumed_from == join(url, "snapshot_iter_6")
-    assert_same(resumed.state(), straight)
-    found = ppe_snapshot.retention.list_snapshots(url, "snapshot_iter_{.iteration}", storage_options)
-    assert [c.name for c in found] == ["snapshot_iter_10"]
-
-
 # -- errors in the loop ----------------------------------------------------------------------------------------
 
 

@@ -58,17 +58,6 @@ def test_many_small_tensors_round_trip_in_place(tmp_path):
     assert len(chunks) == 108 and all(c["offset"] % 64 == 0 for c in chunks)
 
 
-def test_many_small_tensors_round_trip_on_an_object_store(s3_bucket):
-    """The bulk reads run on the object store's own read pool (ranged requests in parallel)."""
-    url, options = s3_bucket
-    state = _state()
-    Snapshot.take(f"{url}/s", {"m": StateDict(state)}, storage_options=options)
-    got, before = _restored_in_place(state, f"{url}/s", options)
-    assert all(got[key] is value for key, value in before.items())
-    assert_same({k: v for k, v in got.items() if isinstance(v, torch.Tensor)},
-                {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)})
-
-
 def _restored_in_place(state: dict, path: str, options: dict | None) -> tuple[dict, dict]:
     """The restored state dict, and the target tensors it was restored into."""
     target = _zeros_like(state)

@@ -18,6 +18,7 @@ from ppe_snapshot.dcp import DCP_KEY
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RNGState, Snapshot
 from ppe_snapshot.retention import filesystem
 from ppe_snapshot.run_dir import load_file
+from ppe_snapshot.storage import open_url
 
 #: The app state key under which the extension and the writers store a target's state dict.
 STATE_KEY = "state"
@@ -184,7 +185,7 @@ def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, An
         return read_dcp(source), {}
     if source.kind == Kind.PPE_FILE:
         if allow_pickle:  # the user trusts the file: objects beyond tensors and plain values are unpickled
-            with fsspec.open(source.path, "rb", **(source.storage_options or {})) as f:
+            with open_url(source.path, "rb", source.storage_options) as f:
                 state = torch.load(f, map_location="cpu", weights_only=False)
         else:
             state = load_file(source.path, source.storage_options)
@@ -218,7 +219,7 @@ def read_dcp(source: Source) -> dict[str, Any]:
 def read_safetensors(source: Source) -> dict[str, Any]:
     from safetensors.torch import load as load_safetensors
 
-    with fsspec.open(source.path, "rb", **(source.storage_options or {})) as f:
+    with open_url(source.path, "rb", source.storage_options) as f:
         return load_safetensors(f.read())
 
 

@@ -13,12 +13,11 @@ import sys
 import warnings
 from typing import Any
 
-import fsspec
 import torch
 
 from ppe_snapshot.cli.common import Kind, UsageError, flatten, open_source, progress, read_state
 from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
-from ppe_snapshot.storage import open_storage
+from ppe_snapshot.storage import open_storage, open_url
 from ppe_snapshot.retention import filesystem
 
 TARGETS = ("snapshot", "torch", "dcp", "safetensors")
@@ -70,14 +69,14 @@ def _write_safetensors(state: dict[str, Any], dst: str, storage_options: dict | 
 
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in _tensors_only(state, "safetensors").items()}
     data = save_safetensors(tensors)
-    with fsspec.open(dst, "wb", **(storage_options or {})) as f:
+    with open_url(dst, "wb", storage_options) as f:
         f.write(data)
 
 
 def _write_torch(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    with fsspec.open(dst, "wb", **(storage_options or {})) as f:
+    with open_url(dst, "wb", storage_options) as f:
         f.write(buffer.getvalue())
 
 

@@ -49,7 +49,7 @@ def check(path: str, storage_options: dict | None, quick: bool) -> list[str]:
     """The problems found in the snapshot at ``path`` (empty: it is good). :class:`UsageError` if it is none."""
     source = open_source(path, storage_options, allow_in_progress=True)
     if source.kind == Kind.IN_PROGRESS:
-        return [f"it has no manifest.json: still being written, or its save crashed"]
+        return ["it has no manifest.json: still being written, or its save crashed"]
     if source.is_engine:
         try:
             source.snapshot().verify(deep=False)

@@ -15,6 +15,8 @@ import fsspec
 import numpy as np
 import torch
 
+from ppe_snapshot.storage import open_url
+
 #: How a ``torch.save`` file begins: a zip archive (the default), or a pickle (the legacy format).
 _FILE_MAGIC = (b"PK\x03\x04", b"\x80")
 
@@ -88,5 +90,5 @@ def load_file(url: str, storage_options: dict[str, Any] | None) -> Any:
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct
     numpy_globals = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    with fsspec.open(url, "rb", **(storage_options or {})) as f, torch.serialization.safe_globals(numpy_globals):
+    with open_url(url, "rb", storage_options) as f, torch.serialization.safe_globals(numpy_globals):
         return torch.load(f, map_location=torch.device("cpu"), weights_only=True)

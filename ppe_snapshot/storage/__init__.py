@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
-from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, url_to_fs
+from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.pools import shared_pool
 from ppe_snapshot.storage.swap import exchange, sync_directory
@@ -53,4 +53,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
            "Tuning", "exchange", "is_local", "is_safe_relative", "join", "open_storage", "shared_pool",
-           "split_tuning", "sync_directory", "url_to_fs"]
+           "open_url", "split_tuning", "sync_directory", "url_to_fs"]

@@ -168,12 +168,35 @@ def with_connections(url: str, options: dict[str, Any], tuning: Tuning) -> dict[
     return {**options, "config_kwargs": config}
 
 
+#: The extra of ppe-snapshot that installs the file system of a URL scheme, and the package it installs.
+EXTRAS = {"s3": ("s3", "s3fs"), "s3a": ("s3", "s3fs"), "gs": ("gcs", "gcsfs"), "gcs": ("gcs", "gcsfs"),
+          "az": ("azure", "adlfs"), "abfs": ("azure", "adlfs"), "abfss": ("azure", "adlfs")}
+
+
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec file system of ``url`` and the path there, as every part of ppe-snapshot opens it: the knobs of
     ``storage/tuning.py`` taken out of ``storage_options``, the retry policy (:data:`S3_RETRIES`) and connection
-    pool of ``s3://`` added (so every user of one URL shares fsspec's cached file system instance)."""
+    pool of ``s3://`` added (so every user of one URL shares fsspec's cached file system instance).
+
+    A URL whose file system is not installed raises an ``ImportError`` naming the extra that installs it.
+    """
     tuning, options = split_tuning(storage_options)
-    return fsspec.core.url_to_fs(str(url), **with_connections(str(url), with_retry_policy(str(url), options), tuning))
+    try:
+        return fsspec.core.url_to_fs(str(url), **with_connections(str(url), with_retry_policy(str(url), options),
+                                                                  tuning))
+    except ImportError as e:
+        scheme = str(url).split("://", 1)[0]
+        if scheme not in EXTRAS:
+            raise
+        extra, package = EXTRAS[scheme]
+        raise ImportError(f"{url}: {scheme}:// needs {package}, which is not installed: "
+                          f"pip install 'ppe-snapshot[{extra}]'") from e
+
+
+def open_url(url: str, mode: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """The file at ``url`` opened in ``mode`` (a file object of the URL's file system, see :func:`url_to_fs`)."""
+    fs, path = url_to_fs(url, storage_options)
+    return fs.open(path, mode)
 
 
 def fsspec_storage(url: str, storage_options: dict[str, Any] | None) -> FsspecStorage:

@@ -1,0 +1,252 @@
+"""Every engine path, the extension with each writer, the command line and the DCP adapter on each object store
+(S3, Google Cloud Storage, Azure Blob), against their emulators on 127.0.0.1; and listings that are never stale."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import pytorch_pfn_extras as ppe
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import ppe_snapshot
+from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, StateDict
+from ppe_snapshot.cli import main
+from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
+from ppe_snapshot.retention import KeepBest, KeepLatest, list_snapshots
+from ppe_snapshot.storage import join
+
+import _sharded_workers
+from _extension_workers import Crash, Run, assert_same, make_writer
+
+ITERS = 10
+
+
+def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(4, 16)).sum().backward()
+        optim.step()
+    return model, optim
+
+
+def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _assert_restored(model, optim, fresh, fresh_optim) -> None:
+    assert_same(fresh.state_dict(), model.state_dict())
+    assert_same(fresh_optim.state_dict()["state"], optim.state_dict()["state"])
+    assert fresh_optim.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+
+
+# -- the engine ----------------------------------------------------------------------------------------------
+
+
+def test_take_restore_read_verify(object_store):
+    url, options = object_store.url, object_store.options
+    model, optim = _trained()
+    Snapshot.take(f"{url}/run/snap", {"model": model, "optim": optim}, storage_options=options,
+                  metadata={"iteration": 2})
+    stored = sorted(p.split("/snap/", 1)[1] for p in object_store.fs().find(f"{url}/run/snap"))
+    assert stored == ["data/rank0.bin", "index/rank0.idx", "index/shared.idx", "manifest.json"]
+    snap = Snapshot(f"{url}/run/snap", storage_options=options)
+    fresh, fresh_optim = _fresh()
+    snap.restore({"model": fresh, "optim": fresh_optim})
+    _assert_restored(model, optim, fresh, fresh_optim)
+    assert torch.equal(snap.read_object("0/model/0.weight"), model[0].weight.detach())
+    out = torch.empty(4)
+    assert snap.read_object("0/model/2.bias", obj_out=out) is out and torch.equal(out, model[2].bias.detach())
+    assert snap.read_object("0/optim/param_groups/0/lr") == 0.01
+    assert snap.get_manifest()["0/model/0.weight"].shape == [8, 16]
+    assert snap.metadata == {"iteration": 2}
+    snap.verify()
+
+    pending = Snapshot.async_take(f"{url}/run/async", {"model": model}, storage_options=options)
+    pending.wait()
+    fresh, _ = _fresh()
+    Snapshot(f"{url}/run/async", storage_options=options).restore({"model": fresh})
+    assert_same(fresh.state_dict(), model.state_dict())
+
+
+def test_many_small_tensors_restore_in_bulk(object_store):
+    url, options = object_store.url, object_store.options
+    torch.manual_seed(1)
+    state = {f"t{i}": torch.randn(i % 7 + 1, 3) for i in range(1500)}
+    Snapshot.take(f"{url}/many", {"m": StateDict(state)}, storage_options=options)
+    target = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
+    before = dict(target)
+    Snapshot(f"{url}/many", storage_options=options).restore({"m": target})
+    assert all(target[k] is before[k] for k in state)  # in place
+    assert_same(dict(target), state)
+
+
+def test_missing_manifest_and_truncated_data(object_store):
+    url, options = object_store.url, object_store.options
+    with pytest.raises(SnapshotNotFoundError, match="manifest.json is missing"):
+        Snapshot(f"{url}/nothing", storage_options=options).restore({"model": nn.Linear(2, 2)})
+    Snapshot.take(f"{url}/snap", {"s": StateDict(a=torch.arange(100), b=torch.ones(50))}, storage_options=options)
+    fs, data = object_store.fs(), f"{url}/snap/data/rank0.bin"
+    fs.pipe_file(data, fs.cat_file(data)[:800])  # a whole, b (from byte 832) gone
+    with pytest.raises(CorruptSnapshotError, match="missing or truncated"):
+        Snapshot(f"{url}/snap", storage_options=options).restore({"s": StateDict()})
+    with pytest.raises(CorruptSnapshotError, match="800 bytes"):
+        Snapshot(f"{url}/snap", storage_options=options).verify()
+
+
+def test_resharding_restore(object_store, dist_run):
+    """Rows of a DTensor taken by two ranks, read back whole by one process."""
+    url, options = object_store.url, object_store.options
+    dist_run(_sharded_workers.take_rows_on_two, 2, f"{url}/dt2", options)
+    expected = _sharded_workers.reference("chunky")
+    snap = Snapshot(f"{url}/dt2", storage_options=options)
+    assert torch.equal(snap.read_object("dt/w"), expected)
+    target = StateDict(w=torch.zeros_like(expected))
+    snap.restore({"dt": target})
+    assert torch.equal(target["w"], expected)
+
+
+def test_google_cloud_storage_under_both_schemes(gcs_bucket):
+    url, options = gcs_bucket
+    bucket = url.removeprefix("gs://")
+    state = StateDict(w=torch.randn(64, 64))
+    Snapshot.take(f"gcs://{bucket}/a", {"s": state}, storage_options=options)
+    out = StateDict(w=torch.zeros(64, 64))
+    Snapshot(f"gs://{bucket}/a", storage_options=options).restore({"s": out})
+    assert torch.equal(out["w"], state["w"])
+
+
+# -- the extension -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = Run(str(tmp_path_factory.mktemp("straight")), ITERS, {})
+    run.train()
+    return run.state()
+
+
+@pytest.mark.parametrize("kind", ["SimpleWriter", "ThreadWriter", "ProcessWriter"])
+def test_extension_autoload_and_retention(object_store, kind, straight, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url, options = f"{object_store.url}/run", object_store.options
+    writer = lambda: make_writer(kind, out_dir=url, storage_options=options)  # noqa: E731
+    first = Run(str(tmp_path), ITERS, {"writer": writer(), "n_retains": 2})
+    with pytest.raises(Crash):
+        first.train(crash_at=7)
+    first.snapshot.writer.finalize()
+    resumed = Run(str(tmp_path), ITERS, {"writer": writer(), "n_retains": 2, "autoload": True}, seed=1)
+    resumed.train()
+    resumed.snapshot.writer.finalize()
+    assert resumed.snapshot.resumed_from == join(url, "snapshot_iter_6")
+    assert_same(resumed.state(), straight)
+    found = list_snapshots(url, "snapshot_iter_{.iteration}", options)
+    assert [c.name for c in found] == ["snapshot_iter_8", "snapshot_iter_10"]
+    assert _names(object_store, url) == ["snapshot_iter_10", "snapshot_iter_8"]
+
+
+def test_extension_policies_and_snapshot_on_error(object_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url, options = f"{object_store.url}/run", object_store.options
+    writer = make_writer("ThreadWriter", out_dir=url, storage_options=options)
+    run = Run(str(tmp_path), ITERS, {"writer": writer, "keep": KeepLatest(1) | KeepBest("loss", mode="max"),
+                                     "snapshot_on_error": True})
+    losses = iter([5.0, 9.0, 1.0])
+
+    def report_loss(manager):
+        ppe.reporting.report({"loss": next(losses)})
+    run.manager.extend(report_loss, trigger=(2, "iteration"), priority=300)
+    with pytest.raises(Crash), pytest.warns(UserWarning, match="no number for|no recorded value"):
+        run.train(crash_at=7)
+    writer.finalize()
+    # saved at 2 (loss 5), 4 (loss 9, the best), 6 (loss 1), then 7 on error: the newest and the best are kept
+    assert _names(object_store, url) == ["snapshot_iter_4", "snapshot_iter_7"]
+    assert Snapshot(f"{url}/snapshot_iter_7", storage_options=options).metadata["iteration"] == 7
+
+
+def _names(store, url: str) -> list[str]:
+    """The run directory's entries, as a new client sees them."""
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs().ls(url, detail=False))
+
+
+def test_listings_see_what_another_process_wrote(object_store, tmp_path):
+    """A snapshot written by another process after this one listed the directory is listed and pruned here."""
+    url, options = f"{object_store.url}/run", object_store.options
+    Snapshot.take(f"{url}/snapshot_iter_1", {"s": StateDict(x=torch.ones(3))}, storage_options=options,
+                  metadata={"iteration": 1})
+    assert [c.name for c in list_snapshots(url, "snapshot_iter_{.iteration}", options)] == ["snapshot_iter_1"]
+    code = ("import sys, json, torch; from ppe_snapshot import Snapshot, StateDict\n"
+            "url, options = sys.argv[1], json.loads(sys.argv[2])\n"
+            "for i in (2, 3):\n"
+            "    Snapshot.take(f'{url}/snapshot_iter_{i}', {'s': StateDict(x=torch.ones(3))}, storage_options=options,"
+            " metadata={'iteration': i})\n")
+    done = subprocess.run([sys.executable, "-c", code, url, json.dumps(options)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [c.name for c in list_snapshots(url, "snapshot_iter_{.iteration}", options)] == [
+        "snapshot_iter_1", "snapshot_iter_2", "snapshot_iter_3"]
+    removed = ppe_snapshot.retention.prune(url, "snapshot_iter_{.iteration}", 1, storage_options=options)
+    assert sorted(removed) == [f"{url}/snapshot_iter_1", f"{url}/snapshot_iter_2"]
+    assert _names(object_store, url) == ["snapshot_iter_3"]
+
+
+# -- the command line and the DCP adapter ---------------------------------------------------------------------
+
+
+def test_command_line(object_store, tmp_path, capsys):
+    url, flags = f"{object_store.url}/run", object_store.cli_flags
+    for i in (10, 20, 30):
+        Snapshot.take(f"{url}/snapshot_iter_{i}", {"state": StateDict(w=torch.full((3, 4), float(i)))},
+                      storage_options=object_store.options, metadata={"iteration": i})
+    assert main(["ls", "--json", url, *flags]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["status"], r["resume"]) for r in rows] == [
+        ("snapshot_iter_10", "complete", False), ("snapshot_iter_20", "complete", False),
+        ("snapshot_iter_30", "complete", True)]
+    assert main(["verify", f"{url}/snapshot_iter_30", *flags]) == 0
+    assert main(["inspect", f"{url}/snapshot_iter_30", *flags]) == 0
+    assert "0/state/w: tensor float32[3, 4] 48 B" in capsys.readouterr().out
+    assert main(["convert", "--to", "safetensors", f"{url}/snapshot_iter_30", f"{url}/w.safetensors", *flags]) == 0
+    assert main(["convert", "--to", "torch", f"{url}/snapshot_iter_20", str(tmp_path / "w.pt"), *flags]) == 0
+    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.full((3, 4), 20.0))  # the state alone, as ppe saves it
+    assert main(["prune", url, "--keep-latest", "1", *flags]) == 0
+    assert _names(object_store, url) == ["snapshot_iter_30", "w.safetensors"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
+def test_dcp_round_trip(object_store):
+    url, options = object_store.url, object_store.options
+    model, optim = _trained()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    dcp.save(state, storage_writer=SnapshotStorageWriter(f"{url}/dcp", storage_options=options))
+    Snapshot(f"{url}/dcp", storage_options=options).verify()
+    fresh, fresh_optim = _fresh()
+    loaded = {"model": fresh.state_dict(), "optim": torch.optim.Adam(fresh.parameters()).state_dict()}
+    dcp.load(loaded, storage_reader=SnapshotStorageReader(f"{url}/dcp", storage_options=options))
+    assert_same(loaded["model"], model.state_dict())
+
+
+@pytest.mark.parametrize("url, extra, package", [
+    ("gs://bucket/run", "gcs", "gcsfs"), ("gcs://bucket/run", "gcs", "gcsfs"), ("az://container/run", "azure", "adlfs"),
+    ("s3://bucket/run", "s3", "s3fs")])
+def test_a_store_whose_file_system_is_not_installed_names_the_extra(url, extra, package):
+    hidden = "import sys; sys.modules[sys.argv[1]] = None  # as if not installed\n"
+    engine = subprocess.run([sys.executable, "-c", hidden + "import torch; from ppe_snapshot import Snapshot, "
+                             "StateDict\nSnapshot.take(sys.argv[2], {'s': StateDict(x=torch.ones(1))})",
+                             package, f"{url}/snap"], capture_output=True, text=True, timeout=300)
+    assert engine.returncode == 1
+    assert engine.stderr.strip().splitlines()[-1] == (
+        f"ImportError: {url}/snap: {url.split(':')[0]}:// needs {package}, which is not installed: "
+        f"pip install 'ppe-snapshot[{extra}]'")
+    cli = subprocess.run([sys.executable, "-c", hidden + "from ppe_snapshot.cli import main; "
+                          "sys.exit(main(['ls', sys.argv[2]]))", package, url], capture_output=True, text=True,
+                         timeout=300)
+    assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
+    assert f"pip install 'ppe-snapshot[{extra}]'" in cli.stderr
