@@ -1,4 +1,4 @@
-"""A fault-injecting HTTP proxy on 127.0.0.1 in front of the test S3 server.
+"""A fault-injecting HTTP proxy on 127.0.0.1 in front of a test object-store server (S3, GCS or Azure).
 
 Requests pass through unchanged, except those matching a rule, which get the
 rule's status (an S3-style XML error) instead of reaching the server. Every

@@ -91,7 +91,7 @@ class FsspecStorage(Storage):
 
     def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:
         path = self._abs(rel)
-        if self._multipart:  # S3: parts in parallel
+        if self._multipart:  # object stores: parts in parallel
             return MultipartWriter(self.fs, path, self.tuning, size)
         return self._with_parent(path, lambda: _FsspecBlobWriter(self.fs, path))
 
@@ -146,6 +146,28 @@ class FsspecStorage(Storage):
 S3_RETRIES: dict[str, Any] = {"mode": "standard", "total_max_attempts": 5}
 
 
+#: The retry policy of every Azure request (adlfs's client: data blocks, their commit, the manifest, reads and
+#: listings), set on the client's retry policy of the Azure SDK (whose default waits 15 s before the first retry):
+#: up to 5 attempts per request, retrying timeouts, connection errors and HTTP 408 / 500 / 502 / 503 / 504, waiting
+#: 0.25 + 1.5**n s (+-0.5 s) before retry n, so that a request that keeps failing gives up after at most about
+#: 15 s of waiting in all, as on S3.
+AZURE_RETRIES: dict[str, float] = {"attempts": 5, "initial_backoff": 0.25, "increment_base": 1.5, "jitter": 0.5}
+
+def use_azure_retries(fs: Any) -> None:
+    """Set :data:`AZURE_RETRIES` on an adlfs file system's client (its retry policy is shared by every client
+    made from it), once per cached instance."""
+    client = getattr(fs, "service_client", None)
+    policy = getattr(getattr(client, "_config", None), "retry_policy", None)
+    if policy is None or getattr(policy, "ppe_snapshot_policy", False):
+        return
+    retries = int(AZURE_RETRIES["attempts"]) - 1
+    policy.total_retries = policy.connect_retries = policy.read_retries = policy.status_retries = retries
+    policy.initial_backoff = AZURE_RETRIES["initial_backoff"]
+    policy.increment_base = AZURE_RETRIES["increment_base"]
+    policy.random_jitter_range = AZURE_RETRIES["jitter"]
+    policy.ppe_snapshot_policy = True
+
+
 def with_retry_policy(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """``storage_options`` with :data:`S3_RETRIES` for ``s3://`` URLs unless the caller chose a policy."""
     options = dict(storage_options or {})
@@ -182,8 +204,8 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
     """
     tuning, options = split_tuning(storage_options)
     try:
-        return fsspec.core.url_to_fs(str(url), **with_connections(str(url), with_retry_policy(str(url), options),
-                                                                  tuning))
+        fs, path = fsspec.core.url_to_fs(str(url), **with_connections(str(url), with_retry_policy(str(url), options),
+                                                                      tuning))
     except ImportError as e:
         scheme = str(url).split("://", 1)[0]
         if scheme not in EXTRAS:
@@ -191,6 +213,8 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
         extra, package = EXTRAS[scheme]
         raise ImportError(f"{url}: {scheme}:// needs {package}, which is not installed: "
                           f"pip install 'ppe-snapshot[{extra}]'") from e
+    use_azure_retries(fs)
+    return fs, path
 
 
 def open_url(url: str, mode: str, storage_options: dict[str, Any] | None = None) -> Any:
@@ -203,6 +227,5 @@ def fsspec_storage(url: str, storage_options: dict[str, Any] | None) -> FsspecSt
     """The snapshot directory at ``url`` (see :func:`url_to_fs`)."""
     tuning = split_tuning(storage_options)[0]
     fs, root = url_to_fs(url, storage_options)
-    if supports_multipart(fs):
-        check_part_size(tuning.part_size)
+    check_part_size(fs, tuning.part_size)
     return FsspecStorage(fs, root, url, tuning)

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import fsspec.asyn
 
-from ppe_snapshot.storage.multipart import byte_view, supports_multipart
+from ppe_snapshot.storage.multipart import byte_view
+from ppe_snapshot.storage.part_stores import is_s3fs
 from ppe_snapshot.storage.pools import shared_pool
 from ppe_snapshot.storage.tuning import Tuning
 
@@ -77,7 +78,7 @@ class RangedReader:
 
     def __init__(self, fs: Any, tuning: Tuning) -> None:
         self._fs, self._tuning = fs, tuning
-        self._streams = supports_multipart(fs)  # s3fs: responses streamed into place
+        self._streams = is_s3fs(fs)  # s3fs: responses streamed into place
 
     def read(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` in order from the consecutive bytes of ``path`` at ``offset``."""
