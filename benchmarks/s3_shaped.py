@@ -1,6 +1,6 @@
 """A lean in-memory S3 server and a traffic-shaping TCP proxy in front of it, for benchmarks.
 
-    python benchmarks/s3_shaped.py [--rate-mb 40] [--latency-ms 15]
+    python benchmarks/s3_shaped.py [--rate-mb 40] [--latency-ms 15] [--upstream http://127.0.0.1:PORT]
 
 prints one JSON line ``{"endpoint": <server>, "proxy": <proxy>}`` and serves until stdin closes.
 
@@ -10,6 +10,9 @@ ListObjectsV2 (prefix, delimiter), and multipart create / upload-part / complete
 as the bytes objects they arrived in (a completed multipart object is its parts, not a joined copy) and
 served as memoryview slices, so the server costs little CPU beside the clients. ETags are random: nothing
 here hashes the data. ``aws-chunked`` bodies (checksum trailers) are decoded.
+
+With ``--upstream``, no S3 server runs here: the proxy shapes the connections to that server (the GCS and
+Azure emulators of ``bench_gcs_azure.py``), and ``endpoint`` is that server.
 
 The proxy gives every connection a bandwidth cap per direction (``--rate-mb`` MB/s) and delays every byte
 by half of ``--latency-ms`` in each direction (so each round trip gains the latency). ``GET /__stats`` on the
@@ -407,14 +410,18 @@ class Proxy:
         return client
 
 
-async def serve(rate_mb: float, latency_ms: float) -> None:
+async def serve(rate_mb: float, latency_ms: float, upstream: str | None = None) -> None:
     store, stats = Store(), Stats()
-    server = await asyncio.start_server(Server(store, stats).handle, "127.0.0.1", 0, limit=64 << 20)
-    port = server.sockets[0].getsockname()[1]
+    if upstream is None:
+        server = await asyncio.start_server(Server(store, stats).handle, "127.0.0.1", 0, limit=64 << 20)
+        port = server.sockets[0].getsockname()[1]
+    else:  # shape the connections to another server (no statistics then)
+        port = urlsplit(upstream).port
     shaper = Proxy(("127.0.0.1", port), rate_mb * 1e6, latency_ms / 2000, stats)
     proxy = await asyncio.get_running_loop().create_server(shaper.protocol, "127.0.0.1", 0)
     proxy_port = proxy.sockets[0].getsockname()[1]
-    print(json.dumps({"endpoint": f"http://127.0.0.1:{port}", "proxy": f"http://127.0.0.1:{proxy_port}"}), flush=True)
+    print(json.dumps({"endpoint": upstream or f"http://127.0.0.1:{port}", "proxy": f"http://127.0.0.1:{proxy_port}"}),
+          flush=True)
     loop = asyncio.get_running_loop()
 
     def sample() -> None:
@@ -430,8 +437,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate-mb", type=float, default=40.0, help="per-connection cap, MB/s each way")
     parser.add_argument("--latency-ms", type=float, default=15.0, help="added to every round trip")
+    parser.add_argument("--upstream", help="shape the connections to this server (http://127.0.0.1:PORT) instead "
+                                           "of serving S3 here")
     args = parser.parse_args()
-    asyncio.run(serve(args.rate_mb, args.latency_ms))
+    asyncio.run(serve(args.rate_mb, args.latency_ms, args.upstream))
 
 
 if __name__ == "__main__":

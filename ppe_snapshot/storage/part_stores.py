@@ -10,10 +10,12 @@ as an object at its path:
 * Azure: the blob appears at ``Put Block List``; staged blocks that were never committed are not listed, and the
   service drops them.
 * GCS: each part is a component object beside the target (``<name>.ppe-part-<token>-<n>``), composed into the
-  target (32 at a time, in rounds), then deleted; :meth:`discard` deletes those already stored.
+  target (32 per request; beyond 32 parts, in rounds whose requests run at once), then deleted; :meth:`discard`
+  deletes those already stored.
 """
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import uuid
@@ -121,27 +123,24 @@ class GcsComposite(PartStore):
         super().__init__(fs, path)
         self._bucket, self._key, _ = fs.split_path(path)
         self._prefix = f"{self._key}.ppe-part-{uuid.uuid4().hex[:12]}-"
-        self._stored: set[str] = set()  # component keys that exist
+        self._stored: set[str] = set()  # component keys that exist, or may (their request was sent)
 
     async def put_part(self, number: int, body: io.BytesIO) -> Any:
         key = f"{self._prefix}{number:05d}"
+        self._stored.add(key)  # before the request: one cancelled after the store took it must still go
         # A media upload of the bytes as they are (gcsfs's pipe_file would copy them into a multipart body).
         await self.fs._call("POST", f"{self.fs._location}/upload/storage/v1/b/{self._bucket}/o",
                             uploadType="media", name=key, data=body.getbuffer(),
                             headers={"Content-Type": "application/octet-stream"}, json_out=True)
-        self._stored.add(key)
         return key
 
     async def complete(self, parts: list[Any]) -> None:
         round_ = 0
-        while len(parts) > self.FAN_IN:  # compose in rounds: groups of 32 into intermediate components
+        while len(parts) > self.FAN_IN:  # compose in rounds: groups of 32 into intermediate components, at once
             groups = [parts[i:i + self.FAN_IN] for i in range(0, len(parts), self.FAN_IN)]
-            parts = []
-            for index, group in enumerate(groups):
-                key = f"{self._prefix}r{round_}-{index:05d}"
-                await self._compose(key, group)
-                self._stored.add(key)
-                parts.append(key)
+            parts = [f"{self._prefix}r{round_}-{index:05d}" for index in range(len(groups))]
+            self._stored.update(parts)
+            await asyncio.gather(*(self._compose(key, group) for key, group in zip(parts, groups)))
             round_ += 1
         await self._compose(self._key, parts)
         await self._remove_components(logger.warning)
@@ -158,6 +157,8 @@ class GcsComposite(PartStore):
             return
         try:
             await self.fs._rm([f"{self._bucket}/{key}" for key in stored])
+        except FileNotFoundError:  # none of them was stored
+            pass
         except Exception as e:  # noqa: BLE001 - the object (or its absence) is what counts
             report("could not remove %d upload components of %s: %s", len(stored), self.path, e)
 
