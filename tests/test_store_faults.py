@@ -39,9 +39,9 @@ def _nothing_at(path: str, options: dict) -> None:
 @pytest.fixture
 def waits(monkeypatch) -> list[float]:
     """The waits the stores' retry policies ask for, recorded instead of slept (the requests are real)."""
-    import gcsfs.retry
-    from azure.storage.blob._shared.policies_async import AsyncStorageRetryPolicy
-
+    gcs_retry = pytest.importorskip("gcsfs.retry", reason="gcsfs is not installed (make venv installs it)")
+    azure_policies = pytest.importorskip("azure.storage.blob._shared.policies_async",
+                                         reason="adlfs is not installed (make venv installs it)")
     asked: list[float] = []
 
     async def gcs_wait(seconds: float) -> None:
@@ -49,8 +49,8 @@ def waits(monkeypatch) -> list[float]:
 
     async def azure_wait(policy, settings, transport) -> None:
         asked.append(policy.get_backoff_time(settings))
-    monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=gcs_wait))
-    monkeypatch.setattr(AsyncStorageRetryPolicy, "sleep", azure_wait)
+    monkeypatch.setattr(gcs_retry, "asyncio", types.SimpleNamespace(sleep=gcs_wait))
+    monkeypatch.setattr(azure_policies.AsyncStorageRetryPolicy, "sleep", azure_wait)
     return asked
 
 
