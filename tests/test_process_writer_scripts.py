@@ -81,3 +81,20 @@ def test_a_savefun_in_a_script_without_main_guard_fails_naming_the_guard(tmp_pat
     assert len(raised) == 1 and 'no `if __name__ == "__main__":` guard' in raised[0] and "Fix:" in raised[0]
     assert done.stdout.count("iteration 0\n") == 1  # the import in the worker ran no training (it was refused)
     assert not (tmp_path / "snapshot_iter_1").exists()
+
+
+def test_a_savefun_in_a_module_run_with_dash_m_is_found_by_the_worker(tmp_path):
+    package = tmp_path / "trainer"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    body = TRAIN.format(out=str(tmp_path), writer_args="savefun=save_twice") + LOOP.format(out=str(tmp_path))
+    (package / "run.py").write_text("import torch\n\ndef save_twice(obj, f):\n    torch.save(obj, f)\n\n"
+                                    "if __name__ == '__main__':\n" + textwrap.indent(body, "    "))
+    done = subprocess.run([sys.executable, "-m", "trainer.run"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])},
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("iteration 0\n") == 1
+    state = torch.load(tmp_path / "snapshot_iter_3", weights_only=True)
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert all(torch.equal(value, final[key]) for key, value in state["models"]["main"].items())

@@ -75,13 +75,15 @@ def _rebuild_error(data: bytes | None, text: str) -> BaseException:
     return error
 
 
-def _main_path() -> str | None:
-    """The parent's main script, which the worker imports only when a save refers to something defined there."""
+def _main() -> tuple[str, str] | None:
+    """How the worker finds the parent's main module, which it imports only when a save refers to something
+    defined there: ``("path", script)`` or ``("module", name)`` (``python -m``); None in an interactive session."""
     main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return "module", spec.name.removesuffix(".__main__")
     path = getattr(main, "__file__", None)
-    if path is None or getattr(main, "__spec__", None) is not None:  # an interactive session or ``python -m``
-        return None
-    return os.path.abspath(path)
+    return ("path", os.path.abspath(path)) if path else None
 
 
 class _Worker:
@@ -106,7 +108,7 @@ class _Worker:
         self.ready = False  # the worker sent READY
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._outbox.put(pickle.dumps({
-            "sys_path": list(sys.path), "parent_pid": os.getpid(), "main_path": _main_path(),
+            "sys_path": list(sys.path), "parent_pid": os.getpid(), "main": _main(),
             "authkey": bytes(multiprocessing.current_process().authkey)}))  # to fetch the shared buffers' fds
         self._outbox.put(frame("stops", None, stops))
         self._sender = threading.Thread(target=self._send_all, name="ppe-snapshot-to-writer", daemon=True)

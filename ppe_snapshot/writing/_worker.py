@@ -5,7 +5,7 @@ script is imported only when a save refers to something defined there (a savefun
 a ``__main__`` guard works. It never touches CUDA: every save arrives staged in a host shared-memory buffer that
 the parent sent once (and again only when it grew).
 
-The first message is the setup (plain pickle): the parent's ``sys_path``, ``parent_pid``, ``main_path`` and
+The first message is the setup (plain pickle): the parent's ``sys_path``, ``parent_pid``, ``main`` and
 ``authkey`` (with which the worker fetches the file descriptors of the shared buffers from its parent). Every
 other message is a :func:`frame` ``(kind, ticket, body)``, the body unpickled only where its errors can be
 answered:
@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import io
 import multiprocessing
-import multiprocessing.spawn
 import os
 import pickle
 import queue
+import runpy
 import signal
 import sys
 import threading
 import traceback
+import types
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -65,7 +66,7 @@ def serve(jobs: Connection, results: Connection, setup: dict[str, Any]) -> None:
     # A reader thread keeps the pipe drained, so the parent never blocks on a send while we write.
     results.send(READY)
     threading.Thread(target=_receive, args=(jobs, inbox, setup["parent_pid"]), daemon=True).start()
-    unpickle = partial(_unpickle, setup["main_path"])
+    unpickle = partial(_unpickle, setup["main"])
     buffers: dict[int, torch.Tensor] = {}
     stops = torch.zeros(0, dtype=torch.uint8)
     while (message := inbox.get()) is not None:
@@ -86,26 +87,41 @@ def serve(jobs: Connection, results: Connection, setup: dict[str, Any]) -> None:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Unpickles a message's body; imports the parent's main script on the first reference to it."""
+    """Unpickles a message's body; imports the parent's main module on the first reference to it."""
 
-    def __init__(self, data: bytes, main_path: str | None) -> None:
+    def __init__(self, data: bytes, main: tuple[str, str] | None) -> None:
         super().__init__(io.BytesIO(data))
-        self._main_path = main_path
+        self._main = main
 
     def find_class(self, module: str, name: str) -> Any:
-        main = sys.modules["__main__"]
-        if module == "__main__" and self._main_path is not None and getattr(main, "__file__", None) != self._main_path:
-            process = multiprocessing.current_process()
-            process._inheriting = True  # type: ignore[attr-defined]  # a writer created by the import refuses
-            try:
-                multiprocessing.spawn.import_main_path(self._main_path)
-            finally:
-                del process._inheriting  # type: ignore[attr-defined]
+        if module == "__main__" and self._main is not None and "__mp_main__" not in _MAIN:
+            _import_main(self._main)
         return super().find_class(module, name)
 
 
-def _unpickle(main_path: str | None, body: bytes) -> Any:
-    return _Unpickler(body, main_path).load()
+#: The parent's main module once imported here (as ``__mp_main__``, the name multiprocessing's spawn gives it).
+_MAIN: dict[str, types.ModuleType] = {}
+
+
+def _import_main(main: tuple[str, str]) -> None:
+    """Run the parent's main script or module as ``__mp_main__`` and make it this process's ``__main__``."""
+    kind, where = main
+    process = multiprocessing.current_process()
+    process._inheriting = True  # type: ignore[attr-defined]  # a writer created by the import refuses
+    try:
+        if kind == "path":
+            found = runpy.run_path(where, run_name="__mp_main__")
+        else:
+            found = runpy.run_module(where, run_name="__mp_main__", alter_sys=True)
+    finally:
+        del process._inheriting  # type: ignore[attr-defined]
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(found)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = _MAIN["__mp_main__"] = module
+
+
+def _unpickle(main: tuple[str, str] | None, body: bytes) -> Any:
+    return _Unpickler(body, main).load()
 
 
 def _receive(jobs: Connection, inbox: "queue.SimpleQueue[tuple[str, int | None, bytes] | None]",
