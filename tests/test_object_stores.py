@@ -18,7 +18,7 @@ from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, 
 from ppe_snapshot.cli import main
 from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
 from ppe_snapshot.retention import KeepBest, KeepLatest, list_snapshots
-from ppe_snapshot.storage import join, open_storage
+from ppe_snapshot.storage import join, open_storage, url_to_fs
 from ppe_snapshot.storage.part_stores import part_store_type
 
 import _sharded_workers
@@ -307,3 +307,19 @@ def test_an_abandoned_upload_leaves_nothing_visible(object_store):
     writer.abort()
     assert not store.exists("data/rank0.bin")
     assert object_store.fs().find(f"{object_store.url}/snap") == []
+
+
+def test_a_listing_cached_before_a_snapshot_was_complete_is_not_used(object_store):
+    """The file system instance the library uses listed a snapshot's directory while another client was still
+    writing it; once complete, the listing sees it complete (it did not on GCS: the stale listing answered)."""
+    url, options = f"{object_store.url}/run", object_store.options
+    fs, root = url_to_fs(url, options)  # the library's own, cached instance
+    other = {**options, "skip_instance_cache": True}  # another client, as another process would be
+    Snapshot.take(f"{url}/snapshot_iter_1", {"s": StateDict(x=torch.ones(3))}, storage_options=other,
+                  metadata={"iteration": 1})
+    object_store.fs().pipe_file(f"{url}/snapshot_iter_2/data/rank0.bin", b"a take in progress")
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/snapshot_iter_2", detail=False)] == ["data"]
+    Snapshot.take(f"{url}/snapshot_iter_2", {"s": StateDict(x=torch.ones(3))}, storage_options=other,
+                  metadata={"iteration": 2})
+    found = list_snapshots(url, "snapshot_iter_{.iteration}", options)
+    assert [(c.name, c.complete) for c in found] == [("snapshot_iter_1", True), ("snapshot_iter_2", True)]

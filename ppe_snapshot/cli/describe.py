@@ -15,7 +15,7 @@ from ppe_snapshot.engine import (
     TensorEntry, LOCAL, read_manifest,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
-from ppe_snapshot.storage import open_storage
+from ppe_snapshot.storage import forget_listings, open_storage
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
 
@@ -110,7 +110,7 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     if not fs.isdir(root):
         raise UsageError(f"{run}: not a directory (ls lists a run directory; use 'inspect' for one snapshot)")
     positions = {c.name: c for c in list_snapshots(run, filename, storage_options)}
-    fs.invalidate_cache(root)  # adlfs ignores refresh=True
+    forget_listings(fs, root)  # adlfs ignores refresh=True
     rows = [row for info in fs.ls(root, detail=True, refresh=True)
             if (row := _row(fs, root, run, info, storage_options, deep, positions)) is not None]
     rows.sort(key=lambda r: (r["iteration"] is None, r["iteration"] or 0, r["epoch"] or 0, r["name"]))

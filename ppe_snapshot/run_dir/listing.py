@@ -29,7 +29,7 @@ import fsspec
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, Snapshot, takes_in_progress
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
-from ppe_snapshot.storage import join, url_to_fs
+from ppe_snapshot.storage import forget_listings, join, url_to_fs
 from ppe_snapshot.writing import replaced_name
 
 class CandidateKind:
@@ -88,9 +88,10 @@ def filesystem(out_dir: str, storage_options: dict[str, Any] | None = None) -> t
 
 
 def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
-    """The entries under ``path`` as they are now: the file system's listing cache is dropped first (``refresh``
-    is not every file system's word for it: adlfs ignores it and answered with the listing of its first call)."""
-    fs.invalidate_cache(path)
+    """The entries under ``path`` as they are now: the file system's listing caches of it and below it are dropped
+    first (``refresh`` is not every file system's word for it: adlfs ignores it and answered with the listing of
+    its first call)."""
+    forget_listings(fs, path)
     try:
         return fs.ls(path, detail=True, refresh=True)
     except (FileNotFoundError, NotADirectoryError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
+from ppe_snapshot.storage.base import BlobWriter, Storage, forget_listings, is_safe_relative
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.pools import shared_pool
@@ -52,5 +52,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
-           "Tuning", "exchange", "is_local", "is_safe_relative", "join", "open_storage", "shared_pool",
-           "open_url", "split_tuning", "sync_directory", "url_to_fs"]
+           "Tuning", "exchange", "forget_listings", "is_local", "is_safe_relative", "join", "open_storage", "open_url",
+           "shared_pool", "split_tuning", "sync_directory", "url_to_fs"]

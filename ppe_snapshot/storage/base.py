@@ -102,6 +102,19 @@ class Storage(abc.ABC):
         """Release open handles (cached readers)."""
 
 
+def forget_listings(fs: Any, path: str) -> None:
+    """Drop every directory listing ``fs`` keeps of ``path``, its parents and everything below it, so that the
+    next look sees the store as it is now (fsspec's ``invalidate_cache`` drops the path and its parents only;
+    gcsfs then still answered ``exists`` under it from a listing made before a snapshot there was complete)."""
+    fs.invalidate_cache(path)
+    cache = getattr(fs, "dircache", None)
+    if cache is None:
+        return
+    prefix = fs._strip_protocol(path).rstrip("/") + "/"
+    for key in [key for key in list(cache) if key.startswith(prefix)]:
+        cache.pop(key, None)
+
+
 def check_stored_size(fs: Any, path: str, written: int) -> int:
     """``written``, once the object store (an fsspec file system) says ``path`` holds that many bytes."""
     fs.invalidate_cache(path)
