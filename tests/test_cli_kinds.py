@@ -66,6 +66,9 @@ def kinds(tmp_path):
     return tmp_path
 
 
+COMMANDS = ("ls", "inspect", "verify", "diff", "convert", "prune")
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "ppe_snapshot.cli", *args], capture_output=True, text=True, env=env,
@@ -265,10 +268,14 @@ def test_the_real_command(kinds):
     """Exit codes and output as a shell sees them; never a traceback without --debug."""
     version = _run("--version")
     assert version.returncode == 0 and version.stdout.startswith("ppe-snapshot ") and "torch" in version.stdout
-    for command in ("ls", "inspect", "verify", "diff", "convert", "prune"):
-        helped = _run(command, "-h")
-        assert helped.returncode == 0 and helped.stdout.startswith("usage: ppe-snapshot " + command)
-        assert "``" not in helped.stdout and ":class:" not in helped.stdout
+    helps = subprocess.run(  # every subcommand's -h in one process (each is a SystemExit(0) after the usage)
+        [sys.executable, "-c", "import sys\nfrom ppe_snapshot.cli import main\nfor c in sys.argv[1:]:\n"
+         "    try:\n        main([c, '-h'])\n    except SystemExit as e:\n        print('EXIT', e.code)",
+         *COMMANDS], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert helps.returncode == 0, helps.stderr
+    for command, helped in zip(COMMANDS, helps.stdout.split("EXIT 0\n")):
+        assert helped.startswith("usage: ppe-snapshot " + command)
+        assert "``" not in helped and ":class:" not in helped
     listed = _run("ls", str(kinds / "run"))
     assert listed.returncode == 0 and "*  snapshot_iter_20" in listed.stdout and "ppe-file" in listed.stdout
     failed = _run("inspect", str(kinds / "text.txt"))

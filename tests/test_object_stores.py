@@ -238,19 +238,16 @@ def test_dcp_round_trip(object_store):
 @pytest.mark.parametrize("url, extra, package", [("gs://bucket/run", "gcs", "gcsfs"),
                                                  ("az://container/run", "azure", "adlfs")])
 def test_a_store_whose_file_system_is_not_installed_names_the_extra(url, extra, package):
-    hidden = "import sys; sys.modules[sys.argv[1]] = None  # as if not installed\n"
-    engine = subprocess.run([sys.executable, "-c", hidden + "import torch; from ppe_snapshot import Snapshot, "
-                             "StateDict\nSnapshot.take(sys.argv[2], {'s': StateDict(x=torch.ones(1))})",
-                             package, f"{url}/snap"], capture_output=True, text=True, timeout=300)
-    assert engine.returncode == 1
-    assert engine.stderr.strip().splitlines()[-1] == (
-        f"ImportError: {url}/snap: {url.split(':')[0]}:// needs {package}, which is not installed: "
-        f"pip install 'ppe-snapshot[{extra}]'")
-    cli = subprocess.run([sys.executable, "-c", hidden + "from ppe_snapshot.cli import main; "
-                          "sys.exit(main(['ls', sys.argv[2]]))", package, url], capture_output=True, text=True,
-                         timeout=300)
-    assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
-    assert f"pip install 'ppe-snapshot[{extra}]'" in cli.stderr
+    code = ("import sys; sys.modules[sys.argv[1]] = None  # as if not installed\n"
+            "import torch\nfrom ppe_snapshot import Snapshot, StateDict\nfrom ppe_snapshot.cli import main\n"
+            "print('ls exit', main(['ls', sys.argv[2]]), flush=True)\n"
+            "Snapshot.take(sys.argv[2] + '/snap', {'s': StateDict(x=torch.ones(1))})\n")
+    done = subprocess.run([sys.executable, "-c", code, package, url], capture_output=True, text=True, timeout=300)
+    line = f"{url.split(':')[0]}:// needs {package}, which is not installed: pip install 'ppe-snapshot[{extra}]'"
+    assert done.stdout == "ls exit 2\n"  # the CLI: one line on stderr, exit 2
+    first, *rest = done.stderr.splitlines()
+    assert first == f"ppe-snapshot: ImportError: {url}: {line}", done.stderr
+    assert done.returncode == 1 and rest[-1] == f"ImportError: {url}/snap: {line}"  # the engine
 
 
 # -- data files in parts sent in parallel -------------------------------------------------------------------------
