@@ -217,7 +217,8 @@ def test_command_line(object_store, tmp_path, capsys):
     assert "0/state/w: tensor float32[3, 4] 48 B" in capsys.readouterr().out
     assert main(["convert", "--to", "safetensors", f"{url}/snapshot_iter_30", f"{url}/w.safetensors", *flags]) == 0
     assert main(["convert", "--to", "torch", f"{url}/snapshot_iter_20", str(tmp_path / "w.pt"), *flags]) == 0
-    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.full((3, 4), 20.0))  # the state alone, as ppe saves it
+    saved = torch.load(tmp_path / "w.pt", weights_only=True)  # the state alone, as ppe saves it
+    assert torch.equal(saved["w"], torch.full((3, 4), 20.0))
     assert main(["prune", url, "--keep-latest", "1", *flags]) == 0
     assert _names(object_store, url) == ["snapshot_iter_30", "w.safetensors"]
 
