@@ -153,6 +153,7 @@ S3_RETRIES: dict[str, Any] = {"mode": "standard", "total_max_attempts": 5}
 #: 15 s of waiting in all, as on S3.
 AZURE_RETRIES: dict[str, float] = {"attempts": 5, "initial_backoff": 0.25, "increment_base": 1.5, "jitter": 0.5}
 
+
 def use_azure_retries(fs: Any) -> None:
     """Set :data:`AZURE_RETRIES` on an adlfs file system's client (its retry policy is shared by every client
     made from it), once per cached instance."""

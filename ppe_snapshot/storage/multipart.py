@@ -38,8 +38,9 @@ def supports_multipart(fs: Any) -> bool:
     return part_store_type(fs) is not None
 
 
-def check_part_size(fs: Any, part_size: int) -> None:
-    store = part_store_type(fs)
+def check_part_size(fs: Any, part_size: int, store: type[PartStore] | None = None) -> None:
+    """A part size the store of ``fs`` (or ``store``, already looked up) takes; ValueError otherwise."""
+    store = store or part_store_type(fs)
     if store is not None and part_size < store.min_part:
         raise ValueError(f"ppe_part_size {part_size} is below {store.name}'s minimum part size of {store.min_part} "
                          f"bytes ({store.min_part >> 20} MiB); give at least that")
@@ -66,10 +67,10 @@ class MultipartWriter(BlobWriter):
     """Writes one object at ``path`` in parts sent in parallel (see the module docstring)."""
 
     def __init__(self, fs: Any, path: str, tuning: Tuning, size: int | None = None) -> None:
-        check_part_size(fs, tuning.part_size)
         store_type = part_store_type(fs)
         if store_type is None:
             raise ValueError(f"{path}: {type(fs).__name__} has no parallel upload")
+        check_part_size(fs, tuning.part_size, store_type)
         self._fs, self._path = fs, path
         self._store = store_type(fs, path)
         self._part_size = part_size_for(tuning, size, store_type)
