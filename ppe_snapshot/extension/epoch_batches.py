@@ -69,12 +69,7 @@ def epoch_batches(manager: Any, loader: Any) -> Iterator[Any]:
         raise ValueError(f"the manager is at iteration {manager.iteration} of epoch {epoch}, which a loader of "
                          f"{per_epoch} batches per epoch does not reach: create the manager with "
                          "iters_per_epoch=len(loader)")
-    batches = _resume(loader, epoch, done)
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
+    for batch in _resume(loader, epoch, done):
         yield batch
         if manager.stop_trigger:
             return
