@@ -19,8 +19,8 @@ import ppe_snapshot
 from ppe_snapshot import Snapshot, SnapshotError, UnsupportedValueError, snapshot, snapshot_object
 from ppe_snapshot import writing
 from ppe_snapshot.storage import join
+from ppe_snapshot.stored_snapshot import SIDE_SUFFIX
 from ppe_snapshot.writing import BackgroundSaveError
-from ppe_snapshot.writing._replace import SIDE_SUFFIX
 
 from _extension_workers import Crash, Run, assert_same
 

@@ -16,6 +16,7 @@ FLOORS = {
     "ppe_snapshot.errors": 0, "ppe_snapshot.settings": 0,  # leaves: they import nothing of ours
     "ppe_snapshot.storage": 1,
     "ppe_snapshot.engine": 2,
+    "ppe_snapshot.stored_snapshot": 3,  # one snapshot in a run directory: below writing/ and run_dir/
     "ppe_snapshot.writing": 3, "ppe_snapshot.dcp": 3,
     "ppe_snapshot.run_dir": 4, "ppe_snapshot.retention": 4, "ppe_snapshot.cli": 4,
     "ppe_snapshot.extension": 5,
@@ -182,6 +183,31 @@ def test_what_import_ppe_snapshot_loads_stays_free_of_ppe():
     light = [m for m in MODULES if _floor(m) <= FLOORS["ppe_snapshot.run_dir"] and _package(m) != "ppe_snapshot.writing"
              and m != "ppe_snapshot.cli"]
     assert {m for m in light if any(f.startswith("pytorch_pfn_extras") for f in _foreign_imports(m))} == set()
+
+
+def test_run_dir_never_imports_the_writers():
+    reached = {t for m in MODULES if _package(m) == "ppe_snapshot.run_dir" for t in GRAPH[m]}
+    assert not any(_package(t) == "ppe_snapshot.writing" for t in reached)
+    assert "ppe_snapshot.writing" not in GRAPH["ppe_snapshot.stored_snapshot"]
+
+
+def _string_constants(name: str) -> set[str]:
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_what_a_stored_snapshot_is_has_one_home():
+    """Its side name, the metadata key of its metrics, its quick check (``verify(deep=False)``) and the removal of
+    its manifest first are written only in ``stored_snapshot``."""
+    home = "ppe_snapshot.stored_snapshot"
+    for module in MODULES:
+        if module == home:
+            continue
+        source = MODULES[module].read_text()
+        assert not {".ppe-snapshot-next", "ppe_snapshot_metrics"} & _string_constants(module), module
+        assert "verify(deep=False)" not in source.replace("``Snapshot.verify(deep=False)``", ""), module
+        assert "rm_file(f\"{target}/{MANIFEST_NAME}\")" not in source, module
+    assert {".ppe-snapshot-next", "ppe_snapshot_metrics"} <= _string_constants(home)
 
 
 def test_modules_stay_small():

@@ -242,7 +242,7 @@ def _with_metadata(text: str, metadata) -> str:
 
 
 def test_a_fixed_name_is_listed_with_the_snapshot_replacing_it(tmp_path):
-    from ppe_snapshot.writing._replace import SIDE_SUFFIX
+    from ppe_snapshot.stored_snapshot import SIDE_SUFFIX
     out = str(tmp_path)
     _take(out, "latest", 3)
     _take(out, "latest" + SIDE_SUFFIX, 4)

@@ -18,7 +18,7 @@ from ppe_snapshot.dcp import DCP_KEY
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RNGState, Snapshot
 from ppe_snapshot.retention import filesystem
 from ppe_snapshot.run_dir import load_file
-from ppe_snapshot.storage import open_url
+from ppe_snapshot.storage import local_path, open_url
 
 #: The app state key under which the extension and the writers store a target's state dict.
 STATE_KEY = "state"
@@ -205,9 +205,10 @@ def read_dcp(source: Source) -> dict[str, Any]:
         from ppe_snapshot.dcp import SnapshotStorageReader
         reader: Any = SnapshotStorageReader(source.path, storage_options=source.storage_options)
     else:
-        if source.storage_options or ("://" in source.path and not source.path.startswith("file://")):
+        local = local_path(source.path, source.storage_options)
+        if local is None:
             raise UsageError(f"{source.path}: torch DCP directories are read from local paths only")
-        reader = dcp.FileSystemReader(source.path.removeprefix("file://"))
+        reader = dcp.FileSystemReader(local)
     state: dict[str, Any] = {}
     # dcp.load fills only the keys given; the empty planner (as torch's dcp_to_torch_save) loads them all
     with warnings.catch_warnings():

@@ -17,7 +17,7 @@ import torch
 
 from ppe_snapshot.cli.common import Kind, UsageError, flatten, open_source, progress, read_state
 from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
-from ppe_snapshot.storage import open_storage, open_url
+from ppe_snapshot.storage import local_path, open_storage, open_url
 from ppe_snapshot.retention import filesystem
 
 TARGETS = ("snapshot", "torch", "dcp", "safetensors")
@@ -83,14 +83,15 @@ def _write_torch(state: dict[str, Any], dst: str, storage_options: dict | None) 
 def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
     import torch.distributed.checkpoint as dcp
 
-    if storage_options or ("://" in dst and not dst.startswith("file://")):
+    local = local_path(dst, storage_options)
+    if local is None:
         raise UsageError(f"{dst}: torch DCP directories are written to local paths only")
     from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
         try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(dst.removeprefix("file://")), no_dist=True)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(local), no_dist=True)
         except CheckpointException as e:  # a BaseException holding each rank's error and its traceback as text
             cause = next(iter(e.failures.values()), e)
             cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack)

@@ -11,11 +11,12 @@ from ppe_snapshot.cli.common import (
     Kind, Source, UsageError, classify, describe_value, flatten, open_source, read_state, size_of,
 )
 from ppe_snapshot.engine import (
-    MANIFEST_NAME, BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, Snapshot,
-    TensorEntry, LOCAL, read_manifest,
+    MANIFEST_NAME, BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
+    read_manifest,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
-from ppe_snapshot.storage import forget_listings, open_storage
+from ppe_snapshot.storage import forget_listings, local_path, open_storage
+from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
 
@@ -75,21 +76,21 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
     if kind == Kind.IN_PROGRESS:
         row["status"] = "in-progress"
     elif kind == Kind.SNAPSHOT:
-        snap = Snapshot(url, pg=LOCAL, storage_options=storage_options)
-        try:
-            snap.verify(deep=deep)
-            metadata = snap.metadata
-            if isinstance(metadata, dict):
-                if "dcp" in metadata:
-                    row["kind"] = Kind.DCP_ADAPTER
-                if isinstance(metadata.get("iteration"), int):
-                    row["iteration"] = metadata["iteration"]
-                if isinstance(metadata.get("epoch"), int):
-                    row["epoch"] = metadata["epoch"]
-            row["time"] = _utc(_manifest_of(url, storage_options).committed_at)
-            problem = None
-        except Exception as e:  # noqa: BLE001 - any failure to read it makes it damaged
-            problem = f"{type(e).__name__}: {e}"
+        stored = inspect(url, storage_options)
+        problem = stored.problem
+        if stored.snapshot is not None:
+            if "dcp" in stored.metadata:
+                row["kind"] = Kind.DCP_ADAPTER
+            if stored.iteration is not None:
+                row["iteration"] = stored.iteration
+            if stored.epoch is not None:
+                row["epoch"] = stored.epoch
+            try:
+                if deep:
+                    stored.snapshot.verify(deep=True)
+                row["time"] = _utc(_manifest_of(url, storage_options).committed_at)
+            except Exception as e:  # noqa: BLE001 - any failure to read it makes it damaged
+                problem = f"{type(e).__name__}: {e}"
         row["time"] = row["time"] or _mtime(fs, f"{fs_path}/{MANIFEST_NAME}")
     elif kind == Kind.PPE_FILE and deep and problem is None:
         try:
@@ -219,7 +220,7 @@ def _torch_dcp_entries(source: Source) -> list[dict[str, Any]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(source.path.removeprefix("file://")).read_metadata()
+    metadata = dcp.FileSystemReader(local_path(source.path) or source.path).read_metadata()
     entries = []
     for key, item in sorted(metadata.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):

@@ -9,6 +9,7 @@ from ppe_snapshot.cli.common import Kind, Source, UsageError, open_source, progr
 from ppe_snapshot.engine import ShardedTensorEntry, read_into, read_manifest
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import open_storage
+from ppe_snapshot.stored_snapshot import inspect
 
 
 def damaged_entries(source: Source) -> list[str]:
@@ -51,10 +52,9 @@ def check(path: str, storage_options: dict | None, quick: bool) -> list[str]:
     if source.kind == Kind.IN_PROGRESS:
         return ["it has no manifest.json: still being written, or its save crashed"]
     if source.is_engine:
-        try:
-            source.snapshot().verify(deep=False)
-        except Exception as e:  # noqa: BLE001 - manifest or sizes: the snapshot did not pass
-            return [str(e) if isinstance(e, (CorruptSnapshotError, OSError)) else f"{type(e).__name__}: {e}"]
+        stored = inspect(source.path, source.storage_options)  # manifest and sizes
+        if stored.problem is not None:
+            return [str(stored.error) if isinstance(stored.error, (CorruptSnapshotError, OSError)) else stored.problem]
         return [] if quick else damaged_entries(source)
     if source.kind == Kind.PPE_FILE and quick:
         return []

@@ -33,6 +33,14 @@ class Snapshot:
     def __repr__(self) -> str:
         return f"Snapshot(path={self.path!r})"
 
+    def with_group(self, pg: Any, *, allow_pickle: bool | None = None) -> "Snapshot":
+        """The same snapshot for the ranks of ``pg`` (and ``allow_pickle``, by default this one's), sharing
+        its manifest once read: a caller that checked it hands it on without a second read."""
+        other = Snapshot(self.path, pg, self.storage_options,
+                         allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle)
+        other._manifest = self._manifest
+        return other
+
     # -- taking -------------------------------------------------------------
     # The caller waits: no collection meanwhile, and the take's objects (an entry and more per dict, a list
     # element per tensor) are gone, with the call's locals, before the collector runs again. Left to it, they

@@ -19,6 +19,7 @@ import torch
 from pytorch_pfn_extras import writing as ppe_writing
 
 from ppe_snapshot import writing
+from ppe_snapshot.storage import is_local
 from ppe_snapshot.writing import SnapshotWriter, is_ppe_default_fs
 
 #: ppe's built-in writers, and the ppe_snapshot writer that stands in for each.
@@ -87,7 +88,7 @@ def counterpart(writer: Any) -> SnapshotWriter | None:
 def _remove_local_shadow(out_dir: str) -> None:
     """ppe's writer made ``out_dir`` a local directory even when it is a URL (``./s3:/bucket/run``, created by the
     manager's own writer at its construction): remove that empty stray, and its empty parents up to ``s3:``."""
-    if "://" not in out_dir or out_dir.startswith("file://") or not os.path.isdir(out_dir):
+    if is_local(out_dir) or not os.path.isdir(out_dir):
         return
     try:
         os.removedirs(out_dir)  # empty directories only, bottom up; stops at the first that is not empty

@@ -20,12 +20,14 @@ from pytorch_pfn_extras import reporting
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol, extension
 from pytorch_pfn_extras.writing import Writer
 
-from ppe_snapshot import run_dir, writing
+from ppe_snapshot import run_dir, stored_snapshot
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
 from ppe_snapshot.extension.preemption import Preemption, preempt
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_of
-from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat, holds_iteration, restore_newest, skip
+from ppe_snapshot.run_dir import (
+    Candidate, CandidateKind, FilenameFormat, attempt, cannot_start_fresh, skip, target_changed,
+)
 from ppe_snapshot.storage import join
 from ppe_snapshot.writing import SnapshotWriter
 
@@ -162,10 +164,9 @@ class _Snapshot(extension.Extension):
         directory (as ppe does), or None."""
         self._bind(manager)
         self._stats_reporter = stats_report.attach(manager)
-        if self.autoload:
-            self._autoload(manager)
+        listed = self._autoload(manager) if self.autoload else None
         if self.policy is not None and self._format is not None and self._prunes():
-            self._prune()  # a run killed between a commit and its pruning left more than the policy keeps
+            self._prune(listed)  # a run killed between a commit and its pruning left more than the policy keeps
         if self.preemption is not None:
             self.preemption.install()
             if not self.preemption.wrap_trigger(manager, self):
@@ -235,7 +236,7 @@ class _Snapshot(extension.Extension):
             return
         stale = self._superseded.pop(name, None)
         if stale is not None and self._savefun is None:
-            writing.remove_snapshot(stale.url, self._storage_options)
+            stored_snapshot.remove_snapshot(stale.url, self._storage_options)
             logger.warning("removed %s, which autoload skipped as %s, to save this position again",
                            stale.url, stale.kind if stale.kind != CandidateKind.SNAPSHOT else CandidateKind.DAMAGED)
         self._rejected.discard(name)
@@ -278,7 +279,7 @@ class _Snapshot(extension.Extension):
     def _save_on_error(self, manager: ExtensionsManagerProtocol, name: str, pg: Any) -> None:
         location = join(self._out_dir, name)
         if (self._engine_writer is not None and self._savefun is None and name not in self._superseded
-                and holds_iteration(location, self._storage_options, manager.iteration)):
+                and stored_snapshot.inspect(location, self._storage_options).iteration == manager.iteration):
             logger.warning("training failed at iteration %s; snapshot %s already holds this "
                            "position, so no snapshot on error is taken", manager.iteration, location)
             return
@@ -305,12 +306,13 @@ class _Snapshot(extension.Extension):
     def _prunes(self) -> bool:
         return self._owns_out_dir and hasattr(self.writer, "_add_cleanup_hook")  # ppe's own check, for any writer
 
-    def _prune(self) -> None:
+    def _prune(self, listed: list[Candidate] | None = None) -> None:
+        """Apply the policy to the output directory (as ``listed`` there, when autoload just listed it)."""
         assert self._format is not None
         try:
             assert self.policy is not None
             run_dir.prune(self._out_dir, self._format, self.policy, self._storage_options, rejected=self._rejected,
-                          protect=() if self.resumed_name is None else (self.resumed_name,))
+                          protect=() if self.resumed_name is None else (self.resumed_name,), listed=listed)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
             logger.warning("removing old snapshots under %s failed: %s: %s", self._out_dir,
                            type(e).__name__, e)
@@ -320,11 +322,27 @@ class _Snapshot(extension.Extension):
         assert self._format is not None
         return run_dir.list_snapshots(self._out_dir, self._format, self._storage_options)
 
-    def _autoload(self, manager: ExtensionsManagerProtocol) -> None:
+    def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
+        """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
+        was listed when this process owns the output directory (its start-up pruning needs no second listing)."""
         candidates = self._candidates()
         target = self._resolve_target(manager)
-        found = restore_newest(candidates, lambda c: self._restore(c, target, LOCAL), self._skip)
+        touched: tuple[Candidate, Exception] | None = None
+        found = None
+        for candidate in reversed(candidates):
+            failure = attempt(lambda: self._restore(candidate, target, LOCAL))
+            if failure is None:
+                found = candidate
+                break
+            if failure.mismatch:
+                raise target_changed(candidate.url, failure.reason) from failure.error
+            self._skip(candidate, failure.reason)
+            if failure.error is not None:
+                touched = (candidate, failure.error)
+        if found is None and touched is not None:
+            raise cannot_start_fresh(f"{touched[0].url} ({touched[1]})") from touched[1]
         self._resumed(manager, found, candidates)
+        return candidates
 
     def _skip(self, candidate: Candidate, reason: str) -> None:
         skip(candidate, reason)

@@ -64,7 +64,7 @@ class _DistributedExtension(_Snapshot):
         """(what this rank listed, the complete snapshots every rank will try, oldest first)."""
         raise NotImplementedError
 
-    def _autoload(self, manager: ExtensionsManagerProtocol) -> None:
+    def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
         # Every rank restores the same snapshot at the same time, so a state_dict() or
         # load_state_dict() that is collective works; when any rank fails, all fall back together.
         target = self._resolve_target(manager)
@@ -91,6 +91,7 @@ class _DistributedExtension(_Snapshot):
         if found is None and touched:
             raise cannot_start_fresh(", ".join(touched))
         self._resumed(manager, found, listed)
+        return listed
 
 
 class DistributedSnapshot(_DistributedExtension):

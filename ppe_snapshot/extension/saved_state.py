@@ -13,7 +13,8 @@ import math
 from typing import Any
 
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot
-from ppe_snapshot.run_dir import METRICS_KEY, Candidate, CandidateKind, Unusable, load_file, opened
+from ppe_snapshot.run_dir import Candidate, CandidateKind, Unusable, load_file
+from ppe_snapshot.stored_snapshot import recorded
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,8 @@ def target_kind(target: Any) -> str:
 
 def metadata(manager: Any, kind: str, metrics: dict[str, float] | None = None) -> dict[str, Any]:
     """The manifest metadata of a snapshot of a target of ``kind`` taken at the manager's training position,
-    with the observed values retention reads back (``KeepBest``) under ``METRICS_KEY`` when there are any."""
-    recorded = {"iteration": manager.iteration, "epoch": manager.epoch, "epoch_detail": manager.epoch_detail,
-                "ppe_snapshot_target": kind}
-    if metrics:
-        recorded[METRICS_KEY] = metrics
-    return recorded
+    with the observed values retention reads back (``KeepBest``) when there are any."""
+    return recorded(manager.iteration, manager.epoch, manager.epoch_detail, metrics, ppe_snapshot_target=kind)
 
 
 def observed(manager: Any, keys: tuple[str, ...]) -> tuple[dict[str, float], list[str]]:
@@ -100,30 +97,49 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
             raise Unusable(f"cannot be read by torch.load: {type(e).__name__}: {e}") from e
         load_into(target, state)
         return
-    snap, saved = opened(candidate, pg, storage_options, allow_pickle)
-    saved_kind = saved.get("ppe_snapshot_target", kind)
+    snap = _opened(candidate, pg, storage_options, allow_pickle)
+    saved_kind = (candidate.metadata if candidate.snapshot is not None else _metadata(snap)).get(
+        "ppe_snapshot_target", kind)
     if saved_kind != kind:
         raise Unusable(f"it holds a {saved_kind} target and this extension's target is a {kind}")
     snap.restore({STATE_KEY: TargetState(target)})
     restore_rng(snap, pg, rng_rank)
 
 
+def _opened(candidate: Candidate, pg: Any, storage_options: dict[str, Any] | None, allow_pickle: bool) -> Snapshot:
+    """The engine snapshot of ``candidate`` for the ranks of ``pg``: the one its listing opened (its manifest
+    read once), or opened here where the candidate was listed by another rank."""
+    if candidate.snapshot is not None:
+        return candidate.snapshot.with_group(pg, allow_pickle=allow_pickle)
+    return Snapshot(candidate.url, pg=pg, storage_options=storage_options, allow_pickle=allow_pickle)
+
+
+def _metadata(snap: Snapshot) -> dict[str, Any]:
+    """The metadata of ``snap``; :class:`Unusable` when its manifest is not sound (nothing was touched yet)."""
+    try:
+        return snap.metadata
+    except Exception as e:  # noqa: BLE001 - CorruptSnapshotError, UnsupportedFormatError, I/O: nothing touched yet
+        raise Unusable(f"{type(e).__name__}: {e}") from e
+
+
 def restore_rng(snap: Snapshot, pg: Any, rng_rank: int) -> None:
-    """Set the global random number generators to rank ``rng_rank``'s state in ``snap`` (or the first rank's)."""
+    """Set the global random number generators to rank ``rng_rank``'s state in ``snap`` (or the one saved)."""
     section = 0 if pg is LOCAL else rng_rank  # a LOCAL snapshot's entries are all rank 0's
-    prefix = f"{section}/{RNG_KEY}/"
-    saved = sorted(int(k[len(prefix):]) for k in snap.get_manifest()
-                   if k.startswith(prefix) and k[len(prefix):].isdigit())
-    if rng_rank in saved:
-        source = rng_rank
-    elif saved:
+    prefix = f"{section}/{RNG_KEY}"
+    try:
+        state = snap.read_object(f"{prefix}/{rng_rank}")
+    except KeyError:  # not this rank's: read what there is (an entry per rank saved, small)
+        try:
+            saved = snap.read_object(prefix)
+        except KeyError:
+            saved = {}
+        if not saved:
+            logger.info("%s holds no RNG state for rank %d; the random number generators "
+                        "continue from their current state", snap.path, rng_rank)
+            return
         # A DISTRIBUTED snapshot on error holds the saver's state only (no collective there); ranks
         # seeded alike, as data-parallel ranks usually are, continue exactly from it.
-        source = saved[0]
-        logger.info("%s holds no RNG state for rank %d; restoring rank %d's", snap.path,
-                    rng_rank, source)
-    else:
-        logger.info("%s holds no RNG state for rank %d; the random number generators "
-                    "continue from their current state", snap.path, rng_rank)
-        return
-    RNGState().load_state_dict(snap.read_object(f"{prefix}{source}"))
+        source = min(saved, key=int)
+        logger.info("%s holds no RNG state for rank %d; restoring rank %s's", snap.path, rng_rank, source)
+        state = saved[source]
+    RNGState().load_state_dict(state)

@@ -10,23 +10,20 @@
 ``resume``         what to resume from: the newest candidate that restores, the others skipped
 =================  =========================================================================================
 
-It reads snapshots through the engine's public surface and removes them
-with :func:`ppe_snapshot.writing.remove_snapshot`; it does not import
-pytorch_pfn_extras (``import ppe_snapshot`` loads it through
+What one snapshot is (its names, what it records, the quick check, its
+removal) is :mod:`ppe_snapshot.stored_snapshot`'s; this package does not
+import the writers, nor pytorch_pfn_extras (``import ppe_snapshot`` loads it through
 :mod:`ppe_snapshot.retention`).
 """
-from ppe_snapshot.run_dir.listing import (
-    COMPLETE_KINDS, METRICS_KEY, Candidate, CandidateKind, filesystem, list_snapshots,
-)
+from ppe_snapshot.run_dir.listing import COMPLETE_KINDS, Candidate, CandidateKind, filesystem, list_snapshots
 from ppe_snapshot.run_dir.names import FilenameFormat
 from ppe_snapshot.run_dir.policies import KeepAll, KeepBest, KeepEvery, KeepLatest, Policy, Union, as_policy, combine
 from ppe_snapshot.run_dir.pruning import prune, remove, select_prunable
-from ppe_snapshot.run_dir.resume import (
-    Failure, Unusable, attempt, cannot_start_fresh, holds_iteration, opened, restore_newest, skip, target_changed,
-)
+from ppe_snapshot.run_dir.resume import Failure, Unusable, attempt, cannot_start_fresh, skip, target_changed
 from ppe_snapshot.run_dir.single_files import load_file
+from ppe_snapshot.stored_snapshot import METRICS_KEY
 
 __all__ = ["COMPLETE_KINDS", "METRICS_KEY", "Candidate", "CandidateKind", "Failure", "FilenameFormat", "KeepAll",
            "KeepBest", "KeepEvery", "KeepLatest", "Policy", "Union", "Unusable", "as_policy", "attempt",
-           "cannot_start_fresh", "combine", "filesystem", "holds_iteration", "list_snapshots", "load_file", "opened",
-           "prune", "remove", "restore_newest", "select_prunable", "skip", "target_changed"]
+           "cannot_start_fresh", "combine", "filesystem", "list_snapshots", "load_file", "prune", "remove",
+           "select_prunable", "skip", "target_changed"]

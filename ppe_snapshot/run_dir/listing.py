@@ -13,24 +13,26 @@ matches (:mod:`.names`), and each match is classified:
 Snapshots are ordered by the training position recorded in them (the
 iteration, then the epoch detail) and never by modification time. For a
 format without fields, the snapshot being written beside the name to
-replace it (its side name, :func:`ppe_snapshot.writing.side_name`) is listed too: a crash may have
+replace it (its side name, :func:`ppe_snapshot.stored_snapshot.side_name`) is listed too: a crash may have
 left the newest complete snapshot there.
+
+An engine snapshot is checked once (:func:`ppe_snapshot.stored_snapshot.inspect`): its candidate carries the
+opened snapshot, manifest read, for autoload to restore from without reading it again.
 """
 from __future__ import annotations
 
 import posixpath
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 
-from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, Snapshot, takes_in_progress
+from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR, Snapshot, takes_in_progress
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
 from ppe_snapshot.storage import forget_listings, join, url_to_fs
-from ppe_snapshot.writing import replaced_name
+from ppe_snapshot.stored_snapshot import inspect, replaced_name
 
 class CandidateKind:
     """``Candidate.kind``: what a name under the output directory holds (see the module's docstring)."""
@@ -38,10 +40,6 @@ class CandidateKind:
     FILE = "file"
     INCOMPLETE = "incomplete"
     DAMAGED = "damaged"
-
-
-#: The metadata key under which the snapshot extension records observed values for retention (``KeepBest``).
-METRICS_KEY = "ppe_snapshot_metrics"
 
 #: The kinds autoload can restore and retention keeps.
 COMPLETE_KINDS = (CandidateKind.SNAPSHOT, CandidateKind.FILE)
@@ -59,6 +57,14 @@ class Candidate:
     busy: bool = False
     #: Values recorded when it was taken (metadata ``ppe_snapshot_metrics``), e.g. ``{"val/loss": 0.25}``.
     metrics: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
+    #: An engine snapshot's metadata, as the quick check read it.
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    #: An engine snapshot opened by the quick check (its manifest read), in the process that listed it; None
+    #: elsewhere (a candidate sent to another rank leaves it behind) and for other kinds.
+    snapshot: Snapshot | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "snapshot"}
 
     @property
     def complete(self) -> bool:
@@ -143,26 +149,13 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
         return Candidate(rel, url, CandidateKind.INCOMPLETE, iteration, epoch_detail,
                          problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed)",
                          busy=_take_in_progress(fs, path))
-    snapshot = Snapshot(url, pg=LOCAL, storage_options=storage_options)
-    try:
-        snapshot.verify(deep=False)
-        metadata = snapshot.metadata
-    except Exception as e:  # noqa: BLE001 - any failure to read it makes it unusable
-        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=f"{type(e).__name__}: {e}")
-    if isinstance(metadata.get("iteration"), int):
-        iteration = metadata["iteration"]
-    if isinstance(metadata.get("epoch_detail"), (int, float)):
-        epoch_detail = float(metadata["epoch_detail"])
-    return Candidate(rel, url, CandidateKind.SNAPSHOT, iteration, epoch_detail, metrics=_metrics(metadata))
-
-
-def _metrics(metadata: dict[str, Any]) -> dict[str, float]:
-    """The recorded values of a snapshot's metadata: finite numbers under string keys; anything else ignored."""
-    recorded = metadata.get(METRICS_KEY)
-    if not isinstance(recorded, dict):
-        return {}
-    return {k: float(v) for k, v in recorded.items() if isinstance(k, str) and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
+    stored = inspect(url, storage_options)
+    if not stored.sound:
+        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=stored.problem)
+    return Candidate(rel, url, CandidateKind.SNAPSHOT,
+                     iteration if stored.iteration is None else stored.iteration,
+                     epoch_detail if stored.epoch_detail is None else stored.epoch_detail,
+                     metrics=stored.metrics, metadata=stored.metadata, snapshot=stored.snapshot)
 
 
 def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:

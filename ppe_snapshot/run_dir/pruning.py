@@ -8,7 +8,7 @@ from typing import Any
 from ppe_snapshot.run_dir.listing import Candidate, list_snapshots
 from ppe_snapshot.run_dir.names import FilenameFormat
 from ppe_snapshot.run_dir.policies import Policy, as_policy
-from ppe_snapshot.writing import remove_snapshot
+from ppe_snapshot.stored_snapshot import remove_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,14 @@ def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None) 
 
 def prune(out_dir: str, fmt: str | FilenameFormat, keep: int | Policy,
           storage_options: dict[str, Any] | None = None, *, rejected: Collection[str] = (),
-          protect: Collection[str] = (), dry_run: bool = False) -> list[str]:
+          protect: Collection[str] = (), dry_run: bool = False, listed: list[Candidate] | None = None) -> list[str]:
     """Apply retention to ``out_dir``: see :func:`select_prunable`. Returns the removed locations (with
-    ``dry_run``, those that would be removed; nothing is removed)."""
+    ``dry_run``, those that would be removed; nothing is removed). ``listed``: what :func:`list_snapshots`
+    gave for ``out_dir`` and ``fmt`` just now, when the caller has it (else it is listed here)."""
     policy = as_policy(keep)
     removed = []
-    for c in select_prunable(list_snapshots(out_dir, fmt, storage_options), policy, rejected, protect):
+    candidates = list_snapshots(out_dir, fmt, storage_options) if listed is None else listed
+    for c in select_prunable(candidates, policy, rejected, protect):
         if not dry_run:
             remove(c, storage_options)
             logger.info("removed %s: %s (retention: %r)", c.describe(), c.kind, policy)

@@ -26,12 +26,20 @@ def is_local(path: str) -> bool:
     return "://" not in path or path.startswith("file://")
 
 
+def local_path(location: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The path on the local file system that ``location`` names (``file://`` stripped), or None where it is
+    another file system's or ``storage_options`` ask for fsspec (the object-store knobs alone do not)."""
+    location = str(location)
+    if not is_local(location) or split_tuning(storage_options)[1]:
+        return None
+    return location.removeprefix("file://")
+
+
 def open_storage(path: str, storage_options: dict[str, Any] | None = None) -> Storage:
     """The storage rooted at snapshot location ``path`` (a local path or any fsspec URL)."""
     path = str(path)
-    if is_local(path) and not split_tuning(storage_options)[1]:  # the object-store knobs alone: still local
-        return LocalStorage(path[len("file://"):] if path.startswith("file://") else path, url=path)
-    return fsspec_storage(path, storage_options)
+    local = local_path(path, storage_options)
+    return LocalStorage(local, url=path) if local is not None else fsspec_storage(path, storage_options)
 
 
 def join(base: str, name: str) -> str:
@@ -52,5 +60,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
-           "Tuning", "exchange", "forget_listings", "is_local", "is_safe_relative", "join", "open_storage", "open_url",
-           "shared_pool", "split_tuning", "sync_directory", "url_to_fs"]
+           "Tuning", "exchange", "forget_listings", "is_local", "is_safe_relative", "join", "local_path",
+           "open_storage", "open_url", "shared_pool", "split_tuning", "sync_directory", "url_to_fs"]

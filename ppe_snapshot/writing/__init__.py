@@ -7,10 +7,9 @@ commit in the background. All of them are ``pytorch_pfn_extras`` writers,
 and each is a :class:`SnapshotWriter`, the contract the snapshot extension
 relies on (:mod:`ppe_snapshot.writing.contract`).
 
-A name that already holds a snapshot is saved again beside it
-(:func:`side_name`) and the new snapshot then takes the name;
-:func:`remove_snapshot` removes one the way every part of the package does
-(its manifest first).
+A name that already holds a snapshot is saved again beside it (its side
+name, :mod:`ppe_snapshot.stored_snapshot`) and the new snapshot then takes
+the name (``_replace``).
 
 The classes are imported on first use: the ProcessWriter's worker imports
 ``ppe_snapshot.writing._worker``, and keeping this package lazy spares it the
@@ -32,9 +31,6 @@ _HOMES = {
     "SaveStats": "contract",
     "SnapshotWriter": "contract",
     "is_ppe_default_fs": "_base",
-    "remove_snapshot": "_replace",
-    "replaced_name": "_replace",
-    "side_name": "_replace",
 }
 
 __all__ = sorted(_HOMES)
@@ -43,7 +39,6 @@ if TYPE_CHECKING:
     from ppe_snapshot.writing._async import BackgroundAbortError, BackgroundSaveError
     from ppe_snapshot.writing._base import SimpleWriter, is_ppe_default_fs
     from ppe_snapshot.writing._process import ProcessQueueWriter, ProcessWriter
-    from ppe_snapshot.writing._replace import remove_snapshot, replaced_name, side_name
     from ppe_snapshot.writing._thread import ThreadQueueWriter, ThreadWriter
     from ppe_snapshot.writing.contract import SaveStats, SnapshotWriter
 

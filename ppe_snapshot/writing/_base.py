@@ -11,7 +11,7 @@ from typing import Any, Callable
 from pytorch_pfn_extras.writing import Writer
 
 from ppe_snapshot.engine import LOCAL, StateDict, TakeJob, gc_paused, group_rank, prepare_take
-from ppe_snapshot.storage import is_local, join
+from ppe_snapshot.storage import is_local, join, local_path
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._replace import AfterCommit
@@ -92,7 +92,7 @@ class WriterBase(Writer, SnapshotWriter):
         return self._storage_options
 
     def initialize(self, out_dir: str) -> None:
-        if out_dir and is_local(out_dir) and not self._storage_options:
+        if out_dir and local_path(out_dir, self._storage_options) is not None:
             super().initialize(out_dir)
         self._initialized = True  # object stores need no directories
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ppe_snapshot.engine import align
-from ppe_snapshot.storage import is_local, url_to_fs
+from ppe_snapshot.storage import local_path, url_to_fs
 
 #: Gives a host buffer of at least ``nbytes``, pinned when asked (``provider(nbytes, pin)``).
 BufferProvider = Callable[[int, bool], torch.Tensor]
@@ -35,9 +35,8 @@ class FileSave:
 
     def run(self, obj: Any) -> int:
         """Save ``obj``; returns the number of bytes written."""
-        if self.storage_options or not is_local(self.dest):
-            return self._run_fsspec(obj)
-        return self._run_local(obj)
+        local = local_path(self.dest, self.storage_options)
+        return self._run_fsspec(obj) if local is None else self._run_local(local, obj)
 
     def _write(self, opener: Callable[[str, str], Any], path: str, obj: Any) -> int:
         with opener(path, "ab" if self.append else "wb") as f:
@@ -45,8 +44,7 @@ class FileSave:
             self.savefun(obj, f, **self.kwds)
             return f.tell() - start
 
-    def _run_local(self, obj: Any) -> int:
-        path = self.dest[len("file://"):] if self.dest.startswith("file://") else self.dest
+    def _run_local(self, path: str, obj: Any) -> int:
         directory, name = os.path.split(path)
         fs = self.fs
         if directory:

@@ -3,7 +3,7 @@
 ppe's writers overwrite: a filename without format fields
 (``"snapshot_latest"``) is saved again at every trigger. An engine snapshot
 is a directory, so it cannot be overwritten in one step. Instead the new one
-is taken beside it, at ``<name>`` + :data:`SIDE_SUFFIX`, and then takes the
+is taken beside it, at its side name (``stored_snapshot.side_name``), then takes the
 name (a directory without manifest, left by a crashed take, is simply
 taken into):
 
@@ -27,64 +27,15 @@ save first settles what a crash left beside the name.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
-from ppe_snapshot.storage import exchange, is_local, sync_directory, url_to_fs
-
-#: Where a snapshot replacing ``<name>`` is written until it takes the name.
-SIDE_SUFFIX = ".ppe-snapshot-next"
-
-
-def side_name(name: str) -> str:
-    """Where a snapshot replacing the one at ``name`` (a name, path or URL) is written until it takes the name."""
-    return name + SIDE_SUFFIX
-
-
-def replaced_name(name: str) -> str | None:
-    """The name that a snapshot written at side name ``name`` is to take; None when ``name`` is no side name."""
-    return name[:-len(SIDE_SUFFIX)] if name.endswith(SIDE_SUFFIX) else None
-
-
-def _local_path(path: str) -> str:
-    return path[len("file://"):] if path.startswith("file://") else path
-
-
-def remove_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Remove the snapshot at ``location`` (a path or URL): a directory loses its manifest first, so it is
-    never seen half-removed, then the rest; a file (a single-file snapshot) is removed. Nothing there: nothing
-    to do."""
-    if is_local(location) and not storage_options:
-        local = _local_path(location)
-        if os.path.isdir(local) and not os.path.islink(local):
-            try:
-                os.unlink(os.path.join(local, MANIFEST_NAME))
-            except FileNotFoundError:
-                pass
-            shutil.rmtree(local, ignore_errors=False)
-        elif os.path.lexists(local):
-            os.unlink(local)
-        return
-    fs, target = url_to_fs(location, storage_options)
-    target = target.rstrip("/")
-    if not fs.exists(target):
-        return
-    if fs.isdir(target):
-        try:
-            fs.rm_file(f"{target}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            pass
-        try:
-            fs.rm(target, recursive=True)
-        except FileNotFoundError:  # an object store drops the "directory" with its last object
-            pass
-    else:
-        fs.rm_file(target)
+from ppe_snapshot.engine import MANIFEST_NAME
+from ppe_snapshot.storage import exchange, local_path, sync_directory, url_to_fs
+from ppe_snapshot.stored_snapshot import inspect, remove_snapshot, side_name
 
 
 @dataclass
@@ -97,25 +48,25 @@ class Replacement:
     def side(self) -> str:
         return side_name(self.final)
 
-    @property
-    def _local(self) -> bool:
-        return is_local(self.final) and not self.storage_options
+    def _local(self, path: str) -> str | None:
+        return local_path(path, self.storage_options)
 
     def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
         fs, path = url_to_fs(self.final, self.storage_options)
         return fs, path.rstrip("/")
 
     def exists(self, path: str) -> bool:
-        if self._local:
-            return os.path.lexists(_local_path(path))
+        local = self._local(path)
+        if local is not None:
+            return os.path.lexists(local)
         fs, _ = self._fs()
         return fs.exists(url_to_fs(path, self.storage_options)[1])
 
     def occupied(self, path: str) -> bool:
         """Whether ``path`` holds something a take there would not simply complete: a committed (or
         damaged) snapshot, or a file. A directory without manifest is a crashed take's leftover."""
-        if self._local:
-            local = _local_path(path)
+        local = self._local(path)
+        if local is not None:
             if os.path.isdir(local) and not os.path.islink(local):
                 return os.path.lexists(os.path.join(local, MANIFEST_NAME))
             return os.path.lexists(local)
@@ -129,12 +80,12 @@ class Replacement:
 
     def promote(self) -> None:
         """Give the committed snapshot beside the name the name; the one it replaces is removed."""
-        if not self._local:
+        final, side = self._local(self.final), self._local(self.side)
+        if final is None or side is None:
             self.remove(self.final)
             fs, final = self._fs()
             _move(fs, side_name(final), final)
             return
-        final, side = _local_path(self.final), _local_path(self.side)
         if os.path.lexists(final) and exchange(side, final):
             sync_directory(os.path.dirname(os.path.abspath(final)))
             self.remove(side)  # now the old one
@@ -162,20 +113,6 @@ def _move(fs: fsspec.AbstractFileSystem, source: str, dest: str) -> None:
     fs.rm(source, recursive=True)
 
 
-def _checked(path: str, storage_options: dict[str, Any] | None) -> tuple[bool, tuple[float, float]]:
-    """Whether ``path`` holds a committed snapshot that passes the quick check, and the training
-    position in its metadata ((-1, -1) when it records none)."""
-    snapshot = Snapshot(path, pg=LOCAL, storage_options=storage_options)
-    try:
-        snapshot.verify(deep=False)
-        metadata = snapshot.metadata
-    except Exception:  # noqa: BLE001 - absent, incomplete or damaged
-        return False, (-1, -1)
-    position = tuple(value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1
-                     for value in (metadata.get("iteration"), metadata.get("epoch_detail")))
-    return True, position  # type: ignore[return-value]
-
-
 def plan(path: str, storage_options: dict[str, Any] | None) -> tuple[str, Replacement | None]:
     """Where to take a snapshot that must end up at ``path``, and the step that moves it there after.
 
@@ -186,9 +123,8 @@ def plan(path: str, storage_options: dict[str, Any] | None) -> tuple[str, Replac
     """
     replacement = Replacement(path, storage_options)
     if replacement.exists(replacement.side):
-        side_complete, side_position = _checked(replacement.side, storage_options)
-        final_complete, final_position = _checked(path, storage_options)
-        if side_complete and (not final_complete or side_position > final_position):
+        side, final = inspect(replacement.side, storage_options), inspect(path, storage_options)
+        if side.sound and (not final.sound or side.position > final.position):
             replacement.promote()  # the newer one, interrupted before it had the name
         else:
             replacement.remove(replacement.side)

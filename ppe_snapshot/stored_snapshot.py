@@ -1,0 +1,138 @@
+"""One snapshot in a run directory: its names, what it records, the quick check, its removal.
+
+Every other module asks here: the writers (where a replacement is written, what a crash left beside a name),
+``run_dir`` (listing, retention, autoload), the extension (what a snapshot records) and the CLI.
+
+* **Names.** A snapshot saved again under a name that holds one is written beside it, at :func:`side_name`,
+  until it takes the name (``writing``'s replacement); :func:`replaced_name` reads a side name back.
+* **What it records.** The training position and the observed values retention compares live in the
+  manifest's metadata (:func:`recorded`, written by the extension); :func:`inspect` reads them back.
+* **The quick check.** :func:`inspect`: the manifest parses and every data file has its recorded size
+  (``Snapshot.verify(deep=False)``). It returns a :class:`StoredSnapshot` holding the opened snapshot, so its
+  manifest is read once however many times it is asked about.
+* **Removal.** :func:`remove_snapshot`: the manifest goes first, so a snapshot is never seen half-removed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
+from ppe_snapshot.storage import local_path, url_to_fs
+
+#: Where a snapshot replacing ``<name>`` is written until it takes the name.
+SIDE_SUFFIX = ".ppe-snapshot-next"
+
+#: The metadata key under which the extension records observed values for retention (``KeepBest``).
+METRICS_KEY = "ppe_snapshot_metrics"
+
+
+def side_name(name: str) -> str:
+    """Where a snapshot replacing the one at ``name`` (a name, path or URL) is written until it takes the name."""
+    return name + SIDE_SUFFIX
+
+
+def replaced_name(name: str) -> str | None:
+    """The name that a snapshot written at side name ``name`` is to take; None when ``name`` is no side name."""
+    return name[:-len(SIDE_SUFFIX)] if name.endswith(SIDE_SUFFIX) else None
+
+
+def recorded(iteration: int, epoch: int, epoch_detail: float, metrics: Mapping[str, float] | None = None,
+             **more: Any) -> dict[str, Any]:
+    """The metadata of a snapshot taken at a training position: what :func:`inspect` reads back, ``metrics`` (the
+    observed values retention compares) under :data:`METRICS_KEY` when there are any, and ``more``."""
+    metadata = {"iteration": iteration, "epoch": epoch, "epoch_detail": epoch_detail, **more}
+    if metrics:
+        metadata[METRICS_KEY] = dict(metrics)
+    return metadata
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class StoredSnapshot:
+    """What :func:`inspect` found at ``location``: a sound snapshot (``problem`` None, ``snapshot`` opened, its
+    manifest read) and the position and values it records, or why it is not sound."""
+    location: str
+    problem: str | None = None
+    iteration: int | None = None
+    epoch: int | None = None
+    epoch_detail: float | None = None
+    #: Values recorded when it was taken (metadata ``ppe_snapshot_metrics``), e.g. ``{"val/loss": 0.25}``.
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    #: Its manifest metadata as written ({} when not sound).
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    snapshot: Snapshot | None = field(default=None, compare=False, repr=False)
+    #: What the quick check raised, when it did (``problem`` says it in one line).
+    error: Exception | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def sound(self) -> bool:
+        return self.problem is None
+
+    @property
+    def position(self) -> tuple[float, float]:
+        """(iteration, epoch detail) for ordering, -1 for what it does not record."""
+        return (-1 if self.iteration is None else self.iteration,
+                -1 if self.epoch_detail is None else self.epoch_detail)
+
+
+def inspect(location: str, storage_options: dict[str, Any] | None = None, *, allow_pickle: bool = False
+            ) -> StoredSnapshot:
+    """The quick check of the snapshot at ``location`` and what it records (see :class:`StoredSnapshot`).
+
+    Never raises for a snapshot that is absent, incomplete or damaged: ``problem`` says what is wrong."""
+    snapshot = Snapshot(location, pg=LOCAL, storage_options=storage_options, allow_pickle=allow_pickle)
+    try:
+        snapshot.verify(deep=False)
+        metadata = snapshot.metadata
+    except Exception as e:  # noqa: BLE001 - absent, incomplete or damaged: any failure makes it unusable
+        return StoredSnapshot(location, problem=f"{type(e).__name__}: {e}", error=e)
+    if not isinstance(metadata, dict):
+        metadata = {}
+    iteration, epoch, detail = (metadata.get(key) for key in ("iteration", "epoch", "epoch_detail"))
+    recorded_metrics = metadata.get(METRICS_KEY)
+    metrics = {k: float(v) for k, v in recorded_metrics.items() if isinstance(k, str) and _number(v)
+               and math.isfinite(v)} if isinstance(recorded_metrics, dict) else {}
+    return StoredSnapshot(location, iteration=iteration if isinstance(iteration, int) and _number(iteration) else None,
+                          epoch=epoch if isinstance(epoch, int) and _number(epoch) else None,
+                          epoch_detail=float(detail) if _number(detail) else None, metrics=metrics,
+                          metadata=metadata, snapshot=snapshot)
+
+
+def remove_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Remove the snapshot at ``location`` (a path or URL): a directory loses its manifest first, so it is
+    never seen half-removed, then the rest; a file (a single-file snapshot) is removed. Nothing there: nothing
+    to do."""
+    local = local_path(location, storage_options)
+    if local is not None:
+        if os.path.isdir(local) and not os.path.islink(local):
+            try:
+                os.unlink(os.path.join(local, MANIFEST_NAME))
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(local, ignore_errors=False)
+        elif os.path.lexists(local):
+            os.unlink(local)
+        return
+    fs, target = url_to_fs(location, storage_options)
+    target = target.rstrip("/")
+    if not fs.exists(target):
+        return
+    if fs.isdir(target):
+        try:
+            fs.rm_file(f"{target}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
+        try:
+            fs.rm(target, recursive=True)
+        except FileNotFoundError:  # an object store drops the "directory" with its last object
+            pass
+    else:
+        fs.rm_file(target)
