@@ -4,9 +4,9 @@ The model: ``--params`` parameters (default 333: with Adam's exp_avg and exp_avg
 tensors, each row-sharded over the N ranks as FSDP2's ``Shard(0)`` does) plus a replicated ``step`` tensor
 per parameter and the containers above them. Every simulated rank's part goes through the engine's own
 code: its shards' entries (``sharded.sharded_entries`` from a ``ShardPlan``), the owners of the replicated
-tensors (``planner.assign_replicated``), what it expects of the shared state (``commit_v2.expected_shared``)
-and its publication (``commit_v2.publish``: its index file and its part); rank 0's merge is
-``commit_v2.merge_and_commit``, timed. A restoring rank (rank N/2) then reads the manifest and looks up every
+tensors (``planner.assign_replicated``), what it expects of the shared state (``_versions.expected_shared``)
+and its publication (``_versions.publish``: its index file and its part); rank 0's merge is
+``_versions.merge_and_commit``, timed. A restoring rank (rank N/2) then reads the manifest and looks up every
 entry it restores (``Manifest.lookup(..., own_shards=True)``), timed, counting the bytes it read. With
 ``--v1-up-to N`` the same parts also go through format version 1 (one JSON manifest) up to N ranks.
 
@@ -30,15 +30,15 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import emit  # noqa: E402
 
-from ppe_snapshot.engine import commit as commit_v1  # noqa: E402
-from ppe_snapshot.engine import commit_v2  # noqa: E402
-from ppe_snapshot.engine.flatten import Payload  # noqa: E402
-from ppe_snapshot.engine.gcpause import gc_paused  # noqa: E402
-from ppe_snapshot.engine.format import MANIFEST_NAME, Container, Raw, data_file, new_take_id  # noqa: E402
-from ppe_snapshot.engine.manifest import Chunk, ContainerEntry, TensorEntry  # noqa: E402
-from ppe_snapshot.engine.manifest_v2 import read_manifest  # noqa: E402
-from ppe_snapshot.engine.planner import assign_replicated  # noqa: E402
-from ppe_snapshot.engine.sharded import ShardedPayload, ShardPlan, shard_key, sharded_entries  # noqa: E402
+from ppe_snapshot.engine import _commit as commit_v1  # noqa: E402
+from ppe_snapshot.engine import _versions as versions  # noqa: E402
+from ppe_snapshot.engine._flatten import Payload  # noqa: E402
+from ppe_snapshot.engine._gcpause import gc_paused  # noqa: E402
+from ppe_snapshot.engine._format import MANIFEST_NAME, Container, Raw, data_file, new_take_id  # noqa: E402
+from ppe_snapshot.engine._manifest import Chunk, ContainerEntry, TensorEntry  # noqa: E402
+from ppe_snapshot.engine import read_manifest  # noqa: E402
+from ppe_snapshot.engine._planner import assign_replicated  # noqa: E402
+from ppe_snapshot.engine._sharded import ShardedPayload, ShardPlan, shard_key, sharded_entries  # noqa: E402
 from ppe_snapshot.storage import open_storage  # noqa: E402
 
 ROWS, COLS = 8192, 512  # every parameter: a [ROWS, COLS] float32 matrix (sharded by rows)
@@ -95,27 +95,20 @@ def publish_all(root: str, world: int, params: int, version: int) -> tuple[Any, 
     take_id = new_take_id()
     items, sharded = model(params)
     owners = assign_replicated([(p, i) for p, i in items.items() if isinstance(i, Payload)], world)
-    shared = commit_v2.expected_shared(items)
+    shared = versions.expected_shared(items, world, version)
     for rank in range(world):
         part = rank_part(rank, world, take_id, items, sharded, owners)
         for name, size in part.files.items():  # the data files, at their sizes (sparse)
             os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
             with open(os.path.join(root, name), "wb") as f:
                 f.truncate(size)
-        if version == 2:
-            commit_v2.publish(storage, take_id, part, shared)
-        else:
-            commit_v1.publish_part(storage, take_id, part)
+        versions.publish(storage, take_id, part, shared, version)
     return storage, take_id
 
 
 def merge(storage: Any, take_id: str, world: int, version: int) -> float:
     start = time.perf_counter()
-    if version == 2:
-        commit_v2.merge_and_commit(storage, take_id, world, {})
-    else:
-        parts = commit_v1.gather_parts(storage, take_id, world)
-        commit_v1.commit(storage, commit_v1.merge(parts, take_id, {}), version=1)
+    versions.merge_and_commit(storage, take_id, world, {}, None, version)
     return time.perf_counter() - start
 
 

@@ -26,8 +26,10 @@ variable                              default  meaning
 ``PPE_SNAPSHOT_READ_PART_MB``         ``8``    object stores: reads are split into ranged requests
                                                of at most this many MiB
 ``PPE_SNAPSHOT_READ_WORKERS``         ``16``   object stores: ranged requests in flight per storage
-``PPE_SNAPSHOT_FORMAT_VERSION``        ``2``    the format version takes write: ``1`` (one JSON
-                                               manifest) or ``2`` (a small manifest and index files)
+``PPE_SNAPSHOT_FORMAT_VERSION``      newest   the format version takes write: ``1`` (one JSON
+                                               manifest) or ``2`` (a small manifest and index files);
+                                               unset: the newest (the engine's ``FORMAT_VERSION``,
+                                               which also checks the value)
 ====================================  =======  ====================================================
 """
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Settings:
     upload_concurrency: int = 16
     read_part_bytes: int = 8 << 20
     read_workers: int = 16
-    format_version: int = 2
+    #: None: the newest (settings import nothing of ours: the engine defines the versions and checks this one).
+    format_version: int | None = None
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -65,7 +68,7 @@ class Settings:
             upload_concurrency=int(env.get("PPE_SNAPSHOT_UPLOAD_CONCURRENCY", "16")),
             read_part_bytes=int(env.get("PPE_SNAPSHOT_READ_PART_MB", "8")) << 20,
             read_workers=int(env.get("PPE_SNAPSHOT_READ_WORKERS", "16")),
-            format_version=int(env.get("PPE_SNAPSHOT_FORMAT_VERSION", "2")),
+            format_version=int(env["PPE_SNAPSHOT_FORMAT_VERSION"]) if env.get("PPE_SNAPSHOT_FORMAT_VERSION") else None,
         )
 
 

@@ -56,7 +56,7 @@ def _failing_filesystem() -> None:
 
 def _slow_storage(seconds: float) -> None:
     """This process's storage sleeps ``seconds`` before every data write call (a slow disk or link)."""
-    from ppe_snapshot.engine import take_end
+    from ppe_snapshot.engine import _take_end as take_end
 
     inner_write = take_end._WatchedWriter.write
 
@@ -68,9 +68,9 @@ def _slow_storage(seconds: float) -> None:
 
 
 def _kill_after_manifest(out: str, rank: int, save: int, counter: list[int]) -> None:
-    from ppe_snapshot.engine import commit_v2
+    from ppe_snapshot.engine import _versions as versions
 
-    merge = commit_v2.merge_and_commit
+    merge = versions.merge_and_commit
 
     def merge_then_die(*args, **kwargs):
         parts = merge(*args, **kwargs)
@@ -78,7 +78,7 @@ def _kill_after_manifest(out: str, rank: int, save: int, counter: list[int]) -> 
             _die(out, rank, "after_manifest")
         return parts
 
-    commit_v2.merge_and_commit = merge_then_die
+    versions.merge_and_commit = merge_then_die
 
 
 def _distributed_saver():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from collections import defaultdict
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ppe_snapshot"
@@ -25,6 +26,11 @@ FLOORS = {
 #: Packages whose submodules are private to them: other modules import only the package itself.
 PACKAGES = ("ppe_snapshot.storage", "ppe_snapshot.engine", "ppe_snapshot.writing", "ppe_snapshot.dcp",
             "ppe_snapshot.run_dir", "ppe_snapshot.extension")
+#: The one public submodule: the engine's format pieces (entries, chunk reads, value encoding, payload appending,
+#: committing a manifest one builds), documented as such. The DCP adapters need them; the CLI's inspect and verify
+#: show and check entries one by one. Any module may import it: a public module, like the package itself; what
+#: stays private is every ``_``-prefixed module of the engine.
+PUBLIC_SUBMODULES = {"ppe_snapshot.engine.codec"}
 #: The one allowed upward reference: storage's compatibility aliases of the DCP adapters (resolved by importlib).
 ALLOWED_UPWARD = {("ppe_snapshot.storage", "ppe_snapshot.dcp")}
 
@@ -104,8 +110,64 @@ def test_engine_imports_storage_and_errors_publicly():
 
 def test_packages_are_entered_through_their_init():
     reaches = {(a, b) for a, targets in GRAPH.items() for b in targets
-               if _package(b) and b != _package(b) and _package(a) != _package(b)}
+               if _package(b) and b != _package(b) and b not in PUBLIC_SUBMODULES and _package(a) != _package(b)}
     assert reaches == set()
+
+
+def test_the_engine_surface_is_narrow():
+    """At most 25 names from the package (the rest of the library's needs), each one defined; the codec's too."""
+    import ppe_snapshot.engine
+    import ppe_snapshot.engine.codec
+
+    assert len(ppe_snapshot.engine.__all__) <= 25
+    for module in (ppe_snapshot.engine, ppe_snapshot.engine.codec):
+        assert len(set(module.__all__)) == len(module.__all__), module.__name__
+        assert [name for name in module.__all__ if not hasattr(module, name)] == [], module.__name__
+    assert {m for m in MODULES if _package(m) == "ppe_snapshot.engine" and m != "ppe_snapshot.engine"
+            and not m.rpartition(".")[2].startswith("_")} == PUBLIC_SUBMODULES
+
+
+def test_dcp_uses_the_engine_and_its_codec_only():
+    used = {t for m, targets in GRAPH.items() if _package(m) == "ppe_snapshot.dcp" for t in targets
+            if _package(t) == "ppe_snapshot.engine"}
+    assert used <= {"ppe_snapshot.engine", "ppe_snapshot.engine.codec"}
+
+
+_VERSION_NAME = re.compile(r"(?i)(format_)?version")
+_VERSIONS_HOME = "ppe_snapshot.engine._format"  # defines FORMAT_VERSION, the newest
+_VERSIONS_BRANCH = "ppe_snapshot.engine._versions"  # picks each step per version
+
+
+def _is_version(node: ast.AST) -> bool:
+    """``version``, ``x.version``, ``x["version"]`` (any spelling of a format version)."""
+    if isinstance(node, ast.Name):
+        return bool(_VERSION_NAME.fullmatch(node.id))
+    if isinstance(node, ast.Attribute):
+        return bool(_VERSION_NAME.fullmatch(node.attr))
+    return (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, str) and bool(_VERSION_NAME.fullmatch(node.slice.value)))
+
+
+def _is_int(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) is int
+
+
+def test_the_format_version_is_defined_once():
+    """Only ``_format`` binds a version name to a number (a module constant, a class field's default), and only
+    ``_versions`` tells versions apart (``version == 2``): everything else asks it."""
+    defined, branches = set(), set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if _is_int(node.value) and any(_is_version(t) for t in targets):
+                    defined.add((name, node.lineno))
+            elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+                operands = [node.left, *node.comparators]
+                if any(map(_is_version, operands)) and any(map(_is_int, operands)):
+                    branches.add((name, node.lineno))
+    assert {name for name, _ in defined} == {_VERSIONS_HOME}, defined
+    assert {name for name, _ in branches} <= {_VERSIONS_BRANCH}, branches
 
 
 def _cycles() -> list[set[str]]:

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from ppe_snapshot.engine import new_staging_buffer, tensor_bytes
+from ppe_snapshot.engine import new_staging_buffer
+from ppe_snapshot.engine.codec import tensor_bytes
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import local
 from ppe_snapshot.storage.local import _BufferedBlobWriter, _DirectBlobWriter

@@ -10,9 +10,9 @@ from typing import Any
 from ppe_snapshot.cli.common import (
     Kind, Source, UsageError, classify, describe_value, flatten, open_source, read_state, size_of,
 )
-from ppe_snapshot.engine import (
-    MANIFEST_NAME, BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
-    read_manifest,
+from ppe_snapshot.engine import MANIFEST_NAME, read_manifest
+from ppe_snapshot.engine.codec import (
+    BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
 from ppe_snapshot.storage import forget_listings, local_path, open_storage

@@ -6,7 +6,8 @@ import sys
 from typing import Any
 
 from ppe_snapshot.cli.common import Kind, Source, UsageError, open_source, progress, read_state
-from ppe_snapshot.engine import ShardedTensorEntry, read_into, read_manifest
+from ppe_snapshot.engine import read_manifest
+from ppe_snapshot.engine.codec import ShardedTensorEntry, read_into
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import open_storage
 from ppe_snapshot.stored_snapshot import inspect

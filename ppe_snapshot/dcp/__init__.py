@@ -4,8 +4,8 @@
 snapshot, and ``dcp.load(state, storage_reader=SnapshotStorageReader(path))`` reads one,
 whether DCP or ``Snapshot.take`` wrote it; DCP's planners do the resharding.
 
-A user of the engine (it imports only ``ppe_snapshot.engine``, ``ppe_snapshot.storage`` and
-``ppe_snapshot.errors``), beside ``writing/`` and the CLI:
+A user of the engine (it imports only ``ppe_snapshot.engine``, its format surface ``ppe_snapshot.engine.codec``,
+``ppe_snapshot.storage`` and ``ppe_snapshot.errors``), beside ``writing/`` and the CLI:
 
 * ``layout.py``: what a snapshot written through DCP holds, and which locations DCP may name;
 * ``keys.py``: DCP's item keys, and the FQNs of an engine snapshot's values;

@@ -10,7 +10,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import NamedTuple, Sequence
 
-from ppe_snapshot.engine import (
+from ppe_snapshot.engine.codec import (
     Container, ContainerEntry, Entry, Manifest, Raw, ShardedTensorEntry, TensorEntry, child_path, decode_value,
 )
 from ppe_snapshot.errors import CorruptSnapshotError

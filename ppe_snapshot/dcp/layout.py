@@ -17,7 +17,7 @@ Layout of a snapshot written through DCP (same files, checksums and commit as th
 
 * ``manifest.metadata["dcp"]`` holds, as JSON, what DCP needs beyond the entries:
   ``adapter_version``, DCP's metadata ``version``, the planner's ``planner_data`` (tagged JSON,
-  see ``engine/serialization.py``) and the ``TensorProperties`` that differ from the defaults.
+  see ``engine/_serialization.py``) and the ``TensorProperties`` that differ from the defaults.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import fsspec
 import torch
 from torch.distributed.checkpoint.metadata import TensorProperties
 
-from ppe_snapshot.engine import torch_dtype
+from ppe_snapshot.engine.codec import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import is_local
 

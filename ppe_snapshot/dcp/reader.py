@@ -24,9 +24,10 @@ from torch.futures import Future
 
 from ppe_snapshot.dcp.keys import IndexKey, engine_leaves, index_key, is_tensor, unescape
 from ppe_snapshot.dcp.layout import ADAPTER_VERSION, DCP_KEY, location, properties_from_json, valid_location
-from ppe_snapshot.engine import (
-    MANIFEST_NAME, BytesEntry, Chunk, Manifest, ShardedTensorEntry, TensorEntry, decode_value, group_rank, inflate,
-    is_direct, leaf_loader, new_take_id, read_into, read_manifest, tensor_bytes, torch_dtype,
+from ppe_snapshot.engine import MANIFEST_NAME, group_rank, read_manifest
+from ppe_snapshot.engine.codec import (
+    BytesEntry, Chunk, Manifest, ShardedTensorEntry, TensorEntry, decode_value, inflate, is_direct, leaf_loader,
+    new_take_id, read_into, tensor_bytes, torch_dtype,
 )
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import Storage, open_storage

@@ -18,10 +18,11 @@ from torch.futures import Future
 
 from ppe_snapshot.dcp.keys import IndexKey, index_key
 from ppe_snapshot.dcp.layout import ADAPTER_VERSION, DCP_KEY, location, properties_json, valid_location
-from ppe_snapshot.engine import (
+from ppe_snapshot.engine import align
+from ppe_snapshot.engine.codec import (
     BytesEntry, Chunk, Entry, Manifest, Payload, PayloadAppender, Raw, Shard, ShardedTensorEntry, TensorEntry,
-    align, can_store_raw, commit_manifest, data_file, dtype_name, encode_value, escape, host_copy_buffer,
-    needs_bounce, new_take_id, refuse_overwrite,
+    can_store_raw, commit_manifest, data_file, dtype_name, encode_value, escape, host_copy_buffer, needs_bounce,
+    new_take_id, refuse_overwrite,
 )
 from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage

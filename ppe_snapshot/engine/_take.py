@@ -7,24 +7,23 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ppe_snapshot.engine import commit as commit_protocol
-from ppe_snapshot.engine import commit_v2
-from ppe_snapshot.engine.entry_columns import EntryColumns, ShapeColumns, dtype_key
-from ppe_snapshot.engine.flatten import Payload, PlainTensors, flatten, mark_replicated
-from ppe_snapshot.engine.format import Raw, data_file, new_take_id
-from ppe_snapshot.engine.gcpause import gc_paused
-from ppe_snapshot.engine.manifest import Chunk, Entry, PickleEntry, TensorEntry
-from ppe_snapshot.engine.packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
-from ppe_snapshot.engine.planner import RankPlan, plan_rank, replicated_patterns
-from ppe_snapshot.engine.rank_channel import SideGroup, TakeChannel, exchange, side_group
-from ppe_snapshot.engine.ranks import group_rank
-from ppe_snapshot.engine.serialization import can_store_raw, raw_storage_problem
-from ppe_snapshot.engine.sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
-from ppe_snapshot.engine.staging import new_staging_buffer, stage, write_staged
-from ppe_snapshot.engine.stateful import take_states
-from ppe_snapshot.engine.take_end import Watched, abandon, conclude, retry_marks
+from ppe_snapshot.engine import _commit as commit_protocol
+from ppe_snapshot.engine import _versions as versions
+from ppe_snapshot.engine._entry_columns import EntryColumns, ShapeColumns, dtype_key
+from ppe_snapshot.engine._flatten import Payload, PlainTensors, flatten, mark_replicated
+from ppe_snapshot.engine._format import Raw, data_file, new_take_id
+from ppe_snapshot.engine._gcpause import gc_paused
+from ppe_snapshot.engine._manifest import Chunk, Entry, PickleEntry, TensorEntry
+from ppe_snapshot.engine._packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
+from ppe_snapshot.engine._planner import RankPlan, plan_rank, replicated_patterns
+from ppe_snapshot.engine._rank_channel import SideGroup, TakeChannel, exchange, side_group
+from ppe_snapshot.engine._ranks import group_rank
+from ppe_snapshot.engine._serialization import can_store_raw, raw_storage_problem
+from ppe_snapshot.engine._sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
+from ppe_snapshot.engine._staging import new_staging_buffer, stage, write_staged
+from ppe_snapshot.engine._stateful import take_states
+from ppe_snapshot.engine._take_end import Watched, abandon, conclude, retry_marks
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
-from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, open_storage
 
 #: Gives a host buffer of at least the requested number of bytes (writers reuse theirs).
@@ -52,12 +51,12 @@ class TakeJob:
     layout: FileLayout
     entries: dict[str, Entry]
     metadata: dict[str, Any]
+    #: The format version to write (rank 0's setting, agreed by every rank).
+    version: int
     staged: torch.Tensor | None = None
     sharded: dict[str, ShardPlan] = field(default_factory=dict)
-    #: The format version to write (rank 0's setting, agreed by every rank).
-    version: int = 1
-    #: Version 2: the shared state this rank expects (paths, replicated containers), see ``commit_v2``.
-    shared: tuple[list[str], dict[str, Any]] = field(default_factory=lambda: ([], {}))
+    #: The shared state this rank expects (paths, replicated containers), see ``_versions.expected_shared``.
+    shared: versions.Shared = field(default_factory=lambda: ([], {}))
     #: Several ranks: how they tell each other they are done or failed (lives in the process that prepared
     #: the job: not pickled, see :meth:`write_part` / :meth:`conclude`).
     channel: TakeChannel | None = None
@@ -93,8 +92,8 @@ class TakeJob:
     def write_and_commit(self) -> None:
         """Write this rank's data and commit (several ranks: :meth:`write_part`, then :meth:`conclude`)."""
         if self.world_size == 1:
-            commit_protocol.commit(self.storage, commit_protocol.merge([self._written()], self.take_id,
-                                                                       self.metadata), self.version)
+            versions.commit(self.storage, commit_protocol.merge([self._written()], self.take_id, self.metadata),
+                            self.version)
             return
         try:
             self.write_part()
@@ -106,10 +105,7 @@ class TakeJob:
     def write_part(self) -> None:
         """Several ranks: write this rank's data and publish its part in storage (in any process)."""
         part = self._written()
-        if self.version == 2:
-            commit_v2.publish(self.storage, self.take_id, part, self.shared)
-        else:
-            commit_protocol.publish_part(self.storage, self.take_id, part)
+        versions.publish(self.storage, self.take_id, part, self.shared, self.version)
 
     def conclude(self, error: BaseException | None) -> None:
         """Several ranks, in the process that prepared the job, once :meth:`write_part` ended (``error``: why it
@@ -189,11 +185,11 @@ class _Agreement:
     #: The ``replicated`` globs given by every rank (a glob given by some ranks only counts for none).
     replicated: list[str]
     #: The format version rank 0 writes.
-    version: int = 1
+    version: int
 
 
 def _agree(path: str, storage: Storage, rank: int, world_size: int, side: SideGroup | None, replicated: list[str],
-           local_error: BaseException | None) -> _Agreement:
+           version: int | None, local_error: BaseException | None) -> _Agreement:
     """Every rank learns rank 0's path and take id, the common globs, and whether any rank cannot take part.
 
     Rank 0 checks that no snapshot exists at the path. A rank whose flatten
@@ -202,7 +198,7 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, side: SideGr
     """
     proposal: dict[str, Any] = {"path": path, "take_id": new_take_id(), "replicated": replicated,
                                 "error": repr(local_error) if local_error else None,
-                                "version": SETTINGS.format_version}
+                                "version": version}
     if rank == 0 and local_error is None:
         try:
             commit_protocol.refuse_overwrite(storage)
@@ -307,26 +303,27 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     """
     rank, world_size = group_rank(pg)
     side = side_group(pg) if world_size > 1 else None  # the first take on these ranks makes it: as early as can be
-    items, plain, globs, error = {}, PlainTensors(), [], None
+    items, plain, globs, version, error = {}, PlainTensors(), [], None, None
     try:
         _check_metadata(metadata)
+        version = versions.write_version()
         globs = _globs(replicated)
         items, plain = _flatten_all(app_state, allow_pickle, tensor_prepare)
     except Exception as e:  # every rank must still reach the agreement below
         error = e
     retry_marks()
     storage = open_storage(str(path), storage_options)
-    agreed = _agree(str(path), storage, rank, world_size, side, globs, error)
+    agreed = _agree(str(path), storage, rank, world_size, side, globs, version, error)
     if storage.url != agreed.path:
         storage = open_storage(agreed.path, storage_options)
     channel = TakeChannel(side.group, rank, world_size, agreed.take_id) if side is not None else None
     try:
         plan = _plan(app_state, items, plain, agreed.replicated, rank, world_size)
         layout = lay_out(data_file(rank), plan.payloads, plan.plain)
-        shared = commit_v2.expected_shared(items) if agreed.version == 2 and world_size > 1 else ([], {})
+        shared = versions.expected_shared(items, world_size, agreed.version)
     except BaseException as e:  # the others are about to write: make them raise, not wait
         if channel is None:
             raise
         abandon(channel, storage, agreed.take_id, e)
     return TakeJob(storage, agreed.take_id, rank, world_size, layout, plan.entries, dict(metadata or {}),
-                   sharded=plan.sharded, version=agreed.version, shared=shared, channel=channel)
+                   agreed.version, sharded=plan.sharded, shared=shared, channel=channel)

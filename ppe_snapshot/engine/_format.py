@@ -10,6 +10,9 @@ import re
 import uuid
 from typing import Final, NamedTuple
 
+#: The newest format version: the one this code reads up to and, unless ``PPE_SNAPSHOT_FORMAT_VERSION`` says
+#: otherwise, writes (what differs between versions: ``_versions.py``).
+FORMAT_VERSION: Final = 2
 #: The manifest, written last: its presence commits the snapshot.
 MANIFEST_NAME: Final = "manifest.json"
 #: Format version 2: the shared index (replicated entries, the table of sharded tensors), written by the committing
@@ -116,6 +119,6 @@ class Container:
     KEYED: Final = (DICT, ORDERED_DICT)
 
 
-__all__ = ["Container", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "Raw", "abort_name",
-           "data_file", "data_file_rank", "detail_name", "new_take_id", "parse_parts_name", "part_name", "rank_index",
-           "takes_in_progress"]
+__all__ = ["Container", "FORMAT_VERSION", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "Raw",
+           "abort_name", "data_file", "data_file_rank", "detail_name", "new_take_id", "parse_parts_name", "part_name",
+           "rank_index", "takes_in_progress"]

@@ -17,10 +17,10 @@ from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.format import Kind, Raw
-from ppe_snapshot.engine.gcpause import gc_paused
-from ppe_snapshot.engine.validation import (
+from ppe_snapshot.engine import _jsonio as jsonio
+from ppe_snapshot.engine._format import Kind, Raw
+from ppe_snapshot.engine._gcpause import gc_paused
+from ppe_snapshot.engine._validation import (
     CHECKSUM_ALGORITHM, FORMAT_NAME, check_document, check_entry, tensor_chunks,
 )
 from ppe_snapshot.errors import CorruptSnapshotError
@@ -75,7 +75,7 @@ class ShardedTensorEntry:
 
 @dataclass(slots=True)
 class ObjectEntry:
-    """A non-tensor value, encoded inline as tagged JSON (see serialization.py)."""
+    """A non-tensor value, encoded inline as tagged JSON (see _serialization.py)."""
     value: Any
     replicated: bool = False
 
@@ -267,8 +267,8 @@ class Manifest:
     committed_at: str | None = None
     #: The versions that wrote it (``{"ppe_snapshot": ..., "torch": ...}``); empty for older snapshots.
     written_by: dict[str, str] = field(default_factory=dict)
-    #: The format version it was read from (a manifest being written: the version it will be written as).
-    version: int = 1
+    #: The format version it was read from (None: a manifest being written, in the version its commit says).
+    version: int | None = None
     #: Version 2: the snapshot's index files, read when first needed (``bytes_read`` counts them).
     indexes: Any = field(default=None, repr=False, compare=False)
 
@@ -318,16 +318,6 @@ class Manifest:
         return jsonio.dumps(doc, free_form=self.metadata)
 
     @classmethod
-    @gc_paused()
-    def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
-        """Parse and check a version-1 manifest (its entries are checked when decoded, or by
-        :meth:`check_entries`). A snapshot of any version is read with ``read_manifest(storage)``."""
-        doc = parse_document(data, where)
-        if doc["version"] != 1:
-            raise ValueError(f"{where} has format version {doc['version']}: read it with read_manifest(storage)")
-        return cls.from_doc(doc, where)
-
-    @classmethod
     def from_doc(cls, doc: dict[str, Any], where: str) -> "Manifest":
         """The manifest of a checked version-1 document."""
         files = doc["files"]
@@ -339,7 +329,7 @@ class Manifest:
             take_id=doc.get("take_id", ""),
             metadata=doc.get("metadata", {}),
             sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only=Kind.SHARDED),
-            **read_stamp(doc),
+            version=doc["version"], **read_stamp(doc),
         )
 
 

@@ -4,7 +4,7 @@ Per-rank state is written by its rank. Replicated state (glob patterns, and
 every DistributedDataParallel module, inferred) is identical on all ranks,
 so it is written once in total: each payload goes to the least-loaded rank,
 largest first. Sharded tensors (DTensor, ShardedTensor) are written shard by
-shard, each shard by one of the ranks holding it (see sharded.py). Every rank
+shard, each shard by one of the ranks holding it (see _sharded.py). Every rank
 computes the same assignment from its own copy, so no communication is needed.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, Iterable
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ppe_snapshot.engine.flatten import FlatItem, Payload, PlainTensors, escape
-from ppe_snapshot.engine.format import Raw
-from ppe_snapshot.engine.sharded import ShardedPayload, ShardPlan, plan_sharded
+from ppe_snapshot.engine._flatten import FlatItem, Payload, PlainTensors, escape
+from ppe_snapshot.engine._format import Raw
+from ppe_snapshot.engine._sharded import ShardedPayload, ShardPlan, plan_sharded
 
 
 def replicated_patterns(app_state: dict[str, Any], replicated: Iterable[str] | None) -> list[str]:

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine.flatten import child_path
-from ppe_snapshot.engine.hostmem import MEMORY
-from ppe_snapshot.engine.index import Index, IndexTable
-from ppe_snapshot.engine.manifest import Manifest
-from ppe_snapshot.engine.reads import ReadBatch, mismatch_error, read_file_into, read_views_into
-from ppe_snapshot.engine.serialization import PLAIN_TENSOR_TYPES, torch_dtype
+from ppe_snapshot.engine._flatten import child_path
+from ppe_snapshot.engine._hostmem import MEMORY
+from ppe_snapshot.engine._index import Index, IndexTable
+from ppe_snapshot.engine._manifest import Manifest
+from ppe_snapshot.engine._reads import ReadBatch, mismatch_error, read_file_into, read_views_into
+from ppe_snapshot.engine._serialization import PLAIN_TENSOR_TYPES, torch_dtype
 from ppe_snapshot.storage import Storage
 
 #: Neighbouring chunks share a read as in every batch of reads.

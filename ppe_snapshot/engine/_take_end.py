@@ -1,7 +1,7 @@
 """How a multi-rank take ends: statuses over the rank channel, then rank 0's commit from the parts in storage.
 
 Every rank writes its data and publishes its part in storage (as before), then :func:`conclude` runs where the
-rank's :class:`~ppe_snapshot.engine.rank_channel.TakeChannel` lives (the training process: a ProcessWriter's
+rank's :class:`~ppe_snapshot.engine._rank_channel.TakeChannel` lives (the training process: a ProcessWriter's
 worker writes, its parent concludes). Rank 0 waits for every status and commits; the others wait for its
 verdict. A failure anywhere aborts the take on every rank: each raises :class:`SnapshotAbortedError` naming the
 rank and its error (the rank that failed raises its own error), writes the abort marker under ``.parts/`` (so
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, NoReturn, Sequence
 
-from ppe_snapshot.engine import commit as commit_protocol
-from ppe_snapshot.engine import commit_v2, jsonio
-from ppe_snapshot.engine.format import MANIFEST_NAME
-from ppe_snapshot.engine.rank_channel import TakeChannel
+from ppe_snapshot.engine import _commit as commit_protocol
+from ppe_snapshot.engine import _jsonio as jsonio
+from ppe_snapshot.engine import _versions as versions
+from ppe_snapshot.engine._format import MANIFEST_NAME
+from ppe_snapshot.engine._rank_channel import TakeChannel
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import BlobWriter, Storage
@@ -116,7 +117,7 @@ def abandon(channel: TakeChannel, storage: Storage, take_id: str, error: BaseExc
 
 
 def conclude(job: Any, channel: TakeChannel, error: BaseException | None) -> None:
-    """End ``job`` (a multi-rank :class:`~ppe_snapshot.engine.take.TakeJob` whose part was published, unless
+    """End ``job`` (a multi-rank :class:`~ppe_snapshot.engine._take.TakeJob` whose part was published, unless
     ``error`` says why not): rank 0 commits or aborts; every rank returns once committed, or raises."""
     storage, take_id, rank = job.storage, job.take_id, job.rank
     if error is not None:
@@ -151,9 +152,7 @@ def _commit(job: Any, channel: TakeChannel) -> None:
         _give_up(channel, storage, take_id, f"rank 0 could not commit: {e!r}")
         raise
     channel.decide(committed=True)
-    commit_protocol.clean_parts(storage, take_id, job.world_size)
-    if job.version == 2:
-        commit_v2.clean_details(storage, take_id, job.world_size)
+    versions.clean_parts(storage, take_id, job.world_size, job.version)
 
 
 def _give_up(channel: TakeChannel, storage: Storage, take_id: str, reason: str) -> None:
@@ -164,10 +163,5 @@ def _give_up(channel: TakeChannel, storage: Storage, take_id: str, reason: str) 
 
 def _write_manifest(job: Any) -> None:
     """Rank 0: merge every rank's published part and write the manifest (every status was ``ok``)."""
-    storage, take_id, world_size = job.storage, job.take_id, job.world_size
-    timeout = SETTINGS.commit_timeout
-    if job.version == 2:
-        commit_v2.merge_and_commit(storage, take_id, world_size, job.metadata, timeout)
-    else:
-        parts = commit_protocol.gather_parts(storage, take_id, world_size, timeout)
-        commit_protocol.commit(storage, commit_protocol.merge(parts, take_id, job.metadata), 1)
+    versions.merge_and_commit(job.storage, job.take_id, job.world_size, job.metadata, SETTINGS.commit_timeout,
+                              job.version)

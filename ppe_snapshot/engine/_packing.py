@@ -7,7 +7,7 @@ xxh3_64 checksum each. The same layout serves both ways of writing:
 * straight from the live tensors (sync take: no copy of the state), here, and
 * from a staging buffer that is the exact image of the file (async take:
   the caller pays one copy, the background writes one sequential buffer),
-  see :mod:`~ppe_snapshot.engine.staging`.
+  see :mod:`~ppe_snapshot.engine._staging`.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine.entry_columns import ShapeColumns
-from ppe_snapshot.engine.flatten import Payload, PlainTensors
-from ppe_snapshot.engine.format import Raw
-from ppe_snapshot.engine.hostmem import MEMORY
-from ppe_snapshot.engine.manifest import Chunk
-from ppe_snapshot.engine.serialization import PLAIN_TENSOR_TYPES
+from ppe_snapshot.engine._entry_columns import ShapeColumns
+from ppe_snapshot.engine._flatten import Payload, PlainTensors
+from ppe_snapshot.engine._format import Raw
+from ppe_snapshot.engine._hostmem import MEMORY
+from ppe_snapshot.engine._manifest import Chunk
+from ppe_snapshot.engine._serialization import PLAIN_TENSOR_TYPES
 from ppe_snapshot.storage import BlobWriter, Storage
 
 ALIGNMENT = 64
@@ -95,7 +95,7 @@ _KIND, _DATA, _NBYTES, _IS_CUDA = map(operator.attrgetter, ("kind", "data", "nby
 class FileLayout:
     """Where the payloads of a rank's data file go, one row per payload in file order, as columns (a state of
     10^5 tensors makes no object per payload here): first the plain tensors (``tensors`` with their ``dtypes``,
-    see :class:`~ppe_snapshot.engine.flatten.PlainTensors`), then every other payload (``payloads``);
+    see :class:`~ppe_snapshot.engine._flatten.PlainTensors`), then every other payload (``payloads``);
     ``paths``, ``offsets`` and ``sizes`` cover all rows."""
     file: str
     paths: list[str]
@@ -109,7 +109,7 @@ class FileLayout:
     shapes: ShapeColumns | None = None
 
     def kinds(self) -> Iterator[str]:
-        """Each row's kind (one of :class:`~ppe_snapshot.engine.format.Raw`), in file order."""
+        """Each row's kind (one of :class:`~ppe_snapshot.engine._format.Raw`), in file order."""
         return itertools.chain(itertools.repeat(Raw.TENSOR, len(self.dtypes)), map(_KIND, self.payloads))
 
     def datas(self) -> Iterator[Any]:

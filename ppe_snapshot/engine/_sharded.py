@@ -9,7 +9,7 @@ tensors. Each rank's part lists the shards it wrote; ``merge_sharded`` joins
 them into one :class:`ShardedTensorEntry` per tensor, in the manifest's
 ``sharded`` section, which every rank of any world size sees.
 
-Restore: see :mod:`~ppe_snapshot.engine.loading` (``load_sharded``).
+Restore: see :mod:`~ppe_snapshot.engine._loading` (``load_sharded``).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ppe_snapshot.engine.manifest import Chunk, Shard, ShardedTensorEntry
-from ppe_snapshot.engine.serialization import PLAIN_TENSOR_TYPES, dtype_name
+from ppe_snapshot.engine._manifest import Chunk, Shard, ShardedTensorEntry
+from ppe_snapshot.engine._serialization import PLAIN_TENSOR_TYPES, dtype_name
 from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 
 #: Separates a sharded tensor's path from a shard's number in a rank's file layout; ``%``

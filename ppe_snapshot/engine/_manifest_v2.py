@@ -1,7 +1,7 @@
 """Format version 2: a small JSON manifest (the commit point) over per-rank index files (``docs/format.md``).
 
 ``manifest.json`` holds what every reader needs and nothing per entry or per rank: the take id, the world
-size, the metadata. The entries are in index files (:mod:`~ppe_snapshot.engine.index`):
+size, the metadata. The entries are in index files (:mod:`~ppe_snapshot.engine._index`):
 ``index/rank<r>.idx`` (rank ``r``'s own entries and the shards of sharded tensors it wrote, written by that
 rank) and ``index/shared.idx`` (the replicated entries and the table of sharded tensors, written by the
 committing rank). A restoring rank reads the manifest, the shared index and its own rank's index; it reads
@@ -14,18 +14,15 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable
 
-from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, data_file_rank, rank_index
-from ppe_snapshot.engine.index import Index, IndexBuilder, IndexTable, decode_index
-from ppe_snapshot.engine.gcpause import gc_paused
-from ppe_snapshot.engine.manifest import (
-    Entry, LazyEntries, Manifest, Shard, ShardedTensorEntry, commit_stamp, parse_document, read_stamp,
+from ppe_snapshot.engine import _jsonio as jsonio
+from ppe_snapshot.engine._format import MANIFEST_NAME, SHARED_INDEX, data_file_rank, rank_index
+from ppe_snapshot.engine._index import Index, IndexBuilder, IndexTable, decode_index
+from ppe_snapshot.engine._manifest import (
+    Entry, LazyEntries, Manifest, Shard, ShardedTensorEntry, commit_stamp, read_stamp,
 )
-from ppe_snapshot.engine.validation import CHECKSUM_ALGORITHM, FORMAT_NAME
-from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
+from ppe_snapshot.engine._validation import CHECKSUM_ALGORITHM, FORMAT_NAME
+from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage
-
-VERSION = 2
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -55,7 +52,7 @@ def shared_index_bytes(take_id: str, replicated: Mapping[str, Entry], sharded: M
 
 
 def top_bytes(world_size: int, take_id: str, metadata: dict[str, Any]) -> bytes:
-    doc = {"format": FORMAT_NAME, "version": VERSION, "checksum_algorithm": CHECKSUM_ALGORITHM,
+    doc = {"format": FORMAT_NAME, "version": 2, "checksum_algorithm": CHECKSUM_ALGORITHM,
            "world_size": world_size, "take_id": take_id, "metadata": metadata, **commit_stamp()}
     return jsonio.dumps(doc, free_form=metadata)
 
@@ -288,23 +285,7 @@ def read(storage: Storage, doc: dict[str, Any], where: str) -> Manifest:
     manifest = Manifest(
         world_size=doc["world_size"], ranks=_Ranks(indexes), replicated=shared, files=_AllFiles(indexes),
         take_id=doc["take_id"], metadata=doc.get("metadata", {}), sharded=ShardedTable(indexes),
-        version=VERSION, **read_stamp(doc))
+        version=doc["version"], **read_stamp(doc))
     manifest.indexes = indexes
     return manifest
 
-
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest of the snapshot at ``storage``, of either version (entries checked when decoded;
-    a version-2 manifest reads its index files when first needed).
-
-    Raises :class:`SnapshotNotFoundError` when there is none (never taken, being written, or crashed).
-    """
-    try:
-        data = storage.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
-        raise SnapshotNotFoundError(f"no snapshot at {storage.url}: {MANIFEST_NAME} is missing (never taken, still "
-                                    "being written, or its save crashed before the commit)") from None
-    where = f"{storage.url}/{MANIFEST_NAME}"
-    with gc_paused():
-        doc = parse_document(data, where)
-        return read(storage, doc, where) if doc["version"] == VERSION else Manifest.from_doc(doc, where)

@@ -3,7 +3,7 @@
 ``leaf_loader`` picks the loader of one stored value by its kind (tensor or
 array, sharded tensor, pickle, raw bytes); ``Snapshot`` and the DCP reader
 both use it. Reads go straight into the target's memory where they can (see
-:mod:`~ppe_snapshot.engine.reads`), checksums verified.
+:mod:`~ppe_snapshot.engine._reads`), checksums verified.
 
 Sharded tensors: the target decides what to read: its local shard for a
 DTensor or ShardedTensor, the whole tensor for a plain tensor (or
@@ -25,18 +25,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppe_snapshot.engine.bulk import BulkTensors
-from ppe_snapshot.engine.flatten import LoadLeaf, check_tensor_target, escape, inflate
-from ppe_snapshot.engine.format import Raw
-from ppe_snapshot.engine.manifest import (
+from ppe_snapshot.engine._bulk import BulkTensors
+from ppe_snapshot.engine._flatten import LoadLeaf, check_tensor_target, escape, inflate
+from ppe_snapshot.engine._format import Raw
+from ppe_snapshot.engine._manifest import (
     BytesEntry, Entry, Manifest, PickleEntry, Shard, ShardedTensorEntry, TensorEntry,
 )
-from ppe_snapshot.engine import packing
-from ppe_snapshot.engine.packing import is_direct, tensor_bytes
-from ppe_snapshot.engine.reads import ChunkReader, ReadBatch, check_stored, fill, read_into, read_through_host
-from ppe_snapshot.engine.serialization import torch_dtype
-from ppe_snapshot.engine.sharded import dtensor_class, is_sharded, sharded_tensor_class
-from ppe_snapshot.engine.stateful import state_of
+from ppe_snapshot.engine import _packing as packing
+from ppe_snapshot.engine._packing import is_direct, tensor_bytes
+from ppe_snapshot.engine._reads import ChunkReader, ReadBatch, check_stored, fill, read_into, read_through_host
+from ppe_snapshot.engine._serialization import torch_dtype
+from ppe_snapshot.engine._sharded import dtensor_class, is_sharded, sharded_tensor_class
+from ppe_snapshot.engine._stateful import state_of
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 from ppe_snapshot.storage import Storage
 
@@ -52,7 +52,7 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
                budget: int | None = None) -> Any:
     """The value stored at logical ``path`` (and everything under it), into ``obj_out`` where it fits."""
     reads = ReadBatch()
-    bulk = BulkTensors(storage, manifest, rank, reads) if manifest.version == 2 else None
+    bulk = BulkTensors(storage, manifest, rank, reads) if manifest.indexes is not None else None
     try:
         value = inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
                         leaf_loader(storage, allow_pickle, budget, reads), obj_out,

@@ -17,12 +17,12 @@ from typing import Any, Iterable
 import numpy as np
 import xxhash
 
-from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.commit import RankPart, check_sizes, commit, gather_documents, refuse_overwrite
-from ppe_snapshot.engine.format import MANIFEST_NAME, SHARED_INDEX, detail_name, part_name, rank_index
-from ppe_snapshot.engine.index import decode_index
-from ppe_snapshot.engine.manifest import ContainerEntry, Entry, entries_from_json, entries_to_json, entry_to_json
-from ppe_snapshot.engine.manifest_v2 import read_manifest, rank_index_bytes, shared_index_bytes, top_bytes
+from ppe_snapshot.engine import _jsonio as jsonio
+from ppe_snapshot.engine._commit import RankPart, check_sizes, gather_documents
+from ppe_snapshot.engine._format import MANIFEST_NAME, SHARED_INDEX, detail_name, part_name, rank_index
+from ppe_snapshot.engine._index import decode_index
+from ppe_snapshot.engine._manifest import ContainerEntry, Entry, entries_from_json, entries_to_json, entry_to_json
+from ppe_snapshot.engine._manifest_v2 import rank_index_bytes, shared_index_bytes, top_bytes
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import Storage
 
@@ -168,26 +168,3 @@ def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: 
     storage.put_atomic(SHARED_INDEX, shared_index_bytes(take_id, replicated, tensors, files))
     storage.put_atomic(MANIFEST_NAME, top_bytes(world_size, take_id, metadata))
 
-
-def upgrade(source: Storage, dest: Storage) -> None:
-    """Write the version-1 snapshot at ``source`` as a version-2 snapshot at ``dest`` (where nothing is): its
-    data files copied byte for byte, then its index files and the manifest, last. The source is checked
-    first (every entry, every file's size)."""
-    manifest = read_manifest(source)
-    if manifest.version != 1:
-        raise ValueError(f"{source.url} is already a version-{manifest.version} snapshot")
-    manifest.check_entries()
-    refuse_overwrite(dest)
-    block = bytearray(64 << 20)
-    for name, size in manifest.files.items():
-        writer = dest.open_writer(name, size)
-        try:
-            for start in range(0, size, len(block)):
-                view = memoryview(block)[: min(len(block), size - start)]
-                source.read_into(name, start, view)
-                writer.write([view])
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-    commit(dest, manifest, version=2)

@@ -1,6 +1,6 @@
 """Staging: the async take's copy of a rank's payloads into a buffer that is the exact image of its data file,
 and the write of that image (one sequential pass, checksums hashed beside it). See
-:mod:`~ppe_snapshot.engine.packing` for the layout.
+:mod:`~ppe_snapshot.engine._packing` for the layout.
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine.format import Raw
-from ppe_snapshot.engine.hostmem import MEMORY, new_private_buffer
-from ppe_snapshot.engine.manifest import Chunk
-from ppe_snapshot.engine import packing
-from ppe_snapshot.engine.packing import FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
+from ppe_snapshot.engine._format import Raw
+from ppe_snapshot.engine._hostmem import MEMORY, new_private_buffer
+from ppe_snapshot.engine._manifest import Chunk
+from ppe_snapshot.engine import _packing as packing
+from ppe_snapshot.engine._packing import FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
 from ppe_snapshot.storage import Storage
 
 PAGE = 4096
@@ -28,7 +28,7 @@ def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
     """A zeroed, page-aligned host buffer for one rank's file image.
 
     Page alignment lets O_DIRECT write it as it is. Unpinned buffers are
-    private memory that a fork leaves alone (see :mod:`~ppe_snapshot.engine.hostmem`):
+    private memory that a fork leaves alone (see :mod:`~ppe_snapshot.engine._hostmem`):
     a copy-on-write page would fault at the next staging copy.
     """
     if pin and torch.cuda.is_available():

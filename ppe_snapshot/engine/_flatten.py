@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from ppe_snapshot.engine.format import Container, Raw
-from ppe_snapshot.engine.manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
-from ppe_snapshot.engine.sharded import ShardedPayload, is_sharded, sharded_payload
-from ppe_snapshot.engine.serialization import (
+from ppe_snapshot.engine._format import Container, Raw
+from ppe_snapshot.engine._manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
+from ppe_snapshot.engine._sharded import ShardedPayload, is_sharded, sharded_payload
+from ppe_snapshot.engine._serialization import (
     PLAIN_TENSOR_TYPES, RAW_DTYPE_NAMES, can_store_raw, decode_value, dtype_name, encode_value, is_raw_array,
     raw_storage_problem, torch_dtype,
 )
@@ -31,7 +31,7 @@ from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, Unsupp
 
 @dataclass(slots=True)
 class Payload:
-    """A leaf whose bytes go to a data file: ``kind`` is one of :class:`~ppe_snapshot.engine.format.Raw`."""
+    """A leaf whose bytes go to a data file: ``kind`` is one of :class:`~ppe_snapshot.engine._format.Raw`."""
     kind: str
     data: Any
     replicated: bool = False

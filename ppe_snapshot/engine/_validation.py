@@ -18,14 +18,12 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from ppe_snapshot.engine.format import Container, Kind, Raw
-from ppe_snapshot.engine.serialization import torch_dtype
+from ppe_snapshot.engine._format import FORMAT_VERSION, Container, Kind, Raw
+from ppe_snapshot.engine._serialization import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import is_safe_relative
 
 FORMAT_NAME = "ppe-snapshot"
-#: The newest format version this code reads; it writes ``SETTINGS.format_version`` (2 unless told otherwise).
-FORMAT_VERSION = 2
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 _CONTAINER_KINDS = frozenset({Container.DICT, Container.ORDERED_DICT, Container.LIST, Container.TUPLE})
@@ -55,7 +53,9 @@ def _is_count(value: Any) -> bool:
 # -- the document -----------------------------------------------------------------------------------
 
 def check_document(doc: Any, where: str) -> None:
-    """Check a parsed manifest's top level: format, version and the type of every field."""
+    """Check what every version's manifest has at its top level: format, version and checksum algorithm (the
+    fields of each version: ``_versions.read_manifest``, with :func:`document_problem` or
+    :func:`document_v2_problem`)."""
     if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
         raise CorruptSnapshotError(f"{where} is not a {FORMAT_NAME} manifest")
     version = doc.get("version")
@@ -69,13 +69,11 @@ def check_document(doc: Any, where: str) -> None:
     if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
         raise UnsupportedFormatError(f"{where} uses checksum {doc.get('checksum_algorithm')!r}, "
                                      f"this ppe-snapshot knows only {CHECKSUM_ALGORITHM!r}")
-    problem = _document_v2_problem(doc) if version == 2 else _document_problem(doc)
-    if problem:
-        raise CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
 
 
-def _document_v2_problem(doc: dict[str, Any]) -> str | None:
-    """A version-2 manifest's top level: its entries are in index files (``manifest_v2.py``, ``index.py``)."""
+def document_v2_problem(doc: dict[str, Any]) -> str | None:
+    """What is wrong with a version-2 manifest's fields (its entries are in index files: ``_manifest_v2.py``,
+    ``_index.py``); None when nothing is."""
     world_size, take_id = doc.get("world_size"), doc.get("take_id")
     if type(world_size) is not int or world_size < 1:
         return f"world_size {world_size!r:.60} is not a positive integer"
@@ -86,7 +84,8 @@ def _document_v2_problem(doc: dict[str, Any]) -> str | None:
     return None
 
 
-def _document_problem(doc: dict[str, Any]) -> str | None:
+def document_problem(doc: dict[str, Any]) -> str | None:
+    """What is wrong with a version-1 manifest's fields (every entry's checked when decoded); None when nothing is."""
     for name in ("world_size", "ranks", "replicated", "files"):
         if name not in doc:
             return f"field {name!r} is missing"
@@ -291,7 +290,7 @@ def _check_chunks(data: dict[str, Any], files: dict[str, int]) -> None:
 
 
 def _check_object(data: dict[str, Any], files: dict[str, int]) -> None:
-    data["value"]  # noqa: B018 - present; its encoding is checked when decoded (serialization.py)
+    data["value"]  # noqa: B018 - present; its encoding is checked when decoded (_serialization.py)
 
 
 def _check_container(data: dict[str, Any], files: dict[str, int]) -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import threading
 from typing import Any, TypeVar
 
-from ppe_snapshot.engine.gcpause import gc_paused
-from ppe_snapshot.engine.loading import load_state, read_value
-from ppe_snapshot.engine.manifest import Entry, Manifest
-from ppe_snapshot.engine.manifest_v2 import read_manifest
-from ppe_snapshot.engine.ranks import group_rank
-from ppe_snapshot.engine.reads import verify_chunks
-from ppe_snapshot.engine.stateful import check_restorable, restore_order
-from ppe_snapshot.engine.take import StagingProvider, TakeJob, TensorPrepare, prepare_take
+from ppe_snapshot.engine._gcpause import gc_paused
+from ppe_snapshot.engine._loading import load_state, read_value
+from ppe_snapshot.engine._manifest import Entry, Manifest
+from ppe_snapshot.engine._ranks import group_rank
+from ppe_snapshot.engine._reads import verify_chunks
+from ppe_snapshot.engine._stateful import check_restorable, restore_order
+from ppe_snapshot.engine._take import StagingProvider, TakeJob, TensorPrepare, prepare_take
+from ppe_snapshot.engine._versions import read_manifest
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage, open_storage
 

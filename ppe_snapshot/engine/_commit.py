@@ -2,7 +2,7 @@
 
 Every rank makes its data files durable, then publishes a small *part*
 (its entries and file sizes) under ``.parts/``. Rank 0 reads all parts once
-every rank said (through the take's rank channel, ``rank_channel.py``) that
+every rank said (through the take's rank channel, ``_rank_channel.py``) that
 its part is published, checks them and writes the manifest, the commit
 point; when the take fails the ranks write an abort marker instead, so
 that a listing does not take it for a take in progress.
@@ -16,17 +16,16 @@ from typing import Callable
 
 import numpy as np
 
-from ppe_snapshot.engine import jsonio
-from ppe_snapshot.engine.entry_columns import EntryColumns
-from ppe_snapshot.engine.flatten import child_path, child_paths
-from ppe_snapshot.engine.format import MANIFEST_NAME, Container, abort_name, part_name
-from ppe_snapshot.engine.manifest import (
+from ppe_snapshot.engine import _jsonio as jsonio
+from ppe_snapshot.engine._entry_columns import EntryColumns
+from ppe_snapshot.engine._flatten import child_path, child_paths
+from ppe_snapshot.engine._format import MANIFEST_NAME, Container, abort_name, part_name
+from ppe_snapshot.engine._manifest import (
     Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
     entries_to_json,
 )
-from ppe_snapshot.engine.manifest_v2 import write_manifest
-from ppe_snapshot.engine.serialization import decode_value
-from ppe_snapshot.engine.sharded import merge_sharded
+from ppe_snapshot.engine._serialization import decode_value
+from ppe_snapshot.engine._sharded import merge_sharded
 from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage
@@ -171,20 +170,6 @@ def check_restorable(manifest: Manifest) -> None:
                     _check_chunks(path, shard.chunks, files)
             elif not isinstance(entry, ObjectEntry):
                 _check_chunks(path, entry.chunks, files)
-
-
-def commit(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
-    """Make the snapshot visible: check the manifest restores and every data file, then write the manifest last
-    (as format ``version``, by default the settings'; version 2 writes its index files first)."""
-    try:
-        check_restorable(manifest)
-    except SnapshotError as e:
-        raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
-    check_sizes(storage, manifest.files)
-    if (version or SETTINGS.format_version) == 2:
-        write_manifest(storage, manifest)
-    else:
-        storage.put_atomic(MANIFEST_NAME, manifest.to_bytes())
 
 
 def check_sizes(storage: Storage, files: dict[str, int]) -> None:

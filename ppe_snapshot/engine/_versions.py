@@ -1,0 +1,154 @@
+"""The format versions, in one place: which one a take writes, and every step that differs between them.
+
+``FORMAT_VERSION`` (``_format.py``) is the newest: this code reads every version up to it and writes it unless
+``PPE_SNAPSHOT_FORMAT_VERSION`` says otherwise. Version 1 is one JSON manifest holding every entry; version 2
+a small manifest over index files (``docs/format.md``, section 11). The rest of the engine calls the functions
+below with the version at hand and never compares version numbers itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ppe_snapshot.engine import _commit as v1
+from ppe_snapshot.engine import _commit_v2 as v2
+from ppe_snapshot.engine._format import FORMAT_VERSION, MANIFEST_NAME
+from ppe_snapshot.engine._gcpause import gc_paused
+from ppe_snapshot.engine._manifest import Manifest, parse_document
+from ppe_snapshot.engine._manifest_v2 import read as read_v2
+from ppe_snapshot.engine._manifest_v2 import write_manifest as write_v2
+from ppe_snapshot.engine._validation import document_problem, document_v2_problem
+from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, SnapshotNotFoundError
+from ppe_snapshot.settings import SETTINGS
+from ppe_snapshot.storage import Storage
+
+#: What a rank of a multi-rank take expects of the state written once for all (see ``_commit_v2.expected_shared``).
+Shared = tuple[list[str], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Version:
+    """The steps of one format version."""
+    #: What is wrong with a manifest's fields beyond :func:`check_document`'s (None: nothing).
+    problem: Callable[[dict[str, Any]], str | None]
+    #: ``(storage, checked document, where)``: the manifest read.
+    read: Callable[[Storage, dict[str, Any], str], Manifest]
+    #: Write a manifest built in one process, checked to restore, its ``manifest.json`` last.
+    write: Callable[[Storage, Manifest], None]
+    #: A rank of a multi-rank take publishes its part, once its data is durable.
+    publish: Callable[[Storage, str, v1.RankPart, Shared], None]
+    #: Rank 0 of a multi-rank take: merge the parts every rank published and commit.
+    merge_and_commit: Callable[[Storage, str, int, dict[str, Any], float | None], None]
+    #: Remove what a committed take left under ``.parts/``.
+    clean: Callable[[Storage, str, int], None]
+    #: Whether the ranks of a multi-rank take publish the :data:`Shared` state they expect.
+    shares: bool
+
+
+def _merge_and_commit_v1(storage: Storage, take_id: str, world_size: int, metadata: dict[str, Any],
+                         timeout: float | None) -> None:
+    commit(storage, v1.merge(v1.gather_parts(storage, take_id, world_size, timeout), take_id, metadata), 1)
+
+
+def _clean_v2(storage: Storage, take_id: str, world_size: int) -> None:
+    v1.clean_parts(storage, take_id, world_size)
+    v2.clean_details(storage, take_id, world_size)
+
+
+_VERSIONS = {
+    1: _Version(problem=document_problem, read=lambda storage, doc, where: Manifest.from_doc(doc, where),
+                write=lambda storage, manifest: storage.put_atomic(MANIFEST_NAME, manifest.to_bytes()),
+                publish=lambda storage, take_id, part, shared: v1.publish_part(storage, take_id, part),
+                merge_and_commit=_merge_and_commit_v1, clean=v1.clean_parts, shares=False),
+    2: _Version(problem=document_v2_problem, read=read_v2, write=write_v2, publish=v2.publish,
+                merge_and_commit=v2.merge_and_commit, clean=_clean_v2, shares=True),
+}
+
+
+def write_version() -> int:
+    """The version takes write: ``PPE_SNAPSHOT_FORMAT_VERSION``, by default :data:`FORMAT_VERSION`."""
+    version = FORMAT_VERSION if SETTINGS.format_version is None else SETTINGS.format_version
+    if version not in _VERSIONS:
+        raise ValueError(f"PPE_SNAPSHOT_FORMAT_VERSION={version}: this ppe-snapshot writes format versions "
+                         f"{', '.join(map(str, _VERSIONS))}")
+    return version
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest of the snapshot at ``storage``, of any version (entries checked when decoded;
+    a version-2 manifest reads its index files when first needed).
+
+    Raises :class:`SnapshotNotFoundError` when there is none (never taken, being written, or crashed).
+    """
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(f"no snapshot at {storage.url}: {MANIFEST_NAME} is missing (never taken, still "
+                                    "being written, or its save crashed before the commit)") from None
+    where = f"{storage.url}/{MANIFEST_NAME}"
+    with gc_paused():
+        doc = parse_document(data, where)
+        version = _VERSIONS[doc["version"]]
+        problem = version.problem(doc)
+        if problem:
+            raise CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
+        return version.read(storage, doc, where)
+
+
+def commit(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
+    """Make a manifest built in one process visible: check it restores and every data file's size, then write it
+    as format ``version`` (by default :func:`write_version`), ``manifest.json`` last."""
+    write = _VERSIONS[version or write_version()].write
+    try:
+        v1.check_restorable(manifest)
+    except SnapshotError as e:
+        raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
+    v1.check_sizes(storage, manifest.files)
+    write(storage, manifest)
+
+
+def expected_shared(items: dict[str, Any], world_size: int, version: int) -> Shared:
+    """What this rank of a take of ``items`` expects of the state written once for all (nothing to say for one
+    rank, or where ``version`` does not check it)."""
+    return v2.expected_shared(items) if _VERSIONS[version].shares and world_size > 1 else ([], {})
+
+
+def publish(storage: Storage, take_id: str, part: v1.RankPart, shared: Shared, version: int) -> None:
+    """A rank's share of a multi-rank take's commit, once its data is durable."""
+    _VERSIONS[version].publish(storage, take_id, part, shared)
+
+
+def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: dict[str, Any],
+                     timeout: float | None, version: int) -> None:
+    """Rank 0, once every rank said its part is published: merge the parts, check them and commit (waiting for
+    them at most ``timeout``, None: the settings')."""
+    _VERSIONS[version].merge_and_commit(storage, take_id, world_size, metadata, timeout)
+
+
+def clean_parts(storage: Storage, take_id: str, world_size: int, version: int) -> None:
+    """Remove what the ranks of committed take ``take_id`` published under ``.parts/``."""
+    _VERSIONS[version].clean(storage, take_id, world_size)
+
+
+def upgrade(source: Storage, dest: Storage) -> None:
+    """Write the version-1 snapshot at ``source`` as a version-2 snapshot at ``dest`` (where nothing is): its
+    data files copied byte for byte, then its index files and the manifest, last. The source is checked
+    first (every entry, every file's size)."""
+    manifest = read_manifest(source)
+    if manifest.version != 1:
+        raise ValueError(f"{source.url} is already a version-{manifest.version} snapshot")
+    manifest.check_entries()
+    v1.refuse_overwrite(dest)
+    block = bytearray(64 << 20)
+    for name, size in manifest.files.items():
+        writer = dest.open_writer(name, size)
+        try:
+            for start in range(0, size, len(block)):
+                view = memoryview(block)[: min(len(block), size - start)]
+                source.read_into(name, start, view)
+                writer.write([view])
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    commit(dest, manifest, version=2)

@@ -1,0 +1,50 @@
+"""The format's pieces, for code that reads or writes them itself: the surface the DCP adapters use.
+
+``ppe_snapshot.dcp`` maps torch.distributed.checkpoint's plans onto the format without going through
+:class:`~ppe_snapshot.engine.Snapshot`: its writer appends payloads to data files and commits a manifest it
+builds, its reader looks entries up and reads their chunks. The CLI's ``inspect`` and ``verify`` show and check
+entries one by one. They import this module (and :mod:`ppe_snapshot.engine`) and nothing else of the engine.
+
+The manifest and its entries
+    :class:`Manifest` (as ``read_manifest`` returns it, or built by a writer), :class:`Entry` (any of):
+    :class:`TensorEntry`, :class:`ShardedTensorEntry` (of :class:`Shard` objects), :class:`BytesEntry`,
+    :class:`PickleEntry`, :class:`ObjectEntry`, :class:`ContainerEntry`; :class:`Chunk` (checksummed bytes of a
+    data file); ``Raw`` (what a data file holds for a leaf), ``Container`` (a container entry's kinds).
+Paths and values
+    ``escape`` / ``child_path`` (logical paths), ``inflate`` (rebuild a value from entries), ``leaf_loader``
+    (the one loader of a stored value, by its kind), the value encoding (``encode_value``, ``decode_value``,
+    ``dtype_name``, ``torch_dtype``, ``can_store_raw``).
+Bytes
+    ``data_file(rank)`` (the data file a rank writes), ``Payload`` and ``PayloadAppender`` (append payloads to a
+    data file, their chunks checksummed), ``needs_bounce`` / ``host_copy_buffer`` (a tensor written through a
+    host copy), ``is_direct``, ``tensor_bytes``, ``read_into`` (verified reads of chunks).
+Committing
+    ``new_take_id()``, ``refuse_overwrite(storage)``, ``commit_manifest(storage, manifest)`` (checks it restores,
+    then writes it in the format version takes write, the manifest last).
+"""
+from ppe_snapshot.engine._commit import refuse_overwrite
+from ppe_snapshot.engine._flatten import Payload, child_path, escape, inflate
+from ppe_snapshot.engine._format import Container, Raw, data_file, new_take_id
+from ppe_snapshot.engine._loading import leaf_loader
+from ppe_snapshot.engine._manifest import (
+    BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
+    TensorEntry,
+)
+from ppe_snapshot.engine._packing import PayloadAppender, host_copy_buffer, is_direct, needs_bounce, tensor_bytes
+from ppe_snapshot.engine._reads import read_into
+from ppe_snapshot.engine._serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
+from ppe_snapshot.engine._versions import commit as commit_manifest
+
+__all__ = [
+    # the manifest and its entries
+    "BytesEntry", "Chunk", "Container", "ContainerEntry", "Entry", "Manifest", "ObjectEntry", "PickleEntry", "Raw",
+    "Shard", "ShardedTensorEntry", "TensorEntry",
+    # paths and values
+    "can_store_raw", "child_path", "decode_value", "dtype_name", "encode_value", "escape", "inflate", "leaf_loader",
+    "torch_dtype",
+    # bytes
+    "Payload", "PayloadAppender", "data_file", "host_copy_buffer", "is_direct", "needs_bounce", "read_into",
+    "tensor_bytes",
+    # committing
+    "commit_manifest", "new_take_id", "refuse_overwrite",
+]
