@@ -1,4 +1,6 @@
 """ppe-snapshot: fast, atomic, resumable snapshots for PyTorch training loops."""
+import warnings
+
 from ppe_snapshot.engine import OptimizerState, PendingSnapshot, RNGState, Snapshot, StateDict, Stateful
 from ppe_snapshot.errors import (
     AutoloadSkipWarning, CorruptSnapshotError, Preempted, SnapshotAbortedError, SnapshotError, SnapshotExistsError,
@@ -33,3 +35,20 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXTENSION})
+
+
+#: The DCP adapters' old import path, ``ppe_snapshot.storage.<name>``: kept working, with a DeprecationWarning.
+_MOVED_FROM_STORAGE = ("SnapshotStorageReader", "SnapshotStorageWriter")
+
+
+def _moved_from_storage(name: str):
+    if name in _MOVED_FROM_STORAGE:
+        warnings.warn(f"ppe_snapshot.storage.{name} is deprecated: import it from ppe_snapshot.dcp",
+                      DeprecationWarning, stacklevel=2)
+        from ppe_snapshot import dcp
+        return getattr(dcp, name)
+    raise AttributeError(f"module 'ppe_snapshot.storage' has no attribute {name!r}")
+
+
+# The shim lives here, above both packages, so that storage names nothing above it.
+storage.__getattr__ = _moved_from_storage  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotExistsError, SnapshotNotFoundError, StateDict
 from ppe_snapshot.engine import _packing as packing
 from ppe_snapshot.engine._manifest import BytesEntry, ShardedTensorEntry, TensorEntry
-from ppe_snapshot.storage import SnapshotStorageReader, SnapshotStorageWriter
+from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
 from _asserts import manifest_doc
 
 # DCP warns that it runs in one process when torch.distributed is not initialized; that is the point here.

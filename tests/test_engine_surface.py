@@ -77,9 +77,12 @@ def test_settings_from_environment():
     assert Settings.from_environment(env) == Settings(False, 8 << 20, 3, 2, 5.0)
 
 
-def test_storage_keeps_the_dcp_aliases():
-    assert ppe_snapshot.storage.SnapshotStorageWriter is ppe_snapshot.dcp.SnapshotStorageWriter
-    assert ppe_snapshot.storage.SnapshotStorageReader is ppe_snapshot.dcp.SnapshotStorageReader
+def test_the_dcp_adapters_old_import_path_works_and_says_it_is_deprecated():
+    with pytest.warns(DeprecationWarning, match="import it from ppe_snapshot.dcp"):
+        assert ppe_snapshot.storage.SnapshotStorageWriter is ppe_snapshot.dcp.SnapshotStorageWriter
+    with pytest.warns(DeprecationWarning, match="ppe_snapshot.storage.SnapshotStorageReader is deprecated"):
+        from ppe_snapshot.storage import SnapshotStorageReader
+    assert SnapshotStorageReader is ppe_snapshot.dcp.SnapshotStorageReader
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         ppe_snapshot.storage.Nope  # noqa: B018
 

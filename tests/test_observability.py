@@ -67,9 +67,15 @@ def test_one_logger_hierarchy_and_what_autoload_resumed_from(tmp_path, caplog):
 
 
 def test_a_failed_snapshot_on_error_is_not_logged_as_saved(tmp_path, caplog):
-    class Broken(ppe_snapshot.writing.ThreadWriter):
-        def _submit_take(self, *args, **kwargs):
+    from ppe_snapshot.writing._executors import ThreadPerSave
+
+    class DiskGone(ThreadPerSave):
+        def submit_take(self, *args, **kwargs):
             raise OSError("disk gone")
+
+    class Broken(ppe_snapshot.writing.ThreadWriter):
+        def _executor(self):
+            return DiskGone()
 
     run = Run(str(tmp_path), 10, {"writer": Broken(), "snapshot_on_error": True}, trigger=(100, "iteration"))
 

@@ -77,7 +77,7 @@ def test_a_savefun_in_a_script_without_main_guard_fails_naming_the_guard(tmp_pat
                       + LOOP.format(out=str(tmp_path)))
     done = _run(script)
     assert done.returncode != 0
-    raised = [line for line in done.stderr.splitlines() if line.startswith("ppe_snapshot.writing._async.Background")]
+    raised = [line for line in done.stderr.splitlines() if line.startswith("ppe_snapshot.writing.Background")]
     assert len(raised) == 1 and 'no `if __name__ == "__main__":` guard' in raised[0] and "Fix:" in raised[0]
     assert done.stdout.count("iteration 0\n") == 1  # the import in the worker ran no training (it was refused)
     assert not (tmp_path / "snapshot_iter_1").exists()

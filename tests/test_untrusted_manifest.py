@@ -23,7 +23,7 @@ from _crafted import (
 )
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedFormatError
 from ppe_snapshot.cli import main
-from ppe_snapshot.storage import SnapshotStorageReader
+from ppe_snapshot.dcp import SnapshotStorageReader
 
 
 @pytest.fixture(autouse=True)

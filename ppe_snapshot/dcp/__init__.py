@@ -12,7 +12,8 @@ A user of the engine (it imports only ``ppe_snapshot.engine``, its format surfac
 * ``writer.py``: :class:`SnapshotStorageWriter`;
 * ``reader.py``: :class:`SnapshotStorageReader`.
 
-``ppe_snapshot.storage.SnapshotStorageWriter`` / ``SnapshotStorageReader`` remain as aliases.
+Their old names ``ppe_snapshot.storage.SnapshotStorageWriter`` / ``SnapshotStorageReader`` still work, with a
+DeprecationWarning (a shim in ``ppe_snapshot/__init__.py``).
 """
 from ppe_snapshot.dcp.layout import ADAPTER_VERSION, DCP_KEY
 from ppe_snapshot.dcp.reader import SnapshotStorageReader

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
+
+import torch
 
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._loading import load_state, read_value
@@ -10,12 +12,14 @@ from ppe_snapshot.engine._manifest import Entry, Manifest
 from ppe_snapshot.engine._ranks import group_rank
 from ppe_snapshot.engine._reads import verify_chunks
 from ppe_snapshot.engine._stateful import check_restorable, restore_order
-from ppe_snapshot.engine._take import StagingProvider, TakeJob, TensorPrepare, prepare_take
+from ppe_snapshot.engine._take import TakeJob, TensorPrepare, prepare_take
 from ppe_snapshot.engine._versions import read_manifest
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage, open_storage
 
 T = TypeVar("T")
+#: Gives a host buffer of at least the requested number of bytes, for :meth:`Snapshot.async_take` to stage into.
+StagingProvider = Callable[[int], torch.Tensor]
 
 
 class Snapshot:
@@ -85,7 +89,12 @@ class Snapshot:
         """
         job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
                            allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func)
-        job.stage(staging)
+        try:
+            buffer = staging(job.layout.size) if staging is not None else None
+        except BaseException as e:
+            job.conclude(e)  # several ranks: the others hear of it rather than wait
+            raise
+        job.stage(buffer)
         return PendingSnapshot(job, cls(job.storage.url, pg, storage_options))
 
     # -- reading ------------------------------------------------------------

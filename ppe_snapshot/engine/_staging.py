@@ -76,7 +76,7 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
     if buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous() or buffer.numel() < layout.size:
         raise ValueError(f"a staging buffer must be a contiguous CPU uint8 tensor of at least {layout.size} bytes, "
                          f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
-                         f"{'' if buffer.is_contiguous() else ', not contiguous'}; the staging provider gave it")
+                         f"{'' if buffer.is_contiguous() else ', not contiguous'} given to stage into")
     if reused:
         clear_padding(layout, buffer)
     base, cuda, memory = buffer.data_ptr(), False, MEMORY

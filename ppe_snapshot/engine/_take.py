@@ -26,8 +26,6 @@ from ppe_snapshot.engine._take_end import Watched, abandon, conclude, retry_mark
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 
-#: Gives a host buffer of at least the requested number of bytes (writers reuse theirs).
-StagingProvider = Callable[[int], torch.Tensor]
 #: ``(logical path, tensor, tracing) -> tensor to store``: the seed's ``_custom_tensor_prepare_func``.
 TensorPrepare = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
@@ -67,14 +65,14 @@ class TakeJob:
         return {**self.__dict__, "channel": None}
 
     @gc_paused()  # a state of many tensors makes as many objects here: no collection walks them meanwhile
-    def stage(self, provider: StagingProvider | None = None) -> None:
-        """Copy this rank's payloads into a buffer the job owns (the caller may mutate them after)."""
+    def stage(self, buffer: torch.Tensor | None = None) -> None:
+        """Copy this rank's payloads into ``buffer`` (at least ``layout.size`` bytes; it may hold an older image),
+        or into a new buffer; the job owns it (the caller may mutate the payloads after)."""
         try:
-            if provider is not None:
-                buffer = provider(self.layout.size)
-            else:
+            reused = buffer is not None
+            if buffer is None:
                 buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
-            stage(self.layout, buffer, reused=provider is not None)  # a provider's buffer may hold an old image
+            stage(self.layout, buffer, reused=reused)
         except BaseException as e:
             self.conclude(e)
             raise

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from pytorch_pfn_extras import writing as ppe_writing
 
-from ppe_snapshot import writing
+from ppe_snapshot import ppe_private, writing
 from ppe_snapshot.storage import is_local
-from ppe_snapshot.writing import SnapshotWriter, is_ppe_default_fs
+from ppe_snapshot.writing import SnapshotWriter
 
 #: ppe's built-in writers, and the ppe_snapshot writer that stands in for each.
 _COUNTERPARTS = {
@@ -64,12 +64,13 @@ def check_inside(name: str, what: str = "filename") -> None:
 
 def _plain_ppe_settings(writer: Any) -> bool:
     """Whether a ppe writer saves with ppe's defaults: ``torch.save``, no savefun keywords, the POSIX fs."""
-    if not is_ppe_default_fs(writer.fs):
+    if not ppe_private.is_ppe_default_fs(writer.fs):
         return False
     if isinstance(writer, ppe_writing.QueueWriter):
-        task = getattr(writer, "_task", None)
+        task = ppe_private.queue_task(writer)
         return type(task) is ppe_writing.SimpleWriter and _plain_ppe_settings(task)
-    return getattr(writer, "_savefun", None) is torch.save and not getattr(writer, "_kwds", None)
+    savefun, keywords = ppe_private.savefun_and_keywords(writer)
+    return savefun is torch.save and not keywords
 
 
 def counterpart(writer: Any) -> SnapshotWriter | None:
@@ -105,7 +106,7 @@ def stand_down(writer: Any, explicit: bool) -> None:
     consumer running since its creation: it is finalized (the manager
     finalizes its own writer itself).
     """
-    if isinstance(writer, ppe_writing.StandardWriter) and getattr(writer, "_worker", None) is None:
-        writer._finalized = True  # type: ignore[attr-defined]
+    if ppe_private.never_ran(writer):
+        ppe_private.mark_finalized(writer)
     elif explicit and isinstance(writer, ppe_writing.QueueWriter):
         writer.finalize()

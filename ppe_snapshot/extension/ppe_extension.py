@@ -20,7 +20,7 @@ from pytorch_pfn_extras import reporting
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol, extension
 from pytorch_pfn_extras.writing import Writer
 
-from ppe_snapshot import run_dir, stored_snapshot
+from ppe_snapshot import ppe_private, run_dir, stored_snapshot
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
 from ppe_snapshot.extension.preemption import Preemption, preempt
@@ -75,7 +75,7 @@ class _Snapshot(extension.Extension):
         self._snapshot_on_error = snapshot_on_error
         self.n_retains = n_retains
         self.autoload = autoload
-        self._savefun = savefun
+        self._file_savefun = savefun
         self._allow_pickle = allow_pickle
         self._format: FilenameFormat | None = None
         if isinstance(filename, str):
@@ -142,7 +142,7 @@ class _Snapshot(extension.Extension):
             raise RuntimeError("snapshot: no writer; the manager has none and none was given (writer=...)")
         ppe_compat.check_writer(chosen)
         writer = chosen
-        if self._savefun is None and not isinstance(chosen, SnapshotWriter):
+        if self._file_savefun is None and not isinstance(chosen, SnapshotWriter):
             writer = ppe_compat.counterpart(chosen) or chosen
             if writer is not chosen:
                 self._stood_in_for = chosen
@@ -155,7 +155,7 @@ class _Snapshot(extension.Extension):
         self._out_dir = out_dir if isinstance(out_dir, str) and out_dir else manager.out
         self._storage_options = options if isinstance(options, dict) else None
         if self.policy is not None and self._format is not None and self._prunes():
-            writer._add_cleanup_hook(self._prune)
+            ppe_private.add_cleanup_hook(writer, self._prune)
         self._bound = True
 
     # -- extension protocol ----------------------------------------------------
@@ -187,20 +187,15 @@ class _Snapshot(extension.Extension):
             return
         # An extension that raised in an iteration where no snapshot was due leaves the models marked
         # unavailable (ppe's guard for extensions without needs_model_state); the snapshot needs them.
-        available = getattr(manager, "_model_available", None)
-        if available is False:
-            manager._model_available = True  # type: ignore[attr-defined]
-        try:
-            self._bind(manager)
-            self._wait_in_flight()
-            self._error_snapshot(manager)
-        except Exception as e:  # noqa: BLE001 - the training error is the one that must propagate
-            # Logged, not warned: a test setup turning warnings into errors must still see the training error.
-            logger.error("the snapshot on error failed: %s: %s", type(e).__name__, e,
-                         exc_info=(type(e), e, e.__traceback__))
-        finally:
-            if available is False:
-                manager._model_available = False  # type: ignore[attr-defined]
+        with ppe_private.models_available(manager):
+            try:
+                self._bind(manager)
+                self._wait_in_flight()
+                self._error_snapshot(manager)
+            except Exception as e:  # noqa: BLE001 - the training error is the one that must propagate
+                # Logged, not warned: a test setup turning warnings into errors must still see the training error.
+                logger.error("the snapshot on error failed: %s: %s", type(e).__name__, e,
+                             exc_info=(type(e), e, e.__traceback__))
 
     def finalize(self, manager: ExtensionsManagerProtocol) -> None:
         if self.preemption is not None:
@@ -231,18 +226,18 @@ class _Snapshot(extension.Extension):
         writer = self._engine_writer
         if writer is None:  # ppe's protocol
             start = time.perf_counter()
-            self.writer(name, manager.out, state, savefun=self._savefun)
+            self.writer(name, manager.out, state, savefun=self._file_savefun)
             self._report(manager, name, {"blocking_s": time.perf_counter() - start}, None)
             return
         stale = self._superseded.pop(name, None)
-        if stale is not None and self._savefun is None:
+        if stale is not None and self._file_savefun is None:
             stored_snapshot.remove_snapshot(stale.url, self._storage_options)
             logger.warning("removed %s, which autoload skipped as %s, to save this position again",
                            stale.url, stale.kind if stale.kind != CandidateKind.SNAPSHOT else CandidateKind.DAMAGED)
         self._rejected.discard(name)
         previous = writer.last_stats
         rng = self._rng_states() if rng is None else rng
-        writer(name, manager.out, state, savefun=self._savefun,
+        writer(name, manager.out, state, savefun=self._file_savefun,
                metadata=saved_state.metadata(manager, self._target_kind, self._metrics(manager)), pg=pg,
                extra_state={RNG_KEY: StateDict(rng)}, allow_pickle=True if self._allow_pickle else None)
         self._report(manager, name, writer.last_stats, previous)
@@ -278,7 +273,7 @@ class _Snapshot(extension.Extension):
 
     def _save_on_error(self, manager: ExtensionsManagerProtocol, name: str, pg: Any) -> None:
         location = join(self._out_dir, name)
-        if (self._engine_writer is not None and self._savefun is None and name not in self._superseded
+        if (self._engine_writer is not None and self._file_savefun is None and name not in self._superseded
                 and stored_snapshot.inspect(location, self._storage_options).iteration == manager.iteration):
             logger.warning("training failed at iteration %s; snapshot %s already holds this "
                            "position, so no snapshot on error is taken", manager.iteration, location)
@@ -304,7 +299,7 @@ class _Snapshot(extension.Extension):
         return found
 
     def _prunes(self) -> bool:
-        return self._owns_out_dir and hasattr(self.writer, "_add_cleanup_hook")  # ppe's own check, for any writer
+        return self._owns_out_dir and ppe_private.takes_cleanup_hooks(self.writer)  # ppe's own check, for any writer
 
     def _prune(self, listed: list[Candidate] | None = None) -> None:
         """Apply the policy to the output directory (as ``listed`` there, when autoload just listed it)."""

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ppe_snapshot import ppe_private
 from ppe_snapshot.engine import agree_max
 from ppe_snapshot.errors import Preempted, SnapshotError
 
@@ -141,8 +142,7 @@ class Preemption:
     def wrap_trigger(self, manager: Any, extension: Any) -> bool:
         """Make the manager ask :meth:`due` at the end of every iteration, through the trigger of ``extension``'s
         entry. False when the manager has no entry for it (not a ppe manager)."""
-        entries = getattr(manager, "extensions", None) or list(getattr(manager, "_extensions", {}).items())
-        for _, entry in entries:
+        for _, entry in ppe_private.extension_entries(manager):
             if getattr(entry, "extension", None) is extension:
                 if not isinstance(entry.trigger, PreemptionTrigger):
                     entry.trigger = PreemptionTrigger(entry.trigger, self.due)
@@ -155,19 +155,14 @@ def preempt(snapshot: Any, manager: Any, preemption: Preemption) -> None:
     finalize the manager, raise :class:`ppe_snapshot.Preempted`."""
     assert preemption.decided is not None
     name, failure = None, None
-    available = getattr(manager, "_model_available", None)
-    if available is False:  # ppe's guard when no needs_model_state extension was due this iteration
-        manager._model_available = True
-    try:
-        name = snapshot._format_name(manager)
-        snapshot._make_snapshot(manager)
-        if hasattr(snapshot.writer, "wait"):
-            snapshot.writer.wait()
-    except Exception as e:  # noqa: BLE001 - raised below, once no rank waits for this one
-        failure = e
-    finally:
-        if available is False:
-            manager._model_available = False
+    with ppe_private.models_available(manager):  # ppe's guard when no needs_model_state extension was due
+        try:
+            name = snapshot._format_name(manager)
+            snapshot._make_snapshot(manager)
+            if hasattr(snapshot.writer, "wait"):
+                snapshot.writer.wait()
+        except Exception as e:  # noqa: BLE001 - raised below, once no rank waits for this one
+            failure = e
     try:
         preemption.barrier()
     except SnapshotError as e:  # a rank died: finalize all the same, then raise

@@ -14,6 +14,8 @@ from typing import Any
 from pytorch_pfn_extras import reporting
 from pytorch_pfn_extras.training import extension
 
+from ppe_snapshot import ppe_private
+
 #: The name of the reporter in the manager's running order.
 NAME = "ppe_snapshot/stats"
 
@@ -55,13 +57,14 @@ class StatsReporter(extension.Extension):
 
 def attach(manager: Any) -> StatsReporter | None:
     """Put a :class:`StatsReporter` first in the running order of a manager that started its extensions."""
-    running = getattr(manager, "extensions", None)
-    if not isinstance(running, list):
+    running = ppe_private.running_extensions(manager)
+    if running is None:
         return None
     for name, entry in running:
         if name == NAME:
             return entry.extension
     reporter = StatsReporter()
     # A new list: start_extensions may be iterating the current one (this runs from an initialize()).
-    manager.extensions = [(NAME, extension.ExtensionEntry(reporter, trigger=StatsReporter.trigger))] + running
+    ppe_private.set_running_extensions(
+        manager, [(NAME, extension.ExtensionEntry(reporter, trigger=StatsReporter.trigger))] + running)
     return reporter

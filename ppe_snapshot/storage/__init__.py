@@ -2,15 +2,11 @@
 
 Imports nothing of ours but :mod:`ppe_snapshot.errors` and :mod:`ppe_snapshot.settings`.
 ``open_storage`` picks the backend from the path. Floors above use only the names exported here.
-
-Compatibility: ``ppe_snapshot.storage.SnapshotStorageWriter`` / ``SnapshotStorageReader`` are aliases
-of the DCP adapters, whose home is :mod:`ppe_snapshot.dcp`. They are resolved on first use through
-``importlib`` (see ``__getattr__`` below): the one allowed upward reference out of this floor, kept so
-that code written against the old import path works.
+(The DCP adapters' old names here, ``SnapshotStorageWriter`` / ``SnapshotStorageReader``, are a deprecation
+shim of ``ppe_snapshot/__init__.py``: this package names nothing above it.)
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from ppe_snapshot.storage.base import BlobWriter, Storage, forget_listings, is_safe_relative
@@ -47,18 +43,6 @@ def join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if base else name
 
 
-#: Names kept here for compatibility; their home is ppe_snapshot.dcp.
-COMPATIBILITY_ALIASES = ("SnapshotStorageReader", "SnapshotStorageWriter")
-
-
-def __getattr__(name: str) -> Any:
-    # The documented exception to the layering rule (tests/test_layers.py names it): resolved on first use,
-    # so that importing storage never imports the floors above it.
-    if name in COMPATIBILITY_ALIASES:
-        return getattr(importlib.import_module("ppe_snapshot.dcp"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "SnapshotStorageReader", "SnapshotStorageWriter", "Storage",
-           "Tuning", "exchange", "forget_listings", "is_local", "is_safe_relative", "join", "local_path",
-           "open_storage", "open_url", "shared_pool", "split_tuning", "sync_directory", "url_to_fs"]
+__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "Storage", "Tuning", "exchange", "forget_listings",
+           "is_local", "is_safe_relative", "join", "local_path", "open_storage", "open_url", "shared_pool",
+           "split_tuning", "sync_directory", "url_to_fs"]

@@ -21,25 +21,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "SimpleWriter": "_base",
-    "ThreadWriter": "_thread",
-    "ThreadQueueWriter": "_thread",
-    "ProcessWriter": "_process",
-    "ProcessQueueWriter": "_process",
-    "BackgroundAbortError": "_async",
-    "BackgroundSaveError": "_async",
+    "SimpleWriter": "_ppe_writers",
+    "ThreadWriter": "_ppe_writers",
+    "ThreadQueueWriter": "_ppe_writers",
+    "ProcessWriter": "_ppe_writers",
+    "ProcessQueueWriter": "_ppe_writers",
+    "BackgroundAbortError": "_errors",
+    "BackgroundSaveError": "_errors",
     "SaveStats": "contract",
     "SnapshotWriter": "contract",
-    "is_ppe_default_fs": "_base",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = ["BackgroundAbortError", "BackgroundSaveError", "ProcessQueueWriter", "ProcessWriter", "SaveStats",
+           "SimpleWriter", "SnapshotWriter", "ThreadQueueWriter", "ThreadWriter"]
 
 if TYPE_CHECKING:
-    from ppe_snapshot.writing._async import BackgroundAbortError, BackgroundSaveError
-    from ppe_snapshot.writing._base import SimpleWriter, is_ppe_default_fs
-    from ppe_snapshot.writing._process import ProcessQueueWriter, ProcessWriter
-    from ppe_snapshot.writing._thread import ThreadQueueWriter, ThreadWriter
+    from ppe_snapshot.writing._errors import BackgroundAbortError, BackgroundSaveError
+    from ppe_snapshot.writing._ppe_writers import (
+        ProcessQueueWriter, ProcessWriter, SimpleWriter, ThreadQueueWriter, ThreadWriter,
+    )
     from ppe_snapshot.writing.contract import SaveStats, SnapshotWriter
 
 

@@ -2,8 +2,8 @@
 
 ``savefun(target, file)`` writes to ``tmp_<name>`` beside the destination,
 which is then renamed over it; URLs go through fsspec. Async writers stage
-the target first: :func:`stage_object` copies its tensors into a buffer the
-writer reuses and returns a skeleton (the target with placeholders), and
+the target first: :class:`StagedObject` lays its tensors out, copies them into a
+buffer the writer reuses and returns a skeleton (the target with placeholders), and
 :func:`materialize` rebuilds the target from both in the background.
 """
 from __future__ import annotations
@@ -17,10 +17,6 @@ import torch
 
 from ppe_snapshot.engine import align
 from ppe_snapshot.storage import local_path, url_to_fs
-
-#: Gives a host buffer of at least ``nbytes``, pinned when asked (``provider(nbytes, pin)``).
-BufferProvider = Callable[[int, bool], torch.Tensor]
-
 
 @dataclass
 class FileSave:
@@ -105,30 +101,34 @@ def _collect(value: Any, found: dict[int, torch.Tensor]) -> None:
         _collect(child, found)
 
 
-def stage_object(target: Any, provider: BufferProvider) -> Any:
-    """Copy the tensors found in ``target``'s dicts, lists and tuples into one buffer.
+class StagedObject:
+    """The tensors found in a target's dicts, lists and tuples, laid out in one host buffer of :attr:`size` bytes
+    (pinned where :attr:`on_cuda`): the writer hands that buffer to :meth:`copy_into`."""
 
-    Returns a deep copy of ``target`` in which those tensors are placeholders
-    (CUDA tensors come back as CPU tensors); other values are deep-copied, so
-    the caller may change ``target`` as soon as this returns.
-    """
-    found: dict[int, torch.Tensor] = {}
-    _collect(target, found)
-    memo: dict[int, Any] = {}
-    size = 0
-    for key, t in found.items():
-        memo[key] = _TensorRef(size, t.dtype, tuple(t.shape), isinstance(t, torch.nn.Parameter), t.requires_grad)
-        size = align(size + memo[key].nbytes)
-    on_cuda = any(t.device.type == "cuda" for t in found.values())
-    buffer = provider(size, on_cuda)
-    for key, t in found.items():
-        ref = memo[key]
-        if ref.nbytes:
-            region = buffer[ref.offset:ref.offset + ref.nbytes].view(t.dtype).view(t.shape)
-            region.copy_(t.detach(), non_blocking=t.device.type == "cuda")
-    if on_cuda:
-        torch.cuda.synchronize()
-    return copy.deepcopy(target, memo)
+    def __init__(self, target: Any) -> None:
+        self._target = target
+        self._found: dict[int, torch.Tensor] = {}
+        _collect(target, self._found)
+        self._memo: dict[int, Any] = {}
+        self.size = 0
+        for key, t in self._found.items():
+            self._memo[key] = _TensorRef(self.size, t.dtype, tuple(t.shape), isinstance(t, torch.nn.Parameter),
+                                         t.requires_grad)
+            self.size = align(self.size + self._memo[key].nbytes)
+        self.on_cuda = any(t.device.type == "cuda" for t in self._found.values())
+
+    def copy_into(self, buffer: torch.Tensor) -> Any:
+        """Copy the tensors into ``buffer``; returns a deep copy of the target in which they are placeholders
+        (CUDA tensors come back as CPU tensors); other values are deep-copied, so the caller may change the
+        target as soon as this returns."""
+        for key, t in self._found.items():
+            ref = self._memo[key]
+            if ref.nbytes:
+                region = buffer[ref.offset:ref.offset + ref.nbytes].view(t.dtype).view(t.shape)
+                region.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        if self.on_cuda:
+            torch.cuda.synchronize()
+        return copy.deepcopy(self._target, dict(self._memo))
 
 
 def materialize(skeleton: Any, buffer: torch.Tensor) -> Any:

@@ -1,7 +1,8 @@
-"""Writers that write and commit in one long-lived worker process, fed through shared memory."""
+"""The executor of the Process writers: one long-lived worker process, fed through shared memory."""
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing
 import multiprocessing.spawn
 import os
@@ -18,15 +19,16 @@ from typing import Any, Callable
 import fsspec.utils
 import torch
 import torch.multiprocessing  # noqa: F401 - registers how tensors in shared memory travel to the worker
-from pytorch_pfn_extras.writing import QueueWriter, StandardWriter
 
 from ppe_snapshot.engine import TakeJob, new_shared_buffer
 from ppe_snapshot.errors import SnapshotError
-from ppe_snapshot.writing._async import AsyncWriter, Ticket
-from ppe_snapshot.writing._base import SimpleWriter, add_note, logger
+from ppe_snapshot.writing._errors import add_note
+from ppe_snapshot.writing._executors import Executor, Finish, Ticket
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._replace import AfterCommit
 from ppe_snapshot.writing._worker import READY, frame
+
+logger = logging.getLogger(__name__)
 
 OnDone = Callable[[BaseException | None, int | None], None]
 
@@ -184,56 +186,56 @@ class _Worker:
         self._results.close()
 
 
-class _ProcessBase(AsyncWriter):
-    def __init__(self, savefun: Callable[..., Any] | None, fs: Any, out_dir: str, queue_depth: int,
-                 kwds: dict[str, Any]) -> None:
-        super().__init__(savefun, fs, out_dir, queue_depth=queue_depth, **kwds)
+class WorkerProcess(Executor):
+    """Saves in one long-lived worker process (:class:`_Worker`), fed through shared-memory staging buffers;
+    up to ``depth`` saves in flight, written one after the other. ``writer``: the writer's class name, for
+    messages."""
+
+    background = True
+
+    def __init__(self, depth: int, writer: str) -> None:
+        super().__init__(depth)
+        self._writer = writer
         self._tickets = itertools.count()
         self._registered: set[int] = set()
+        self._buffers: dict[int, torch.Tensor] = {}  # each slot's, sent again to a worker that replaces one
         #: One byte per slot, shared with the worker: set when the take of several ranks in the slot failed
         #: elsewhere, so that the worker stops writing it (the parent speaks for the worker to the other ranks).
-        self._stops = new_shared_buffer(queue_depth)
-        self._slot_jobs: list[TakeJob | None] = [None] * queue_depth
-        self._worker: _Worker | None = None
+        self._stops = new_shared_buffer(depth)
+        self._slot_jobs: list[TakeJob | None] = [None] * depth
+        self._running: _Worker | None = None
         if _in_main_import():  # this is the worker importing the unguarded script: say so, start nothing
-            raise RuntimeError(f"{type(self).__name__} created while its worker process imports the main "
-                               f"script; {UNGUARDED_MAIN.format(writer=type(self).__name__)}")
-        self._worker = _Worker(self._stops)
+            raise RuntimeError(f"{writer} created while its worker process imports the main "
+                               f"script; {UNGUARDED_MAIN.format(writer=writer)}")
+        self._running = _Worker(self._stops)
 
     @property
-    def worker_pid(self) -> int | None:
-        """The pid of the worker process (None once finalized)."""
-        return self._worker.pid if self._worker is not None else None
+    def pid(self) -> int | None:
+        """The pid of the worker process (None once shut down)."""
+        return self._running.pid if self._running is not None else None
 
-    def _check_path(self, path: str) -> None:
+    def check_path(self, path: str) -> None:
         if fsspec.utils.get_protocol(path) == "memory":
-            raise ValueError(f"{type(self).__name__} cannot save to {path}: a memory:// file system lives in "
+            raise ValueError(f"{self._writer} cannot save to {path}: a memory:// file system lives in "
                              "one process, and this writer writes from its worker process. Use a ThreadWriter "
                              "for memory://, or a real file system")
 
-    def _acquire(self) -> int:
-        slot = super()._acquire()
-        try:
-            self._live_worker()
-        except BaseException:
-            self._release(slot)
-            raise
-        return slot
+    def before_save(self) -> None:
+        self._live_worker()
 
     def _live_worker(self) -> _Worker:
-        worker = self._worker
+        worker = self._running
         if worker is None or not worker.alive():
             if worker is not None:
                 worker.close()  # reports the saves it lost
                 logger.warning("the writer process (pid %s) %s; starting a new one",
                                worker.pid, _exit_reason(worker.process.returncode))
-            worker = self._worker = _Worker(self._stops)
-            for slot, buffer in enumerate(self._buffers):
-                if buffer is not None:
-                    worker.send_buffer(slot, buffer)
+            worker = self._running = _Worker(self._stops)
+            for slot, buffer in self._buffers.items():
+                worker.send_buffer(slot, buffer)
         return worker
 
-    def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+    def allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
         buffer = new_shared_buffer(nbytes)  # zeroed; the worker maps the same pages
         if pin and torch.cuda.is_available():  # page-locked, so device-to-host copies run at full speed
             try:
@@ -243,25 +245,26 @@ class _ProcessBase(AsyncWriter):
                 logger.warning("could not page-lock the shared staging buffer: %s", e)
         return buffer
 
-    def _drop_buffer(self, buffer: torch.Tensor) -> None:
+    def drop_buffer(self, buffer: torch.Tensor) -> None:
         if buffer.data_ptr() in self._registered:
             self._registered.discard(buffer.data_ptr())
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
 
-    def _buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
+    def buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
+        self._buffers[slot] = buffer
         self._live_worker().send_buffer(slot, buffer)
 
-    def _submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit) -> None:
+    def submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit, finish: Finish) -> None:
         job.release_staging()  # the worker holds the slot's buffer already
         if job.world_size == 1:
-            self._send(ticket, ("take", ticket.slot, job, step))
+            self._send(ticket, ("take", ticket.slot, job, step), partial(finish, ticket))
             return
         slot = ticket.slot  # the worker writes and publishes the part; this process concludes (the channel is here)
         self._stops[slot], self._slot_jobs[slot] = 0, job
         job.when_failed(lambda: self._stop_writing(slot, job))
         try:
             self._send(ticket, ("take", slot, job, None), lambda error, nbytes: threading.Thread(
-                target=self._conclude, args=(ticket, job, step, error), name="ppe-snapshot-conclude").start())
+                target=self._conclude, args=(ticket, job, step, error, finish), name="ppe-snapshot-conclude").start())
         except BaseException as e:  # never handed over: the other ranks must hear of it, not wait
             job.conclude(e)
 
@@ -269,113 +272,34 @@ class _ProcessBase(AsyncWriter):
         if self._slot_jobs[slot] is job:  # still this take's slot
             self._stops[slot] = 1
 
-    def _conclude(self, ticket: Ticket, job: TakeJob, step: AfterCommit, error: BaseException | None) -> None:
+    def _conclude(self, ticket: Ticket, job: TakeJob, step: AfterCommit, error: BaseException | None,
+                  finish: Finish) -> None:
         self._slot_jobs[ticket.slot] = None
         try:
             job.conclude(error)
             if step is not None:
                 step.promote()
         except BaseException as e:
-            self._finish(ticket, e, None)
+            finish(ticket, e, None)
         else:
-            self._finish(ticket, None, None)
+            finish(ticket, None, None)
 
-    def _submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any) -> None:
-        self._send(ticket, ("file", ticket.slot, save, skeleton))
+    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, finish: Finish) -> None:
+        self._send(ticket, ("file", ticket.slot, save, skeleton), partial(finish, ticket))
 
-    def _send(self, ticket: Ticket, work: tuple[Any, ...], on_done: OnDone | None = None) -> None:
+    def _send(self, ticket: Ticket, work: tuple[Any, ...], on_done: OnDone) -> None:
         number = next(self._tickets)
         kind, *rest = work
         try:
             payload = frame(kind, number, *rest)
         except Exception as e:
-            raise TypeError(f"{type(self).__name__} hands each save to its worker process, and this one cannot "
+            raise TypeError(f"{self._writer} hands each save to its worker process, and this one cannot "
                             f"be pickled ({e}). Use a module-level savefun such as torch.save (and a picklable "
                             "fs), or a ThreadWriter") from e
         ticket.handoff = time.perf_counter()
-        self._live_worker().submit(number, payload, on_done or partial(self._finish, ticket), ticket.stats["path"])
-        self._started = True
+        self._live_worker().submit(number, payload, on_done, ticket.stats["path"])
 
-    def _settings(self) -> dict[str, Any]:
-        """What a :class:`SimpleWriter` with this writer's settings is built from (picklable)."""
-        return {"savefun": self._savefun, "fs": self.fs, "out_dir": self.out_dir, "allow_pickle": self.allow_pickle,
-                "storage_options": self._storage_options, **self._kwds}
-
-    def _shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
-
-
-def _save_alone(settings: dict[str, Any], filename: str, out_dir: str, target: Any,
-                savefun: Callable[..., Any] | None, append: bool, savefun_kwargs: dict[str, Any]) -> None:
-    SimpleWriter(**settings).save(filename, out_dir, target, savefun, append, **savefun_kwargs)
-
-
-class ProcessWriter(_ProcessBase, StandardWriter[multiprocessing.Process]):
-    """Stages in the caller, writes and commits in one long-lived worker process.
-
-    The worker is started once, when the writer is created, as a fresh
-    interpreter (never a fork; the caller does not wait for its start), and
-    is fed through a shared-memory staging buffer that the writer allocates
-    once, grows only when a snapshot needs more, and reuses;
-    the training process pays neither the GIL nor copy-on-write faults for
-    the write. The caller is blocked only while the state is copied into that
-    buffer (device-to-host for CUDA state; the worker never touches CUDA).
-    At most one save is in flight: a call waits for the previous save only if
-    it is still running. A background failure is raised at the next call,
-    :meth:`wait` or :meth:`finalize`; a worker that died is replaced at the
-    next call. :meth:`finalize` and interpreter exit stop the worker after
-    the save in flight; the worker also exits by itself when this process dies.
-
-    The worker does not import the main script, so a script without an
-    ``if __name__ == "__main__":`` guard works, unless a save refers to
-    something defined in the script (a ``savefun``, a class of a saved
-    object): the worker then imports it, as multiprocessing's ``spawn``
-    would, and that needs the guard (the save fails saying so). It
-    cannot write to ``memory://`` (that file system is private to a process).
-    With a ``savefun``, tensors are staged to host memory, so CUDA tensors
-    are saved as CPU tensors, and ``savefun`` (and ``fs``) must be picklable.
-    Arguments as for :class:`~ppe_snapshot.writing.SimpleWriter`.
-    """
-
-    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "",
-                 **kwds: Any) -> None:
-        super().__init__(savefun, fs, out_dir, 1, kwds)
-        self._started = False
-
-    def create_worker(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
-                      append: bool = False, **savefun_kwargs: Any) -> multiprocessing.Process:
-        """A process (not started) that saves ``target`` with this writer's settings (ppe's ``StandardWriter`` API).
-
-        Calls to the writer do not use it: they hand their saves to the long-lived worker process.
-        """
-        return multiprocessing.Process(target=_save_alone, args=(self._settings(), filename, out_dir, target, savefun,
-                                                                 append, savefun_kwargs))
-
-
-class ProcessQueueWriter(_ProcessBase, QueueWriter[multiprocessing.Process]):
-    """Like :class:`ProcessWriter`, with ``queue_depth`` saves allowed in flight at once.
-
-    The worker writes them one after the other; each holds its own
-    shared-memory staging buffer, so memory grows with the depth (about
-    ``queue_depth`` copies of the state). A call finding the queue full waits
-    for the oldest save. The default depth 1 behaves like :class:`ProcessWriter`.
-    """
-
-    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
-                 queue_depth: int = 1, **kwds: Any) -> None:
-        super().__init__(savefun, fs, out_dir, queue_depth, kwds)
-        self._started = True
-
-    # ppe's QueueWriter API; the writer's own saves go to its long-lived worker process.
-    def create_task(self, savefun: Callable[..., Any] | None = None) -> SimpleWriter:
-        """A writer that saves in the caller, with this writer's settings, as ppe's queue consumers call it."""
-        return SimpleWriter(**{**self._settings(), "savefun": savefun})
-
-    def create_queue(self) -> "queue.Queue[Any]":
-        return multiprocessing.JoinableQueue()  # type: ignore[return-value]
-
-    def create_consumer(self, q: "queue.Queue[Any]") -> multiprocessing.Process:
-        """A process (not started) that runs ppe's ``consume(q)`` loop over ``q``."""
-        return multiprocessing.Process(target=self.consume, args=(q,))
+    def shutdown(self) -> None:
+        if self._running is not None:
+            self._running.close()
+            self._running = None

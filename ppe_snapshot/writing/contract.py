@@ -18,8 +18,8 @@ passed in (keywords)      ``metadata``: stored in the manifest (the extension's 
 read back                 ``last_stats`` (see :class:`SaveStats`), ``storage_options``, ``out_dir``,
                           ``allow_pickle``
 called                    ``wait()`` before a snapshot on error; ``finalize()`` at the end;
-                          ``_add_cleanup_hook(hook)`` (ppe's name): ``hook()`` runs after each
-                          committed save (retention prunes there)
+                          ppe's cleanup hooks (``pytorch_pfn_extras.writing.Writer``'s): each runs
+                          after a committed save (retention prunes there)
 ========================  =====================================================================
 """
 from __future__ import annotations
@@ -50,12 +50,15 @@ class SaveStats(_EverySaveStats, total=False):
     staging_s: float
 
 
-class SnapshotWriter(abc.ABC):
+class SnapshotWriter(metaclass=abc.ABCMeta):
     """A ppe writer that saves engine snapshots and takes what the extension records beside the target.
 
     An abstract base class rather than a structural ``Protocol``: the
     extension gives the engine's keywords only to writers that say they take
     them, never to a writer of ppe's protocol that happens to have such names.
+    Retention registers with the writer as ppe's extension does, through ppe's
+    writer protocol (``pytorch_pfn_extras.writing.Writer`` has it; see
+    :mod:`ppe_snapshot.ppe_private`): a writer without it gets no pruning.
     """
 
     #: Where snapshots go (a local path or an fsspec URL); "" to use the ``out_dir`` of each call.
@@ -87,7 +90,3 @@ class SnapshotWriter(abc.ABC):
     @abc.abstractmethod
     def finalize(self) -> None:
         """Finish the saves in flight and release what the writer holds."""
-
-    @abc.abstractmethod
-    def _add_cleanup_hook(self, hook_fun: Callable[[], None]) -> None:
-        """ppe's registration of a function run after each committed save (ppe's ``Writer`` has it)."""
