@@ -23,7 +23,8 @@ from _asserts import written_as
 from _crafted import DATA, WEIGHT, append_payload, craft, entry, take_small
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedValueError
 from ppe_snapshot.cli import main
-from ppe_snapshot.storage import LocalStorage, SnapshotStorageReader
+from ppe_snapshot.dcp import SnapshotStorageReader
+from ppe_snapshot.storage import LocalStorage
 
 
 @pytest.fixture(autouse=True)

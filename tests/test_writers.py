@@ -366,7 +366,7 @@ _PARENT = textwrap.dedent("""
     import torch
 
     if __name__ == "__main__":
-        from ppe_snapshot.writing import ProcessWriter  # here, the spawned worker does not import it again
+        from ppe_snapshot.writing import ProcessWriter, ThreadWriter
 
         writer = ProcessWriter(out_dir=sys.argv[1])
         writer("snap", "", {"x": torch.arange(100000.0)})
@@ -374,7 +374,11 @@ _PARENT = textwrap.dedent("""
         if sys.argv[2] == "kill":
             writer.wait()
             os.kill(os.getpid(), signal.SIGKILL)
-        # "exit": leave without finalize(), the save possibly still in flight
+        # "exit": leave without finalize(), the save possibly still in flight; and with a writer finalized
+        # before, which the interpreter's shutdown collects
+        finalized = ThreadWriter(out_dir=sys.argv[1])
+        finalized("thread", "", {"x": torch.ones(2)})
+        finalized.finalize()
 """)
 
 
@@ -390,6 +394,7 @@ def test_no_orphan_worker_when_the_parent_goes_away(tmp_path):
     for how, parent in parents.items():
         out, err = parent.communicate(timeout=120)
         assert parent.returncode == (-signal.SIGKILL if how == "kill" else 0), err
+        assert "Exception ignored" not in err, err
         worker = int(out.split()[0])
         assert wait_gone(worker), f"worker {worker} outlived its parent ({how})"
         assert_same(restore_like(str(tmp_path / how / "snap"), expected), expected)  # committed before the end

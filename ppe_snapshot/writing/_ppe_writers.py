@@ -199,10 +199,11 @@ class _PpeWriter(Writer, SnapshotWriter):
     def finalize(self) -> None:
         """Wait for the saves in flight, then stop the background (idempotent). A :class:`SimpleWriter` has
         none: it stays usable, as ppe's does."""
-        if not self._core.executor.background or os.getpid() != self._owner:  # a forked child owns no background
+        core = self._core
+        if core.closed or not core.executor.background or os.getpid() != self._owner:  # a fork owns no background
             return
         try:
-            self._core.finalize()
+            core.finalize()
         finally:
             self._exit_finalizer.cancel()
 
