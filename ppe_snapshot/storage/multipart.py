@@ -138,7 +138,7 @@ class MultipartWriter(BlobWriter):
                 if self._error is not None:  # a part failed while this one waited: send no more
                     self._slots.release()
                     raise self._error
-                self._part = io.BytesIO()
+                self._part = self._store.part_type()
             take = min(self._part_size - self._fill, view.nbytes)
             self._part.write(view[:take])
             self._fill += take

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 class PartStore:
     """One object at ``path`` on ``fs``, uploaded as numbered parts (1, 2, ...) that may be sent in any order."""
 
+    #: What a part is filled into (an ``io.BytesIO``: the client streams it in small pieces under the socket's
+    #: back-pressure, where a bytes-like body would be buffered whole by the transport).
+    part_type: type[io.BytesIO] = io.BytesIO
     #: The store, as messages name it.
     name = "the store"
     #: The smallest part the store takes (all but the last part).
@@ -113,9 +116,18 @@ class AzureBlocks(PartStore):
         await self._blob.commit_block_list([BlobBlock(block_id=block_id) for block_id in parts])
 
 
+class _RewoundPart(io.BytesIO):
+    """A part that survives its request: aiohttp closes a file body once sent, and gcsfs sends the same body
+    again on a retry (rewinding it first); closing rewinds it instead."""
+
+    def close(self) -> None:
+        self.seek(0)
+
+
 class GcsComposite(PartStore):
     """A Google Cloud Storage object composed of component objects uploaded in parallel through gcsfs."""
 
+    part_type = _RewoundPart
     #: GCS composes at most 32 objects per request.
     FAN_IN = 32
 
@@ -128,9 +140,10 @@ class GcsComposite(PartStore):
     async def put_part(self, number: int, body: io.BytesIO) -> Any:
         key = f"{self._prefix}{number:05d}"
         self._stored.add(key)  # before the request: one cancelled after the store took it must still go
-        # A media upload of the bytes as they are (gcsfs's pipe_file would copy them into a multipart body).
+        # A media upload of the part as a stream (gcsfs's pipe_file would copy it into a multipart body; a
+        # memoryview body is copied into the transport's buffer as far as the socket has not taken it).
         await self.fs._call("POST", f"{self.fs._location}/upload/storage/v1/b/{self._bucket}/o",
-                            uploadType="media", name=key, data=body.getbuffer(),
+                            uploadType="media", name=key, data=body,
                             headers={"Content-Type": "application/octet-stream"}, json_out=True)
         return key
 
