@@ -225,3 +225,20 @@ def test_a_staging_buffer_that_cannot_hold_the_image_is_refused(bad, tmp_path):
         Snapshot.async_take(str(tmp_path / "s"), {"state": StateDict(state)}, staging=lambda nbytes: buffer)
     assert torch.equal(buffer, before)
     assert not (tmp_path / "s" / MANIFEST_NAME).exists()
+
+
+def test_a_job_is_staged_into_the_buffer_handed_to_it_not_one_it_asks_for(tmp_path):
+    """Writers hand the engine their staging buffer (``TakeJob.stage(buffer)``); a provider function is refused."""
+    from ppe_snapshot.engine import LOCAL, prepare_take
+    state = {"state": StateDict(x=torch.arange(6.0))}
+    job = prepare_take(str(tmp_path / "s"), state, pg=LOCAL)
+    with pytest.raises(TypeError, match="stage\\(\\) takes the staging buffer itself"):
+        job.stage(lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
+    job = prepare_take(str(tmp_path / "s"), state, pg=LOCAL)
+    buffer = torch.full((job.layout.size + 4096,), 7, dtype=torch.uint8)  # an older image's bytes in it
+    job.stage(buffer)
+    assert job.staged is buffer
+    job.write_and_commit()
+    out = StateDict(x=torch.zeros(6))
+    Snapshot(str(tmp_path / "s")).restore({"state": out})
+    assert torch.equal(out["x"], torch.arange(6.0))

@@ -69,6 +69,10 @@ class TakeJob:
         """Copy this rank's payloads into ``buffer`` (at least ``layout.size`` bytes; it may hold an older image),
         or into a new buffer; the job owns it (the caller may mutate the payloads after)."""
         try:
+            if buffer is not None and not isinstance(buffer, torch.Tensor):
+                raise TypeError(f"stage() takes the staging buffer itself (a contiguous CPU uint8 tensor of at least "
+                                f"layout.size = {self.layout.size} bytes) or None for a new one, got "
+                                f"{type(buffer).__name__}")
             reused = buffer is not None
             if buffer is None:
                 buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
