@@ -69,10 +69,16 @@ def kinds(tmp_path):
 COMMANDS = ("ls", "inspect", "verify", "diff", "convert", "prune")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """Each command line of the CLI in a process of its own, all at once (each start imports torch: seconds)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ppe_snapshot.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    started = [(args, subprocess.Popen([sys.executable, "-m", "ppe_snapshot.cli", *args], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env)) for args in commands]
+    done = []
+    for args, process in started:
+        out, err = process.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(args, process.returncode, out, err))
+    return done
 
 
 def test_ls_lists_every_kind_by_position_and_marks_the_resume_candidate(kinds, capsys):
@@ -89,7 +95,8 @@ def test_ls_lists_every_kind_by_position_and_marks_the_resume_candidate(kinds, c
     assert [r["status"] for r in json.loads(capsys.readouterr().out)][2] == "complete"
     assert main(["ls", "--deep", "--json", str(kinds / "run")]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["snapshot_iter_20"]["status"].startswith("damaged: ") and "checksum" in rows["snapshot_iter_20"]["status"]
+    damaged = rows["snapshot_iter_20"]["status"]
+    assert damaged.startswith("damaged: ") and "checksum" in damaged
     assert rows["snapshot_iter_10"]["resume"] and not rows["snapshot_iter_20"]["resume"]
 
 
@@ -266,31 +273,32 @@ def test_s3_run_directory(kinds, s3_bucket, capsys):
 
 def test_the_real_command(kinds):
     """Exit codes and output as a shell sees them; never a traceback without --debug."""
-    version = _run("--version")
-    assert version.returncode == 0 and version.stdout.startswith("ppe-snapshot ") and "torch" in version.stdout
-    helps = subprocess.run(  # every subcommand's -h in one process (each is a SystemExit(0) after the usage)
+    helps = subprocess.Popen(  # every subcommand's -h in one process (each is a SystemExit(0) after the usage)
         [sys.executable, "-c", "import sys\nfrom ppe_snapshot.cli import main\nfor c in sys.argv[1:]:\n"
          "    try:\n        main([c, '-h'])\n    except SystemExit as e:\n        print('EXIT', e.code)",
-         *COMMANDS], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert helps.returncode == 0, helps.stderr
-    for command, helped in zip(COMMANDS, helps.stdout.split("EXIT 0\n")):
+         *COMMANDS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    version, listed, failed, debugged, converted = _run(
+        ["--version"], ["ls", str(kinds / "run")], ["inspect", str(kinds / "text.txt")],
+        ["inspect", "--debug", str(kinds / "text.txt")],
+        ["convert", str(kinds / "adapter"), str(kinds / "a.safetensors")])
+    helped_out, helped_err = helps.communicate(timeout=120)
+    assert version.returncode == 0 and version.stdout.startswith("ppe-snapshot ") and "torch" in version.stdout
+    assert helps.returncode == 0, helped_err
+    for command, helped in zip(COMMANDS, helped_out.split("EXIT 0\n")):
         assert helped.startswith("usage: ppe-snapshot " + command)
         assert "``" not in helped and ":class:" not in helped
-    listed = _run("ls", str(kinds / "run"))
     assert listed.returncode == 0 and "*  snapshot_iter_20" in listed.stdout and "ppe-file" in listed.stdout
-    failed = _run("inspect", str(kinds / "text.txt"))
     assert failed.returncode == 2 and failed.stdout == "" and "Traceback" not in failed.stderr
     assert failed.stderr.count("\n") == 1 and str(kinds / "text.txt") in failed.stderr
-    debugged = _run("inspect", "--debug", str(kinds / "text.txt"))
     assert debugged.returncode == 2 and "Traceback" in debugged.stderr
     flip_byte(kinds / "run" / "snapshot_iter_20" / "data" / "rank0.bin", 3)
-    verified = _run("verify", str(kinds / "run" / "snapshot_iter_5"), str(kinds / "run" / "snapshot_iter_20"))
+    verified, differ = _run(["verify", str(kinds / "run" / "snapshot_iter_5"), str(kinds / "run" / "snapshot_iter_20")],
+                            ["diff", str(kinds / "a.safetensors"), str(kinds / "torchdcp")])
     assert verified.returncode == 1 and "Traceback" not in verified.stdout + verified.stderr
     assert f"OK      {kinds / 'run' / 'snapshot_iter_5'}" in verified.stdout
     assert f"DAMAGED {kinds / 'run' / 'snapshot_iter_20'}: " in verified.stdout
-    converted = _run("convert", str(kinds / "adapter"), str(kinds / "a.safetensors"))
     assert converted.returncode == 0 and converted.stderr == "" and (kinds / "a.safetensors").exists()
-    differ = _run("diff", str(kinds / "a.safetensors"), str(kinds / "torchdcp"))
     assert differ.returncode == 0, differ.stderr
 
 
