@@ -52,3 +52,16 @@ def test_an_autoload_over_five_snapshots_reads_each_manifest_and_index_once(tmp_
     assert max(reads.values()) == 1, reads  # ... and no file read twice
     newest = {rel for name, rel in reads if name == "snapshot_iter_5"}
     assert any(rel != "manifest.json" for rel in newest), newest  # the resumed one's index was read, once
+
+
+def test_a_listing_holds_at_most_the_newest_snapshot_open(tmp_path):
+    """A run directory of many snapshots is never held in memory at once: only the newest candidate keeps the
+    snapshot its check opened, and only when asked (autoload restores from it)."""
+    from ppe_snapshot.retention import list_snapshots
+    for i in (3, 1, 2):  # listed in name order, not in the order of their positions
+        ppe_snapshot.Snapshot.take(str(tmp_path / f"snapshot_iter_{i}"), {"s": ppe_snapshot.StateDict(x=torch.ones(2))},
+                                   metadata={"iteration": i})
+    listed = list_snapshots(str(tmp_path), "snapshot_iter_{.iteration}", keep_newest_open=True)
+    assert [(c.name, c.snapshot is not None) for c in listed] == [
+        ("snapshot_iter_1", False), ("snapshot_iter_2", False), ("snapshot_iter_3", True)]
+    assert all(c.snapshot is None for c in list_snapshots(str(tmp_path), "snapshot_iter_{.iteration}"))

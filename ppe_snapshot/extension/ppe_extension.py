@@ -9,6 +9,7 @@ the ranks of DISTRIBUTED / SHARDED modes agree in :mod:`.rank_agreement`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import types
@@ -315,7 +316,7 @@ class _Snapshot(extension.Extension):
     # -- autoload ----------------------------------------------------------------
     def _candidates(self) -> list[Candidate]:
         assert self._format is not None
-        return run_dir.list_snapshots(self._out_dir, self._format, self._storage_options)
+        return run_dir.list_snapshots(self._out_dir, self._format, self._storage_options, keep_newest_open=True)
 
     def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
         """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
@@ -350,7 +351,8 @@ class _Snapshot(extension.Extension):
     def _resumed(self, manager: ExtensionsManagerProtocol, found: Candidate | None,
                  candidates: list[Candidate]) -> None:
         if self._owns_out_dir:
-            self._superseded = {c.name: c for c in candidates if found is None or found.is_older_than(c)}
+            self._superseded = {c.name: dataclasses.replace(c, snapshot=None)  # kept for the run: no manifest
+                                for c in candidates if found is None or found.is_older_than(c)}
         if found is None:
             logger.info("autoload found no usable snapshot matching %r under %s; starting fresh",
                         self.filename, self._out_dir)

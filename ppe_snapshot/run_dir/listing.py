@@ -16,11 +16,12 @@ format without fields, the snapshot being written beside the name to
 replace it (its side name, :func:`ppe_snapshot.stored_snapshot.side_name`) is listed too: a crash may have
 left the newest complete snapshot there.
 
-An engine snapshot is checked once (:func:`ppe_snapshot.stored_snapshot.inspect`): its candidate carries the
-opened snapshot, manifest read, for autoload to restore from without reading it again.
+An engine snapshot is checked once (:func:`ppe_snapshot.stored_snapshot.inspect`); listed for autoload, the
+newest one's candidate carries the opened snapshot, manifest read, to restore from without reading it again.
 """
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,8 +60,9 @@ class Candidate:
     metrics: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     #: An engine snapshot's metadata, as the quick check read it.
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    #: An engine snapshot opened by the quick check (its manifest read), in the process that listed it; None
-    #: elsewhere (a candidate sent to another rank leaves it behind) and for other kinds.
+    #: The newest engine snapshot's, when listed with ``keep_newest_open``: the snapshot its quick check opened
+    #: (its manifest read), in the process that listed it; None otherwise (a candidate sent to another rank
+    #: leaves it behind).
     snapshot: Snapshot | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -104,9 +106,13 @@ def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
         return []
 
 
-def list_snapshots(out_dir: str, fmt: str | FilenameFormat,
-                   storage_options: dict[str, Any] | None = None) -> list[Candidate]:
-    """Every name under ``out_dir`` matching ``fmt``, classified, oldest training position first."""
+def list_snapshots(out_dir: str, fmt: str | FilenameFormat, storage_options: dict[str, Any] | None = None, *,
+                   keep_newest_open: bool = False) -> list[Candidate]:
+    """Every name under ``out_dir`` matching ``fmt``, classified, oldest training position first.
+
+    ``keep_newest_open``: the newest engine snapshot's candidate keeps the snapshot its check opened (autoload
+    restores from it without reading its manifest again); every other candidate lets its own go as soon as a
+    newer one is found, so that a run directory of many large manifests is never held in memory at once."""
     matcher = fmt if isinstance(fmt, FilenameFormat) else FilenameFormat(fmt)
     fs, root = filesystem(out_dir, storage_options)
     level: list[tuple[str, str, dict[str, str]]] = [("", root, {})]  # (relative name, fs path, values)
@@ -130,8 +136,18 @@ def list_snapshots(out_dir: str, fmt: str | FilenameFormat,
                 else:
                     below.append(entry)
         level = below
-    candidates = [_classify(fs, out_dir, rel, path, values, is_dir, storage_options)
-                  for rel, path, values, is_dir in found]
+    candidates = []
+    newest: int | None = None  # the position in candidates of the newest one holding its opened snapshot
+    for rel, path, values, is_dir in found:
+        candidate = _classify(fs, out_dir, rel, path, values, is_dir, storage_options)
+        if candidate.snapshot is not None:
+            if keep_newest_open and (newest is None or candidates[newest].sort_key() < candidate.sort_key()):
+                if newest is not None:
+                    candidates[newest] = dataclasses.replace(candidates[newest], snapshot=None)
+                newest = len(candidates)
+            else:
+                candidate = dataclasses.replace(candidate, snapshot=None)
+        candidates.append(candidate)
     return sorted(candidates, key=Candidate.sort_key)
 
 
