@@ -24,8 +24,9 @@ from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start
 logger = logging.getLogger(__name__)
 
 
-class _DistributedExtension(_Snapshot):
-    """What DISTRIBUTED and SHARDED share: a process group, a designated rank, restoring together."""
+class _DistributedExtension:
+    """What DISTRIBUTED and SHARDED share: a process group, a designated rank, restoring together. Placed before
+    :class:`_Snapshot` among an extension's bases (its methods override and extend ``_Snapshot``'s)."""
 
     _mode = "DISTRIBUTED"
     #: The engine process group of a restore: each rank reads alone (LOCAL) or its own part (None).
@@ -94,7 +95,7 @@ class _DistributedExtension(_Snapshot):
         return listed
 
 
-class DistributedSnapshot(_DistributedExtension):
+class DistributedSnapshot(_DistributedExtension, _Snapshot):
     """Every rank gives its state; ``saver_rank`` writes it; every rank can restore it."""
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
@@ -162,7 +163,7 @@ class DistributedSnapshot(_DistributedExtension):
         return listed, agreed[0]
 
 
-class ShardedSnapshot(_DistributedExtension):
+class ShardedSnapshot(_DistributedExtension, _Snapshot):
     """Every rank writes its own state into one snapshot with one manifest."""
 
     _mode = "SHARDED"
