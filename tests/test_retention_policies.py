@@ -2,7 +2,6 @@
 pruning with them over real snapshot directories, damaged ones among the candidates, on local disk and fsspec."""
 from __future__ import annotations
 
-import os
 import uuid
 import warnings
 

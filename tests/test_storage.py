@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, StateDict
+from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
 from ppe_snapshot.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from ppe_snapshot.settings import SETTINGS
 

@@ -175,7 +175,7 @@ def _unstorable():
 def test_tensor_that_is_not_raw_bytes_is_refused_before_anything_is_written(tmp_path, kind):
     path = tmp_path / "snap"
     state = StateDict(big=torch.ones(1000), inner={"t": _unstorable()[kind]})
-    with pytest.raises(UnsupportedValueError, match=rf"s/inner/t: the tensor .*cannot be stored as raw bytes"):
+    with pytest.raises(UnsupportedValueError, match=r"s/inner/t: the tensor .*cannot be stored as raw bytes"):
         Snapshot.take(str(path), {"s": state})
     assert not path.exists()
     with pytest.raises(UnsupportedValueError, match="s/inner/t"):
