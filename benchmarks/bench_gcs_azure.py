@@ -12,7 +12,7 @@ of each state on S3 (bench_s3's server), GCS and Azure, each in a fresh process.
     python benchmarks/bench_gcs_azure.py [--rounds 3] [--scale 1.0] [--rate-mb 40] [--latency-ms 15]
 
 Methods:
-  ppe-snapshot        Snapshot.take / restore (defaults: 8 MiB parts, 16 in flight; 8 MiB ranges, 16 readers)
+  ppe-snapshot        Snapshot.take / restore (defaults: 8 MiB parts, 16 in flight; 8 MiB ranges, 32 readers)
   gcsfs               fs.pipe({key: bytes}) / fs.cat([keys]), one object per tensor, gcsfs defaults
   gcs-transfer        google-cloud-storage's transfer_manager.upload_many / download_many, 16 threads, one
                       object per tensor (downloads written straight into the tensors)

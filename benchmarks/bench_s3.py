@@ -13,7 +13,7 @@ gives medians, ratios to the best peer, and the most connections with bytes in t
                                   [--torchsnapshot DIR]
 
 Methods:
-  ppe-snapshot    Snapshot.take / restore (defaults: 8 MiB parts, 16 in flight; 8 MiB ranges, 16 readers)
+  ppe-snapshot    Snapshot.take / restore (defaults: 8 MiB parts, 16 in flight; 8 MiB ranges, 32 readers)
   ppe-snapshot-x8 the same with 8 parts / 8 ranges in flight (the peers' connection count)
   s3fs            fs.pipe({key: bytes}) / fs.cat([keys]), one object per tensor, s3fs defaults
   boto3           s3transfer TransferManager, 16 MiB parts, 8 threads, one object per tensor (reads straight

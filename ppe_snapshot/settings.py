@@ -25,7 +25,7 @@ variable                              default  meaning
 ``PPE_SNAPSHOT_UPLOAD_CONCURRENCY``   ``16``   object stores: parts of one data file in flight
 ``PPE_SNAPSHOT_READ_PART_MB``         ``8``    object stores: reads are split into ranged requests
                                                of at most this many MiB
-``PPE_SNAPSHOT_READ_WORKERS``         ``16``   object stores: ranged requests in flight per storage
+``PPE_SNAPSHOT_READ_WORKERS``         ``32``   object stores: ranged requests in flight per storage
 ``PPE_SNAPSHOT_FORMAT_VERSION``      newest   the format version takes write: ``1`` (one JSON
                                                manifest) or ``2`` (a small manifest and index files);
                                                unset: the newest (the engine's ``FORMAT_VERSION``,
@@ -51,7 +51,7 @@ class Settings:
     part_bytes: int = 8 << 20
     upload_concurrency: int = 16
     read_part_bytes: int = 8 << 20
-    read_workers: int = 16
+    read_workers: int = 32
     #: None: the newest (settings import nothing of ours: the engine defines the versions and checks this one).
     format_version: int | None = None
 
@@ -67,7 +67,7 @@ class Settings:
             part_bytes=int(env.get("PPE_SNAPSHOT_PART_MB", "8")) << 20,
             upload_concurrency=int(env.get("PPE_SNAPSHOT_UPLOAD_CONCURRENCY", "16")),
             read_part_bytes=int(env.get("PPE_SNAPSHOT_READ_PART_MB", "8")) << 20,
-            read_workers=int(env.get("PPE_SNAPSHOT_READ_WORKERS", "16")),
+            read_workers=int(env.get("PPE_SNAPSHOT_READ_WORKERS", "32")),
             format_version=int(env["PPE_SNAPSHOT_FORMAT_VERSION"]) if env.get("PPE_SNAPSHOT_FORMAT_VERSION") else None,
         )
 

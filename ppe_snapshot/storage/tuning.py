@@ -12,7 +12,7 @@ Each is read from ``storage_options`` (the key is removed before the options rea
 ``ppe_read_part_size`` (``PPE_SNAPSHOT_READ_PART_MB``, in MiB; default 8 MiB)
     a read is split into ranged requests of at most this many bytes (of less, down to 1 MiB, where that gives
     every reader a request).
-``ppe_read_workers`` (``PPE_SNAPSHOT_READ_WORKERS``; default 16)
+``ppe_read_workers`` (``PPE_SNAPSHOT_READ_WORKERS``; default 32)
     ranged requests in flight (one thread pool per value, shared by the storages of a process), and runs the
     engine reads at once.
 
