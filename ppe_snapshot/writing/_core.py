@@ -144,8 +144,9 @@ class WriterCore:
         slot = self._acquire()
         try:
             staged = StagedObject(target)
-            skeleton = staged.copy_into(self._buffer(slot, staged.size, staged.on_cuda))
-            self.executor.submit_file(Ticket(slot, self._new_stats(save.dest, start, None)), save, skeleton,
+            buffer = self._buffer(slot, staged.size, staged.on_cuda)
+            skeleton = staged.copy_into(buffer)
+            self.executor.submit_file(Ticket(slot, self._new_stats(save.dest, start, None)), save, skeleton, buffer,
                                       self._finish)
         except BaseException:
             self._release(slot)

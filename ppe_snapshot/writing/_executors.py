@@ -61,7 +61,9 @@ class Executor:
     def submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit, finish: Finish) -> None:
         raise NotImplementedError
 
-    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, finish: Finish) -> None:
+    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, buffer: torch.Tensor,
+                    finish: Finish) -> None:
+        """Write the single file of ``skeleton``, whose tensors are staged in ``buffer`` (the slot's)."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -69,22 +71,15 @@ class Executor:
 
 
 class _InThisProcess(Executor):
-    """A background in a thread of this process; the slot buffers stay here."""
+    """A background in a thread of this process."""
 
     background = True
-
-    def __init__(self, depth: int = 1) -> None:
-        super().__init__(depth)
-        self._buffers: dict[int, torch.Tensor] = {}
-
-    def buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
-        self._buffers[slot] = buffer
 
     def submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit, finish: Finish) -> None:
         self._hand_off(ticket, lambda: commit_in_place(job, step), finish)
 
-    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, finish: Finish) -> None:
-        buffer = self._buffers[ticket.slot]
+    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, buffer: torch.Tensor,
+                    finish: Finish) -> None:
         self._hand_off(ticket, lambda: save.run(materialize(skeleton, buffer)), finish)
 
     def _hand_off(self, ticket: Ticket, work: Callable[[], int | None], finish: Finish) -> None:

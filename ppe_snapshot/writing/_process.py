@@ -284,7 +284,9 @@ class WorkerProcess(Executor):
         else:
             finish(ticket, None, None)
 
-    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, finish: Finish) -> None:
+    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, buffer: torch.Tensor,
+                    finish: Finish) -> None:
+        # the worker holds the slot's buffer already
         self._send(ticket, ("file", ticket.slot, save, skeleton), partial(finish, ticket))
 
     def _send(self, ticket: Ticket, work: tuple[Any, ...], on_done: OnDone) -> None:
