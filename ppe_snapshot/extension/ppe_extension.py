@@ -320,7 +320,7 @@ class _Snapshot(extension.Extension):
 
     def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
         """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
-        was listed when this process owns the output directory (its start-up pruning needs no second listing)."""
+        was listed (the start-up pruning needs no second listing)."""
         candidates = self._candidates()
         target = self._resolve_target(manager)
         touched: tuple[Candidate, Exception] | None = None

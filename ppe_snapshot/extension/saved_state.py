@@ -98,8 +98,9 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
         load_into(target, state)
         return
     snap = _opened(candidate, pg, storage_options, allow_pickle)
-    saved_kind = (candidate.metadata if candidate.snapshot is not None else _metadata(snap)).get(
-        "ppe_snapshot_target", kind)
+    if candidate.snapshot is None:
+        _check_readable(snap)
+    saved_kind = candidate.metadata.get("ppe_snapshot_target", kind)
     if saved_kind != kind:
         raise Unusable(f"it holds a {saved_kind} target and this extension's target is a {kind}")
     snap.restore({STATE_KEY: TargetState(target)})
@@ -107,17 +108,18 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
 
 
 def _opened(candidate: Candidate, pg: Any, storage_options: dict[str, Any] | None, allow_pickle: bool) -> Snapshot:
-    """The engine snapshot of ``candidate`` for the ranks of ``pg``: the one its listing opened (its manifest
-    read once), or opened here where the candidate was listed by another rank."""
+    """The engine snapshot of ``candidate`` for the ranks of ``pg``: the one its listing kept open (its manifest
+    read once), else opened here (an older candidate, or one another rank listed)."""
     if candidate.snapshot is not None:
         return candidate.snapshot.with_group(pg, allow_pickle=allow_pickle)
     return Snapshot(candidate.url, pg=pg, storage_options=storage_options, allow_pickle=allow_pickle)
 
 
-def _metadata(snap: Snapshot) -> dict[str, Any]:
-    """The metadata of ``snap``; :class:`Unusable` when its manifest is not sound (nothing was touched yet)."""
+def _check_readable(snap: Snapshot) -> None:
+    """:class:`Unusable` unless this process reads ``snap``'s manifest (opened here, not by the listing), so that
+    a failure here counts as nothing touched."""
     try:
-        return snap.metadata
+        snap.metadata  # noqa: B018 - reads the manifest
     except Exception as e:  # noqa: BLE001 - CorruptSnapshotError, UnsupportedFormatError, I/O: nothing touched yet
         raise Unusable(f"{type(e).__name__}: {e}") from e
 
