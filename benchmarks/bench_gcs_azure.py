@@ -33,12 +33,11 @@ import time
 import urllib.request
 import uuid
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_s3 import CREDENTIALS, _Sink, make_state  # noqa: E402
+from bench_s3 import CREDENTIALS, _Sink, cat_tensors, make_state, pipe_tensors  # noqa: E402
 from common import PeakRSS, Results, emit, free_port, mib  # noqa: E402
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # no gRPC bucket-type lookup (60 s on an emulator)
@@ -72,12 +71,10 @@ class _Store:
             {"s": ps.StateDict(targets)})
 
     def fs_save(self, state, prefix):
-        self.fs.pipe({f"{BUCKET}/{prefix}/{k}": v.numpy().tobytes() for k, v in state.items()})
+        pipe_tensors(self.fs, f"{BUCKET}/{prefix}", state)
 
     def fs_restore(self, targets, prefix):
-        data = self.fs.cat([f"{BUCKET}/{prefix}/{k}" for k in targets])
-        for k, v in targets.items():
-            v.numpy()[:] = np.frombuffer(data[f"{BUCKET}/{prefix}/{k}"], dtype=np.float32)
+        cat_tensors(self.fs, f"{BUCKET}/{prefix}", targets)
 
     def remove(self, prefix):
         found = self.fs.find(f"{BUCKET}/{prefix}")

@@ -58,6 +58,17 @@ def make_state(kind: str, scale: float) -> dict[str, torch.Tensor]:
     return {f"t{i:03d}": torch.rand(elements, generator=g) for i in range(count)}
 
 
+def pipe_tensors(fs, root: str, state: dict) -> None:
+    """An fsspec file system's own parallel upload: one object per float32 tensor, under ``root``."""
+    fs.pipe({f"{root}/{k}": v.numpy().tobytes() for k, v in state.items()})
+
+
+def cat_tensors(fs, root: str, targets: dict) -> None:
+    """An fsspec file system's own parallel download of :func:`pipe_tensors`'s objects into ``targets``."""
+    data = fs.cat([f"{root}/{k}" for k in targets])
+    for k, v in targets.items():
+        v.numpy()[:] = np.frombuffer(data[f"{root}/{k}"], dtype=np.float32)
+
 class Peers:
     """The methods, each ``save(state, prefix)`` and ``restore(targets, prefix)``."""
 
@@ -109,12 +120,10 @@ class Peers:
 
     # s3fs
     def s3fs_save(self, state, prefix):
-        self.fs.pipe({f"{BUCKET}/{prefix}/{k}": v.numpy().tobytes() for k, v in state.items()})
+        pipe_tensors(self.fs, f"{BUCKET}/{prefix}", state)
 
     def s3fs_restore(self, targets, prefix):
-        data = self.fs.cat([f"{BUCKET}/{prefix}/{k}" for k in targets])
-        for k, v in targets.items():
-            v.numpy()[:] = np.frombuffer(data[f"{BUCKET}/{prefix}/{k}"], dtype=np.float32)
+        cat_tensors(self.fs, f"{BUCKET}/{prefix}", targets)
 
     # boto3 TransferManager
     def boto3_save(self, state, prefix):
