@@ -3,8 +3,8 @@ import warnings
 
 from ppe_snapshot.engine import OptimizerState, PendingSnapshot, RNGState, Snapshot, StateDict, Stateful
 from ppe_snapshot.errors import (
-    AutoloadSkipWarning, CorruptSnapshotError, Preempted, SnapshotAbortedError, SnapshotError, SnapshotExistsError,
-    SnapshotNotFoundError, StateMismatchError, UnsupportedFormatError, UnsupportedValueError,
+    AutoloadSkipWarning, CorruptSnapshotError, MissingBaseError, Preempted, SnapshotAbortedError, SnapshotError,
+    SnapshotExistsError, SnapshotNotFoundError, StateMismatchError, UnsupportedFormatError, UnsupportedValueError,
 )
 
 # The subpackages are usable after ``import ppe_snapshot`` alone. None of them imports
@@ -15,7 +15,8 @@ from ppe_snapshot import retention, storage, writing  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoloadSkipWarning", "CorruptSnapshotError", "OptimizerState", "PendingSnapshot", "Preempted", "RNGState",
+    "AutoloadSkipWarning", "CorruptSnapshotError", "MissingBaseError", "OptimizerState", "PendingSnapshot",
+    "Preempted", "RNGState",
     "Snapshot", "SnapshotAbortedError", "SnapshotError", "SnapshotExistsError", "SnapshotMode", "SnapshotNotFoundError",
     "StateDict", "Stateful", "StateMismatchError", "UnsupportedFormatError", "UnsupportedValueError", "retention",
     "epoch_batches", "load_snapshot", "snapshot", "snapshot_object", "storage", "writing",

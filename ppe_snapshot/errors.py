@@ -27,6 +27,11 @@ class CorruptSnapshotError(SnapshotError, ValueError):
     """The snapshot's manifest or data is damaged: truncated, checksum mismatch, unparsable."""
 
 
+class MissingBaseError(CorruptSnapshotError):
+    """An incremental snapshot reads bytes from another snapshot of its run directory that is not there (moved
+    or copied without it); the message names it."""
+
+
 class UnsupportedFormatError(SnapshotError, ValueError):
     """The manifest was written by a newer (or unknown) format version."""
 

@@ -26,10 +26,14 @@ variable                              default  meaning
 ``PPE_SNAPSHOT_READ_PART_MB``         ``8``    object stores: reads are split into ranged requests
                                                of at most this many MiB
 ``PPE_SNAPSHOT_READ_WORKERS``         ``32``   object stores: ranged requests in flight per storage
-``PPE_SNAPSHOT_FORMAT_VERSION``      newest   the format version takes write: ``1`` (one JSON
+``PPE_SNAPSHOT_FORMAT_VERSION``      ``2``    the format version takes write: ``1`` (one JSON
                                                manifest) or ``2`` (a small manifest and index files);
-                                               unset: the newest (the engine's ``FORMAT_VERSION``,
-                                               which also checks the value)
+                                               unset: the engine's ``DEFAULT_VERSION``, which also
+                                               checks the value. Incremental takes write ``3``
+``PPE_SNAPSHOT_BLOCK_KB``             ``1024`` incremental takes: size in KiB of the blocks compared
+                                               with the base (a changed byte rewrites its block;
+                                               smaller blocks for sparse row updates, e.g. 4 for an
+                                               embedding table of 1 KiB rows)
 ====================================  =======  ====================================================
 """
 from __future__ import annotations
@@ -52,8 +56,9 @@ class Settings:
     upload_concurrency: int = 16
     read_part_bytes: int = 8 << 20
     read_workers: int = 32
-    #: None: the newest (settings import nothing of ours: the engine defines the versions and checks this one).
+    #: None: the default (settings import nothing of ours: the engine defines the versions and checks this one).
     format_version: int | None = None
+    block_bytes: int = 1 << 20
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -69,6 +74,7 @@ class Settings:
             read_part_bytes=int(env.get("PPE_SNAPSHOT_READ_PART_MB", "8")) << 20,
             read_workers=int(env.get("PPE_SNAPSHOT_READ_WORKERS", "32")),
             format_version=int(env["PPE_SNAPSHOT_FORMAT_VERSION"]) if env.get("PPE_SNAPSHOT_FORMAT_VERSION") else None,
+            block_bytes=int(env.get("PPE_SNAPSHOT_BLOCK_KB", "1024")) << 10,
         )
 
 

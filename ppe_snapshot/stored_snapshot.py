@@ -11,6 +11,8 @@ Every other module asks here: the writers (where a replacement is written, what 
   (``Snapshot.verify(deep=False)``). It returns a :class:`StoredSnapshot` holding the opened snapshot, so its
   manifest is read once however many times it is asked about.
 * **Removal.** :func:`remove_snapshot`: the manifest goes first, so a snapshot is never seen half-removed.
+  :func:`retire_snapshot` removes a snapshot whose data files incremental snapshots beside it still read: it is
+  marked retired (``RETIRED_NAME``), loses its manifest and index files, and keeps its data files.
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
-from ppe_snapshot.storage import local_path, url_to_fs
+from ppe_snapshot.engine import INDEX_DIR, LOCAL, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, Snapshot
+from ppe_snapshot.storage import join, local_path, open_storage, url_to_fs
 
 #: Where a snapshot replacing ``<name>`` is written until it takes the name.
 SIDE_SUFFIX = ".ppe-snapshot-next"
@@ -71,6 +73,8 @@ class StoredSnapshot:
     snapshot: Snapshot | None = field(default=None, compare=False, repr=False)
     #: What the quick check raised, when it did (``problem`` says it in one line).
     error: Exception | None = field(default=None, compare=False, repr=False)
+    #: An incremental snapshot's: the names of the snapshots beside it whose data files it reads.
+    references: tuple[str, ...] = ()
 
     @property
     def sound(self) -> bool:
@@ -91,7 +95,7 @@ def inspect(location: str, storage_options: dict[str, Any] | None = None, *, all
     snapshot = Snapshot(location, pg=LOCAL, storage_options=storage_options, allow_pickle=allow_pickle)
     try:
         snapshot.verify(deep=False)
-        metadata = snapshot.metadata
+        metadata, references = snapshot.metadata, snapshot.references
     except Exception as e:  # noqa: BLE001 - absent, incomplete or damaged: any failure makes it unusable
         return StoredSnapshot(location, problem=f"{type(e).__name__}: {e}", error=e)
     if not isinstance(metadata, dict):
@@ -103,7 +107,22 @@ def inspect(location: str, storage_options: dict[str, Any] | None = None, *, all
     return StoredSnapshot(location, iteration=iteration if isinstance(iteration, int) and _number(iteration) else None,
                           epoch=epoch if isinstance(epoch, int) and _number(epoch) else None,
                           epoch_detail=float(detail) if _number(detail) else None, metrics=metrics,
-                          metadata=metadata, snapshot=snapshot)
+                          metadata=metadata, snapshot=snapshot, references=references)
+
+
+def retire_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Remove the engine snapshot at ``location`` but keep its data files, which incremental snapshots beside it
+    read: first the retired mark (a crash then leaves a snapshot still whole, retired again at the next prune),
+    then the manifest (from here on it is no snapshot), then its index files and anything of a take."""
+    storage = open_storage(location, storage_options)
+    try:
+        storage.put_atomic(RETIRED_NAME, b'{"retired": "retention removed this snapshot; its data files stay '
+                                         b'while snapshots beside it reference them"}\n')
+        storage.remove(MANIFEST_NAME)
+    finally:
+        storage.close()
+    for below in (INDEX_DIR, PARTS_DIR):
+        remove_snapshot(join(location, below), storage_options)
 
 
 def remove_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:

@@ -17,6 +17,11 @@ Run as a script (not from the test pool, so it can be killed on its own):
     ``fsspec`` (through fsspec's local file system). ``pause``: ``random`` (no pause), or
     the step of a replacement where the child prints ``PAUSE`` and sleeps, to be killed
     there: ``before_promote``, ``after_exchange``, ``after_remove``.
+``python _crash_child.py incremental <root> <iterations>``
+    a training loop (ppe's manager) with ``snapshot(incremental=True, keep=KeepLatest(2), autoload=True)`` and a
+    ThreadWriter, a snapshot every iteration: an 8 MiB frozen tensor and a 2 MiB table of which
+    ``incremental_rows`` change each iteration (``incremental_state`` gives the state of any iteration). It
+    resumes where the snapshots left it; prints each iteration once its snapshot is committed.
 """
 from __future__ import annotations
 
@@ -109,10 +114,49 @@ def replace_loop(root: str, mib: int, variant: str, pause: str, first: str) -> N
         print(index, flush=True)
 
 
+#: The incremental loop's table: rows of 1 KiB (256 float32), a few changed per iteration.
+TABLE_ROWS = 2048
+
+
+def incremental_rows(iteration: int) -> list[int]:
+    """The rows of the table that iteration ``iteration`` sets to ``iteration``."""
+    return [(iteration * 37 + k * 97) % TABLE_ROWS for k in range(20)]
+
+
+def incremental_state(iteration: int) -> dict[str, torch.Tensor]:
+    """The incremental loop's model state after iteration ``iteration``."""
+    g = torch.Generator().manual_seed(5)
+    table = torch.zeros(TABLE_ROWS, 256)
+    for i in range(1, iteration + 1):
+        table[incremental_rows(i)] = float(i)
+    return {"frozen": torch.randn(2 << 20, generator=g), "table": table}
+
+
+def incremental_loop(root: str, iterations: int) -> None:
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+    from ppe_snapshot.retention import KeepLatest
+    from ppe_snapshot.writing import ThreadWriter
+
+    model = torch.nn.Module()
+    for name, value in incremental_state(0).items():
+        setattr(model, name, torch.nn.Parameter(value, requires_grad=False))
+    manager = ppe.training.ExtensionsManager({"main": model}, {}, iterations, iters_per_epoch=1, out_dir=root)
+    manager.extend(ppe_snapshot.snapshot(writer=ThreadWriter(), incremental=True, keep=KeepLatest(2), autoload=True),
+                   trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():  # the manager counts this iteration once its body ran
+            model.table.data[incremental_rows(manager.iteration + 1)] = float(manager.iteration + 1)
+        print(manager.iteration, flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, target, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if mode == "replace":
+    if mode == "incremental":
+        incremental_loop(target, size)
+    elif mode == "replace":
         replace_loop(target, size, *sys.argv[4:])
     else:
         {"loop": loop, "dist": dist_take}[mode](target, size)

@@ -173,7 +173,8 @@ def test_inflated_file_size_is_checked_against_the_disk_before_allocating(small)
 @pytest.mark.parametrize("field, value, error", [
     ("take_id", None, CorruptSnapshotError), ("take_id", "", CorruptSnapshotError),
     ("world_size", 0, CorruptSnapshotError), ("world_size", "1", CorruptSnapshotError),
-    ("metadata", [1], CorruptSnapshotError), ("version", 3, UnsupportedFormatError)])
+    ("metadata", [1], CorruptSnapshotError), ("version", 4, UnsupportedFormatError),
+    ("version", 3, CorruptSnapshotError)])  # version 3 (incremental) needs its references
 def test_crafted_top_level_manifest_is_refused(small, field, value, error):
     doc = json.loads((small / "manifest.json").read_text())
     assert doc["version"] == 2 and "ranks" not in doc and "files" not in doc
@@ -258,6 +259,6 @@ def test_version_1_snapshot_restores_verifies_and_upgrades(tmp_path):
         assert torch.equal(target["w"], WEIGHT) and target["step"] == 3
         assert sorted(snap.get_manifest()) == ["0/m", "0/m/b", "0/m/bottom", "0/m/n", "0/m/step", "0/m/top",
                                                "0/m/w"]
-    with pytest.raises(ValueError, match="already a version-2 snapshot"):
+    with pytest.raises(ValueError, match="already a self-contained version-2 snapshot"):
         upgrade_snapshot(open_storage(str(tmp_path / "v2")), open_storage(str(tmp_path / "v3")))
     shutil.rmtree(old)

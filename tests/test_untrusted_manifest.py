@@ -318,7 +318,7 @@ def test_values_nested_within_the_parser_limits(small, capsys):
 
 
 def test_newer_version_stays_unsupported_format(small):
-    craft(small, lambda doc: doc.__setitem__("version", 3))
+    craft(small, lambda doc: doc.__setitem__("version", 4))
     with pytest.raises(UnsupportedFormatError, match="upgrade"):
         Snapshot(str(small)).get_manifest()
 

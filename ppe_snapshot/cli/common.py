@@ -15,7 +15,7 @@ import fsspec
 import torch
 
 from ppe_snapshot.dcp import DCP_KEY
-from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RNGState, Snapshot
+from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, RNGState, Snapshot
 from ppe_snapshot.retention import filesystem
 from ppe_snapshot.run_dir import load_file
 from ppe_snapshot.storage import local_path, open_url
@@ -42,6 +42,7 @@ class Kind:
     PPE_FILE = "ppe-file"            # a torch.save file (ppe's single-file snapshots)
     SAFETENSORS = "safetensors"
     IN_PROGRESS = "in-progress"      # a snapshot directory without its manifest (being written, or crashed)
+    RETIRED = "retired"              # a removed snapshot's data files, kept while incremental snapshots read them
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ def classify(fs: fsspec.AbstractFileSystem, fs_path: str) -> tuple[str | None, s
             return Kind.SNAPSHOT, None
         if fs.exists(f"{fs_path}/{DCP_METADATA}"):
             return Kind.TORCH_DCP, None
+        if fs.exists(f"{fs_path}/{RETIRED_NAME}"):
+            return Kind.RETIRED, ("retention removed it; its data files stay while incremental snapshots beside it "
+                                  "read them")
         if fs.exists(f"{fs_path}/{PARTS_DIR}") or fs.exists(f"{fs_path}/data"):
             return Kind.IN_PROGRESS, f"it has no {MANIFEST_NAME} (still being written, or its save crashed)"
         if not fs.ls(fs_path):
@@ -119,7 +123,7 @@ def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_p
     if not fs.exists(root):
         raise UsageError(f"{path}: no such file or directory")
     kind, problem = classify(fs, root)
-    if kind is None or (kind == Kind.IN_PROGRESS and not allow_in_progress):
+    if kind is None or kind == Kind.RETIRED or (kind == Kind.IN_PROGRESS and not allow_in_progress):
         raise UsageError(f"{path}: {problem}")
     if kind == Kind.SNAPSHOT:
         try:

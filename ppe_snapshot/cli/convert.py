@@ -98,10 +98,12 @@ def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None) ->
             raise UsageError(f"{dst}: torch DCP could not write it: {type(cause).__name__}: {cause}") from e
 
 
-def _format_version(path: str, storage_options: dict | None) -> int:
+def _self_contained_current(path: str, storage_options: dict | None) -> bool:
+    """Whether the snapshot at ``path`` is of the current format and references no other snapshot."""
     storage = open_storage(path, storage_options)
     try:
-        return read_manifest(storage).version
+        manifest = read_manifest(storage)
+        return manifest.version >= 2 and not manifest.references
     finally:
         storage.close()
 
@@ -111,8 +113,9 @@ def convert(args: argparse.Namespace) -> str:
     source = open_source(args.src, args.storage_options)
     target = args.to or _default_target(source.kind, args.dst)
     upgrade = source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT
-    if upgrade and _format_version(args.src, args.storage_options) >= 2:
-        raise UsageError(f"{args.src}: already a snapshot of the current format; copy the directory instead")
+    if upgrade and _self_contained_current(args.src, args.storage_options):
+        raise UsageError(f"{args.src}: already a self-contained snapshot of the current format; copy the directory "
+                         "instead")
     existing = _check_destination(args.dst, args.storage_options, args.force)
     with progress(4, f"convert {args.src}", unit="step") as bar:
         state, rng = ({}, {}) if upgrade else read_state(source, allow_pickle=args.allow_pickle)
@@ -122,7 +125,7 @@ def convert(args: argparse.Namespace) -> str:
         aside = _move_aside(args.dst, args.storage_options) if existing else None
         fs, root = filesystem(args.dst, args.storage_options)
         try:
-            if upgrade:  # format version 1 -> 2: the data files copied as they are, new index files
+            if upgrade:  # version 1 or incremental -> self-contained version 2: the data files copied as they are
                 upgrade_snapshot(open_storage(args.src, args.storage_options),
                                  open_storage(args.dst, args.storage_options))
             else:
@@ -177,8 +180,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "DCP directory or a safetensors file) to DST. Targets: snapshot (this library's "
                                    "format), torch (a torch.save file, as ppe writes), dcp (torch's own DCP format, "
                                    "read by plain dcp.load), safetensors (tensors only, nested keys joined with "
-                                   "'.'). A snapshot of format version 1 converted to a snapshot is upgraded to "
-                                   "version 2 (its data files copied as they are). Default: from DST's suffix "
+                                   "'.'). A snapshot of format version 1, or an incremental snapshot, converted to "
+                                   "a snapshot becomes a self-contained snapshot of version 2 (its data files, and "
+                                   "those of the snapshots it references, copied as they are). Default: from DST's "
+                                   "suffix "
                                    "(.pt/.pth: torch, .safetensors), else a "
                                    "snapshot becomes a torch file and anything else a snapshot. What the target "
                                    "cannot hold is named on stderr.")

@@ -15,7 +15,7 @@ from ppe_snapshot.engine.codec import (
     BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
-from ppe_snapshot.storage import forget_listings, local_path, open_storage
+from ppe_snapshot.storage import forget_listings, local_path, open_storage, split_reference
 from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
@@ -67,14 +67,15 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
         return None
     url = f"{run.rstrip('/')}/{name}"
     row: dict[str, Any] = {"name": name, "kind": kind, "status": "complete", "iteration": None, "epoch": None,
-                           "bytes": size_of(fs, fs_path), "time": None, "resume": False}
+                           "bytes": size_of(fs, fs_path), "referenced_bytes": 0, "references": [], "time": None,
+                           "resume": False}
     candidate = positions.get(name)
     if candidate is not None:
         row["iteration"], row["epoch"] = candidate.iteration, candidate.epoch_detail
         if candidate.problem and kind != Kind.IN_PROGRESS:
             problem = candidate.problem
-    if kind == Kind.IN_PROGRESS:
-        row["status"] = "in-progress"
+    if kind in (Kind.IN_PROGRESS, Kind.RETIRED):
+        row["status"] = kind
     elif kind == Kind.SNAPSHOT:
         stored = inspect(url, storage_options)
         problem = stored.problem
@@ -88,7 +89,10 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
             try:
                 if deep:
                     stored.snapshot.verify(deep=True)
-                row["time"] = _utc(_manifest_of(url, storage_options).committed_at)
+                manifest = _manifest_of(url, storage_options)
+                row["time"] = _utc(manifest.committed_at)
+                row["references"] = list(manifest.references)
+                row["referenced_bytes"] = referenced_bytes(manifest)
             except Exception as e:  # noqa: BLE001 - any failure to read it makes it damaged
                 problem = f"{type(e).__name__}: {e}"
         row["time"] = row["time"] or _mtime(fs, f"{fs_path}/{MANIFEST_NAME}")
@@ -97,7 +101,7 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
             read_state(Source(url, kind, storage_options))
         except Exception as e:  # noqa: BLE001
             problem = f"{type(e).__name__}: {e}"
-    if problem is not None and kind != Kind.IN_PROGRESS:
+    if problem is not None and kind not in (Kind.IN_PROGRESS, Kind.RETIRED):
         row["status"] = f"damaged: {problem}"
     row["time"] = row["time"] or _mtime(fs, fs_path)
     return row
@@ -124,6 +128,13 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     return rows
 
 
+def referenced_bytes(manifest: Any) -> int:
+    """The bytes of other snapshots' data files an incremental snapshot reads (0 for a self-contained one)."""
+    if not manifest.references:
+        return 0
+    return sum(size for name, size in manifest.files.items() if split_reference(name) is not None)
+
+
 def _human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -141,12 +152,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no snapshots in {args.run}")
         return 0
-    table = [("", "NAME", "KIND", "ITERATION", "EPOCH", "SIZE", "TIME", "STATUS")]
+    table = [("", "NAME", "KIND", "ITERATION", "EPOCH", "SIZE", "REFERENCED", "TIME", "STATUS")]
     for r in rows:
         table.append(("*" if r["resume"] else "", r["name"], r["kind"],
                       "-" if r["iteration"] is None else str(r["iteration"]),
-                      "-" if r["epoch"] is None else f"{r['epoch']:g}", _human(r["bytes"]), r["time"] or "-",
-                      r["status"]))
+                      "-" if r["epoch"] is None else f"{r['epoch']:g}", _human(r["bytes"]),
+                      _human(r["referenced_bytes"]) if r["references"] else "-", r["time"] or "-", r["status"]))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
@@ -202,7 +213,8 @@ def inspect_source(source: Source) -> dict[str, Any]:
         snap = source.snapshot()
         metadata = snap.metadata
         manifest = _manifest_of(source.path, source.storage_options)
-        written = {"committed_at": manifest.committed_at, "written_by": manifest.written_by}
+        written = {"committed_at": manifest.committed_at, "written_by": manifest.written_by,
+                   "references": list(manifest.references), "referenced_bytes": referenced_bytes(manifest)}
         entries = [_engine_entry(key, entry) for key, entry in snap.get_manifest().items()]
     elif source.kind == Kind.TORCH_DCP:
         entries = _torch_dcp_entries(source)
@@ -256,6 +268,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if report.get("committed_at"):
         versions = ", ".join(f"{k} {v}" for k, v in report["written_by"].items())
         print(f"committed {report['committed_at']}" + (f" by {versions}" if versions else ""))
+    if report.get("references"):
+        print(f"incremental: reads {_human(report['referenced_bytes'])} of data files of "
+              f"{', '.join(report['references'])} (beside it; it does not restore without them)")
     for e in report["entries"]:
         print(f"  {e['key']}: {_text(e)}")
     print(f"total {len(report['entries'])} entries, {report['tensors']} tensors, {report['tensor_bytes']} B of tensors")

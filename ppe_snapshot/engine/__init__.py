@@ -21,12 +21,16 @@ Between ranks, naming a rank that died
 State objects
     :class:`Stateful`, :class:`StateDict`, :class:`RNGState`, :class:`OptimizerState`.
 A snapshot in storage
-    ``MANIFEST_NAME`` (its presence commits a snapshot), ``PARTS_DIR`` and ``takes_in_progress(names)`` (the
-    takes in progress among the file names under it), ``read_manifest(storage)`` (the manifest of any format
+    ``MANIFEST_NAME`` (its presence commits a snapshot), ``INDEX_DIR`` (version 2's index files), ``PARTS_DIR``
+    and ``takes_in_progress(names)`` (the takes in progress among the file names under it),
+    ``read_manifest(storage)`` (the manifest of any format
     version; ``SnapshotNotFoundError`` when none is committed; ``manifest.lookup(rank, path)`` gives an entry),
-    ``upgrade_snapshot(source, dest)`` (a version-1 snapshot rewritten as version 2).
+    ``upgrade_snapshot(source, dest)`` (a version-1 or incremental snapshot rewritten as a self-contained
+    version 2). Incremental snapshots: ``RETIRED_NAME`` marks a removed snapshot's directory kept for the data
+    files others reference; ``split_location(location)`` is (run directory, snapshot name).
 """
-from ppe_snapshot.engine._format import MANIFEST_NAME, PARTS_DIR, takes_in_progress
+from ppe_snapshot.engine._format import INDEX_DIR, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, takes_in_progress
+from ppe_snapshot.engine._incremental import split_location
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._hostmem import new_shared_buffer
 from ppe_snapshot.engine._packing import align
@@ -48,5 +52,6 @@ __all__ = [
     # state objects
     "OptimizerState", "RNGState", "StateDict", "Stateful",
     # a snapshot in storage
-    "MANIFEST_NAME", "PARTS_DIR", "read_manifest", "takes_in_progress", "upgrade_snapshot",
+    "INDEX_DIR", "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "read_manifest", "split_location", "takes_in_progress",
+    "upgrade_snapshot",
 ]

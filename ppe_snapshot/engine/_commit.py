@@ -19,7 +19,7 @@ import numpy as np
 from ppe_snapshot.engine import _jsonio as jsonio
 from ppe_snapshot.engine._entry_columns import EntryColumns
 from ppe_snapshot.engine._flatten import child_path, child_paths
-from ppe_snapshot.engine._format import MANIFEST_NAME, Container, abort_name, part_name
+from ppe_snapshot.engine._format import MANIFEST_NAME, RETIRED_NAME, Container, abort_name, part_name
 from ppe_snapshot.engine._manifest import (
     Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
     entries_to_json,
@@ -184,6 +184,10 @@ def refuse_overwrite(storage: Storage) -> None:
     """Raise :class:`SnapshotExistsError` when a committed snapshot is at ``storage`` (a take never writes over one)."""
     if storage.exists(MANIFEST_NAME):
         raise SnapshotExistsError(f"a snapshot already exists at {storage.url}; choose a new path or remove it first")
+    if storage.exists(RETIRED_NAME):
+        raise SnapshotExistsError(
+            f"{storage.url} holds the data files of a removed snapshot that incremental snapshots beside it still "
+            "read (retention keeps them until none does); choose a new path")
 
 
 def abort(storage: Storage, take_id: str, reason: str) -> None:

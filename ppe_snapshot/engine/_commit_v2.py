@@ -22,7 +22,7 @@ from ppe_snapshot.engine._commit import RankPart, check_sizes, gather_documents
 from ppe_snapshot.engine._format import MANIFEST_NAME, SHARED_INDEX, detail_name, part_name, rank_index
 from ppe_snapshot.engine._index import decode_index
 from ppe_snapshot.engine._manifest import ContainerEntry, Entry, entries_from_json, entries_to_json, entry_to_json
-from ppe_snapshot.engine._manifest_v2 import rank_index_bytes, shared_index_bytes, top_bytes
+from ppe_snapshot.engine._manifest_v2 import referenced_snapshots, rank_index_bytes, shared_index_bytes, top_bytes
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import Storage
 
@@ -103,7 +103,7 @@ def _sharded_totals(storage: Storage, take_id: str, parts: list[dict[str, Any]]
 
 
 def _check_coverage(storage: Storage, take_id: str, world_size: int, tensors: dict[str, tuple[str, list[int]]],
-                    totals: dict[str, int]) -> None:
+                    totals: dict[str, int], references: list[str]) -> None:
     over = []
     for path, (_, shape) in tensors.items():
         total = math.prod(shape)
@@ -116,7 +116,8 @@ def _check_coverage(storage: Storage, take_id: str, world_size: int, tensors: di
     if over:  # blocks written by two ranks (copies of one DTensor on separate meshes): count each block once
         blocks: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {path: set() for path in over}
         for rank in range(world_size):
-            index = decode_index(storage.read_bytes(rank_index(rank)), rank_index(rank), take_id, "rank", rank)
+            index = decode_index(storage.read_bytes(rank_index(rank)), rank_index(rank), take_id, "rank", rank,
+                                 references)
             for path in over:
                 blocks[path].update((tuple(s.offsets), tuple(s.sizes)) for s in index.shards().get(path, []))
         for path in over:
@@ -155,7 +156,7 @@ def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: 
         files.update(part["files"])
     try:
         tensors, totals = _sharded_totals(storage, take_id, parts)
-        _check_coverage(storage, take_id, world_size, tensors, totals)
+        _check_coverage(storage, take_id, world_size, tensors, totals, referenced_snapshots(files))
         _check_shared(storage, take_id, parts, replicated, tensors)
         for path, entry in replicated.items():
             for chunk in getattr(entry, "chunks", []):
@@ -166,5 +167,5 @@ def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: 
         raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
     # every rank checked its own files' sizes before publishing its part
     storage.put_atomic(SHARED_INDEX, shared_index_bytes(take_id, replicated, tensors, files))
-    storage.put_atomic(MANIFEST_NAME, top_bytes(world_size, take_id, metadata))
+    storage.put_atomic(MANIFEST_NAME, top_bytes(world_size, take_id, metadata, files))
 

@@ -10,19 +10,27 @@ import re
 import uuid
 from typing import Final, NamedTuple
 
-#: The newest format version: the one this code reads up to and, unless ``PPE_SNAPSHOT_FORMAT_VERSION`` says
-#: otherwise, writes (what differs between versions: ``_versions.py``).
-FORMAT_VERSION: Final = 2
+#: The newest format version: the one this code reads up to (what differs between versions: ``_versions.py``).
+FORMAT_VERSION: Final = 3
+#: The version takes write unless ``PPE_SNAPSHOT_FORMAT_VERSION`` says otherwise, or the take is incremental.
+DEFAULT_VERSION: Final = 2
+#: The version of an incremental snapshot: version 2 whose index files may name data files of sibling snapshots
+#: (``../<snapshot>/data/rank<r>.bin``), listed in the manifest's ``references``.
+INCREMENTAL_VERSION: Final = 3
 #: The manifest, written last: its presence commits the snapshot.
 MANIFEST_NAME: Final = "manifest.json"
+#: Marks a snapshot directory whose manifest was removed (by retention) while incremental snapshots beside it still
+#: read its data files: it is no snapshot, its data files stay until no snapshot references them.
+RETIRED_NAME: Final = "retired.json"
 #: Format version 2: the shared index (replicated entries, the table of sharded tensors), written by the committing
 #: rank, and each rank's index (its entries and the shards it wrote), written by that rank; both before the manifest.
-SHARED_INDEX: Final = "index/shared.idx"
+INDEX_DIR: Final = "index"
+SHARED_INDEX: Final = f"{INDEX_DIR}/shared.idx"
 
 
 def rank_index(rank: int) -> str:
     """The index file of rank ``rank`` (format version 2)."""
-    return f"index/rank{rank}.idx"
+    return f"{INDEX_DIR}/rank{rank}.idx"
 
 
 #: Where the ranks of a take being committed publish their parts (and rank 0 an abort marker).
@@ -119,6 +127,7 @@ class Container:
     KEYED: Final = (DICT, ORDERED_DICT)
 
 
-__all__ = ["Container", "FORMAT_VERSION", "InProgress", "Kind", "MANIFEST_NAME", "PARTS_DIR", "SHARED_INDEX", "Raw",
+__all__ = ["Container", "DEFAULT_VERSION", "FORMAT_VERSION", "INCREMENTAL_VERSION", "INDEX_DIR", "InProgress", "Kind",
+           "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "SHARED_INDEX", "Raw",
            "abort_name", "data_file", "data_file_rank", "detail_name", "new_take_id", "parse_parts_name", "part_name",
            "rank_index", "takes_in_progress"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 import xxhash
@@ -200,9 +200,11 @@ def _bad(where: str, problem: str) -> CorruptSnapshotError:
     return CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
 
 
-def decode_index(data: bytes, where: str, take_id: str, section: str, rank: int | None = None) -> Index:
+def decode_index(data: bytes, where: str, take_id: str, section: str, rank: int | None = None,
+                 references: Collection[str] = ()) -> Index:
     """Parse and check an index file: everything a reader must refuse (docs/format.md, section 8) that can be
-    seen in the file alone. Entries of version-1 JSON are checked when looked up (:class:`IndexTable`)."""
+    seen in the file alone. Entries of version-1 JSON are checked when looked up (:class:`IndexTable`).
+    ``references``: the sibling snapshots whose data files it may name (the manifest's)."""
     if len(data) < _HEAD.size + 8 or data[:8] != MAGIC:
         raise _bad(where, "it is not a ppe-snapshot index file")
     (stored,) = struct.unpack_from("<Q", data, len(data) - 8)
@@ -216,7 +218,7 @@ def decode_index(data: bytes, where: str, take_id: str, section: str, rank: int 
         header = jsonio.loads(bytes(data[_HEAD.size:_HEAD.size + head_len]))
     except ValueError as e:
         raise _bad(where, f"its header is not JSON ({e})") from None
-    problem = header_problem(header, take_id, section, rank)
+    problem = header_problem(header, take_id, section, rank, references)
     if problem:
         raise _bad(where, problem)
     cols, position = {}, body_start

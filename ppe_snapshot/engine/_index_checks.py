@@ -5,14 +5,14 @@ is checked in a few numpy comparisons.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
 from ppe_snapshot.engine._format import Raw
 from ppe_snapshot.engine._validation import dtype_itemsize
 from ppe_snapshot.errors import CorruptSnapshotError
-from ppe_snapshot.storage import is_safe_relative
+from ppe_snapshot.storage import is_safe_relative, split_reference
 
 #: Offsets, sizes and dimensions from this up are refused (their sums must not overflow 64 bits).
 MAX_VALUE = 1 << 56
@@ -28,7 +28,10 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < MAX_VALUE
 
 
-def header_problem(header: Any, take_id: str, section: str, rank: int | None) -> str | None:
+def header_problem(header: Any, take_id: str, section: str, rank: int | None,
+                   references: Collection[str] = ()) -> str | None:
+    """What is wrong with an index file's header; ``references``: the sibling snapshots (the manifest's
+    ``references``) whose data files it may name as ``../<snapshot>/<file>``."""
     if type(header) is not dict:
         return "its header is not an object"
     if header.get("take_id") != take_id or header.get("section") != section or header.get("rank") != rank:
@@ -41,9 +44,13 @@ def header_problem(header: Any, take_id: str, section: str, rank: int | None) ->
         return "files is not a list of [name, size] pairs"
     names = [f[0] for f in files]
     for name in names:
+        reference = split_reference(name)
+        if reference is not None and reference[0] in references:
+            continue
         if not is_safe_relative(name):
             return (f"data file name {name!r:.200} is not a normalised relative path inside the snapshot "
-                    "(no '..', '.', empty or absolute parts, no backslashes)")
+                    "(no '..', '.', empty or absolute parts, no backslashes)"
+                    + (", nor a file of a snapshot its manifest lists in references" if reference else ""))
     if len(set(names)) != len(names):
         return "a data file is listed twice"
     if type(dtypes) is not list or not all(type(d) is list and len(d) == 2 and all(type(x) is str for x in d)

@@ -269,6 +269,8 @@ class Manifest:
     written_by: dict[str, str] = field(default_factory=dict)
     #: The format version it was read from (None: a manifest being written, in the version its commit says).
     version: int | None = None
+    #: Version 3 (incremental): the sibling snapshots of its run directory whose data files it reads.
+    references: tuple[str, ...] = ()
     #: Version 2: the snapshot's index files, read when first needed (``bytes_read`` counts them).
     indexes: Any = field(default=None, repr=False, compare=False)
 

@@ -11,18 +11,18 @@ other ranks' indexes only for a sharded tensor whose shards in its own index do 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Callable
 
 from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._format import MANIFEST_NAME, SHARED_INDEX, data_file_rank, rank_index
+from ppe_snapshot.engine._format import INCREMENTAL_VERSION, MANIFEST_NAME, SHARED_INDEX, data_file_rank, rank_index
 from ppe_snapshot.engine._index import Index, IndexBuilder, IndexTable, decode_index
 from ppe_snapshot.engine._manifest import (
     Entry, LazyEntries, Manifest, Shard, ShardedTensorEntry, commit_stamp, read_stamp,
 )
 from ppe_snapshot.engine._validation import CHECKSUM_ALGORITHM, FORMAT_NAME
 from ppe_snapshot.errors import CorruptSnapshotError
-from ppe_snapshot.storage import Storage
+from ppe_snapshot.storage import Storage, split_reference
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -51,8 +51,17 @@ def shared_index_bytes(take_id: str, replicated: Mapping[str, Entry], sharded: M
     return builder.to_bytes(take_id, "shared")
 
 
-def top_bytes(world_size: int, take_id: str, metadata: dict[str, Any]) -> bytes:
-    doc = {"format": FORMAT_NAME, "version": 2, "checksum_algorithm": CHECKSUM_ALGORITHM,
+def referenced_snapshots(files: Iterable[str]) -> list[str]:
+    """The sibling snapshots whose data files ``files`` name (an incremental snapshot's references), sorted."""
+    return sorted({reference[0] for reference in map(split_reference, files) if reference is not None})
+
+
+def top_bytes(world_size: int, take_id: str, metadata: dict[str, Any], files: Iterable[str]) -> bytes:
+    """``manifest.json`` over index files naming ``files``: version 2, or version 3 (with ``references``) when
+    some of them lie in sibling snapshots."""
+    references = referenced_snapshots(files)
+    extra = {"version": INCREMENTAL_VERSION, "references": references} if references else {"version": 2}
+    doc = {"format": FORMAT_NAME, **extra, "checksum_algorithm": CHECKSUM_ALGORITHM,
            "world_size": world_size, "take_id": take_id, "metadata": metadata, **commit_stamp()}
     return jsonio.dumps(doc, free_form=metadata)
 
@@ -84,7 +93,7 @@ def write_manifest(storage: Storage, manifest: Manifest) -> None:
     sharded = {path: (e.dtype, e.shape) for path, e in manifest.sharded.items()}
     storage.put_atomic(SHARED_INDEX, shared_index_bytes(manifest.take_id, manifest.replicated, sharded, files,
                                                         unowned))
-    storage.put_atomic(MANIFEST_NAME, top_bytes(world_size, manifest.take_id, manifest.metadata))
+    storage.put_atomic(MANIFEST_NAME, top_bytes(world_size, manifest.take_id, manifest.metadata, files))
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -92,8 +101,10 @@ def write_manifest(storage: Storage, manifest: Manifest) -> None:
 class _Indexes:
     """The index files of one snapshot, each read, checked and decoded once, when first needed."""
 
-    def __init__(self, storage: Storage, where: str, take_id: str, world_size: int) -> None:
+    def __init__(self, storage: Storage, where: str, take_id: str, world_size: int,
+                 references: Sequence[str] = ()) -> None:
         self.storage, self.where, self.take_id, self.world_size = storage, where, take_id, world_size
+        self.references = frozenset(references)
         self._shared: Index | None = None
         self._ranks: dict[int, Index] = {}
         #: Bytes of index files read so far (the metadata-scale benchmark reports it).
@@ -106,7 +117,7 @@ class _Indexes:
             raise CorruptSnapshotError(f"{self.where}: index file {name} is missing; the snapshot is damaged"
                                        ) from None
         self.bytes_read += len(data)
-        return decode_index(data, f"{self.storage.url}/{name}", self.take_id, section, rank)
+        return decode_index(data, f"{self.storage.url}/{name}", self.take_id, section, rank, self.references)
 
     def shared(self) -> Index:
         if self._shared is None:
@@ -279,13 +290,14 @@ class _AllFiles(Mapping[str, int]):
 
 
 def read(storage: Storage, doc: dict[str, Any], where: str) -> Manifest:
-    """The manifest of a checked version-2 document; index files are read when first needed."""
-    indexes = _Indexes(storage, where, doc["take_id"], doc["world_size"])
+    """The manifest of a checked version-2 or -3 document; index files are read when first needed."""
+    references = tuple(doc.get("references", ()))
+    indexes = _Indexes(storage, where, doc["take_id"], doc["world_size"], references)
     shared = _LazyTable(lambda: IndexTable(indexes.shared(), f"{where} (replicated)", True))
     manifest = Manifest(
         world_size=doc["world_size"], ranks=_Ranks(indexes), replicated=shared, files=_AllFiles(indexes),
         take_id=doc["take_id"], metadata=doc.get("metadata", {}), sharded=ShardedTable(indexes),
-        version=doc["version"], **read_stamp(doc))
+        version=doc["version"], references=references, **read_stamp(doc))
     manifest.indexes = indexes
     return manifest
 

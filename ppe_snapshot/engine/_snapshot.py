@@ -55,7 +55,8 @@ class Snapshot:
     def take(cls, path: str, app_state: dict[str, Any], pg: Any = None, replicated: list[str] | None = None,
              storage_options: dict[str, Any] | None = None,
              _custom_tensor_prepare_func: TensorPrepare | None = None, *, allow_pickle: bool = False,
-             metadata: dict[str, Any] | None = None) -> "Snapshot":
+             metadata: dict[str, Any] | None = None, base: str | None = None,
+             block_bytes: int | None = None) -> "Snapshot":
         """Persist ``app_state`` at ``path``; returns once the snapshot is committed.
 
         Tensors are written straight from their memory (no copy of the state).
@@ -68,9 +69,17 @@ class Snapshot:
         smaller dtype; it must return a dense strided tensor). ``allow_pickle`` lets
         values that have no pickle-free encoding be pickled; ``metadata`` is a
         small JSON-able dict stored in the manifest (see :attr:`metadata`).
+
+        ``base``: the path of an earlier snapshot in the same directory. The
+        take is *incremental*: every block of ``block_bytes`` (default
+        ``PPE_SNAPSHOT_BLOCK_KB``, 1 MiB) whose bytes the base holds is not
+        written again; the new snapshot reads it from the base's files. It
+        restores on its own as long as the snapshots it references stay
+        beside it (:attr:`references`; retention keeps them).
         """
         job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
-                           allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func)
+                           allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func,
+                           base=base, block_bytes=block_bytes)
         job.write_and_commit()
         return cls(job.storage.url, pg, storage_options)
 
@@ -79,16 +88,19 @@ class Snapshot:
                    replicated: list[str] | None = None, storage_options: dict[str, Any] | None = None,
                    _custom_tensor_prepare_func: TensorPrepare | None = None, *,
                    allow_pickle: bool = False, metadata: dict[str, Any] | None = None,
-                   staging: StagingProvider | None = None) -> "PendingSnapshot":
+                   staging: StagingProvider | None = None, base: str | None = None,
+                   block_bytes: int | None = None) -> "PendingSnapshot":
         """Like :meth:`take`, but returns as soon as the state is copied to a staging buffer.
 
         The write and the commit go on in a background thread; mutating the
         state after this returns does not change the snapshot. ``staging``
         supplies a reusable buffer (writers use it); by default a buffer is
-        allocated and released when the write ends.
+        allocated and released when the write ends. ``base`` and ``block_bytes``
+        as for :meth:`take` (the blocks are compared in the background).
         """
         job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
-                           allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func)
+                           allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func,
+                           base=base, block_bytes=block_bytes)
         try:
             buffer = staging(job.layout.size) if staging is not None else None
         except BaseException as e:
@@ -105,6 +117,12 @@ class Snapshot:
         if self._manifest is None:
             self._manifest = read_manifest(storage)
         return self._manifest
+
+    @property
+    def references(self) -> tuple[str, ...]:
+        """The names of the snapshots beside this one whose data files it reads (an incremental snapshot's
+        bases); empty for a self-contained snapshot."""
+        return self._read_manifest(self._storage()).references
 
     @property
     def metadata(self) -> dict[str, Any]:

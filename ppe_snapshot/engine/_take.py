@@ -13,6 +13,9 @@ from ppe_snapshot.engine._entry_columns import EntryColumns, ShapeColumns, dtype
 from ppe_snapshot.engine._flatten import Payload, PlainTensors, flatten, mark_replicated
 from ppe_snapshot.engine._format import Raw, data_file, new_take_id
 from ppe_snapshot.engine._gcpause import gc_paused
+from ppe_snapshot.engine._incremental import (
+    IncrementalWrite, check_base, check_block_bytes, open_base, write_incremental,
+)
 from ppe_snapshot.engine._manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine._packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
 from ppe_snapshot.engine._planner import RankPlan, plan_rank, replicated_patterns
@@ -60,6 +63,13 @@ class TakeJob:
     channel: TakeChannel | None = None
     #: Where :meth:`write_part` runs in another process: tells it the take failed elsewhere (its parent's channel).
     stopped: Callable[[], str | None] | None = None
+    #: An incremental take: the snapshot (beside this one) whose unchanged blocks it references, the
+    #: ``storage_options`` to read it, and the block size (None: the settings').
+    base: str | None = None
+    base_options: dict[str, Any] | None = None
+    block_bytes: int | None = None
+    #: An incremental take, once written: what it wrote and referenced.
+    incremental: IncrementalWrite | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "channel": None}
@@ -137,6 +147,11 @@ class TakeJob:
         if not self.layout.paths:
             return []
         storage: Any = self.storage if self.world_size == 1 else Watched(self.storage, self.failure)
+        if self.base is not None:
+            base = open_base(self.base, self.storage.url, self.rank, self.sharded, self.base_options)
+            with gc_paused():
+                self.incremental = write_incremental(storage, self.layout, self.staged, base, self.block_bytes)
+            return list(self.incremental.chunks)
         if self.staged is not None:
             return write_staged(storage, self.layout, self.staged)
         with gc_paused():  # from the live tensors: the caller waits for this take anyway
@@ -147,7 +162,8 @@ class TakeJob:
         """This rank's entries, now that its data is written: its tensors and arrays stored in one chunk as
         columns (no object per tensor), every other entry as an object."""
         layout, raw = self.layout, {Raw.TENSOR, Raw.NDARRAY}
-        part = commit_protocol.RankPart(self.rank, files={layout.file: layout.size} if layout.paths else {})
+        files = self.incremental.files if self.incremental is not None else {layout.file: layout.size}
+        part = commit_protocol.RankPart(self.rank, files=files if layout.paths else {})
         paths, payloads = layout.paths, layout.payloads
         shards = {path for path in paths if is_shard_key(path)} if self.sharded else set()
         if self.sharded:
@@ -294,14 +310,17 @@ def _check_metadata(metadata: Any) -> None:
 @gc_paused()
 def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replicated: Iterable[str] | None = None,
                  storage_options: dict[str, Any] | None = None, allow_pickle: bool = False,
-                 metadata: dict[str, Any] | None = None, tensor_prepare: TensorPrepare | None = None) -> TakeJob:
+                 metadata: dict[str, Any] | None = None, tensor_prepare: TensorPrepare | None = None,
+                 base: str | None = None, block_bytes: int | None = None) -> TakeJob:
     """Flatten and plan this rank's share; agree with the other ranks of ``pg`` on path, take id and globs.
 
     Every rank of ``pg`` calls it (the agreement is an exchange through rank 0 on
     the take's side group, made by the first take on ``pg``'s ranks: a collective
     of theirs); ``pg=LOCAL`` for a take by this process alone. ``tensor_prepare(path, tensor, tracing)``
     may replace each plain tensor by the one to store (the seed's
-    ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot.
+    ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot. ``base``: an incremental
+    take, referencing the blocks of snapshot ``base`` (beside ``path``) that did not change, compared in
+    blocks of ``block_bytes`` (see :mod:`~ppe_snapshot.engine._incremental`).
     """
     rank, world_size = group_rank(pg)
     side = side_group(pg) if world_size > 1 else None  # the first take on these ranks makes it: as early as can be
@@ -309,6 +328,13 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     try:
         _check_metadata(metadata)
         version = versions.write_version()
+        if base is not None:
+            check_base(base, str(path))
+            if block_bytes is not None:
+                check_block_bytes(block_bytes)
+            if not versions.can_reference(version):
+                raise ValueError(f"an incremental take (base={base!r}) needs format version 2 or newer; "
+                                 f"PPE_SNAPSHOT_FORMAT_VERSION asks for {version}")
         globs = _globs(replicated)
         items, plain = _flatten_all(app_state, allow_pickle, tensor_prepare)
     except Exception as e:  # every rank must still reach the agreement below
@@ -328,4 +354,5 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
             raise
         abandon(channel, storage, agreed.take_id, e)
     return TakeJob(storage, agreed.take_id, rank, world_size, layout, plan.entries, dict(metadata or {}),
-                   agreed.version, sharded=plan.sharded, shared=shared, channel=channel)
+                   agreed.version, sharded=plan.sharded, shared=shared, channel=channel,
+                   base=None if base is None else str(base), base_options=storage_options, block_bytes=block_bytes)

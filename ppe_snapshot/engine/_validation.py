@@ -84,6 +84,15 @@ def document_v2_problem(doc: dict[str, Any]) -> str | None:
     return None
 
 
+def document_v3_problem(doc: dict[str, Any]) -> str | None:
+    """What is wrong with a version-3 (incremental) manifest's fields: version 2's, and ``references``."""
+    references = doc.get("references")
+    if type(references) is not list or not all(is_safe_relative(name) and "/" not in name for name in references) \
+            or len(set(references)) != len(references):
+        return "references is not a list of distinct snapshot names (one path segment each)"
+    return document_v2_problem(doc)
+
+
 def document_problem(doc: dict[str, Any]) -> str | None:
     """What is wrong with a version-1 manifest's fields (every entry's checked when decoded); None when nothing is."""
     for name in ("world_size", "ranks", "replicated", "files"):

@@ -1,26 +1,28 @@
 """The format versions, in one place: which one a take writes, and every step that differs between them.
 
-``FORMAT_VERSION`` (``_format.py``) is the newest: this code reads every version up to it and writes it unless
-``PPE_SNAPSHOT_FORMAT_VERSION`` says otherwise. Version 1 is one JSON manifest holding every entry; version 2
-a small manifest over index files (``docs/format.md``, section 11). The rest of the engine calls the functions
-below with the version at hand and never compares version numbers itself.
+``FORMAT_VERSION`` (``_format.py``) is the newest: this code reads every version up to it. Takes write
+``DEFAULT_VERSION`` unless ``PPE_SNAPSHOT_FORMAT_VERSION`` says otherwise. Version 1 is one JSON manifest holding
+every entry; version 2 a small manifest over index files (``docs/format.md``, section 11); version 3 an
+incremental snapshot, version 2 whose index files also name data files of sibling snapshots (section 12). The
+rest of the engine calls the functions below with the version at hand and never compares version numbers itself.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ppe_snapshot.engine import _commit as v1
 from ppe_snapshot.engine import _commit_v2 as v2
-from ppe_snapshot.engine._format import FORMAT_VERSION, MANIFEST_NAME
+from ppe_snapshot.engine._format import DEFAULT_VERSION, INCREMENTAL_VERSION, MANIFEST_NAME
 from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._manifest import Manifest, parse_document
+from ppe_snapshot.engine._manifest import Chunk, Manifest, Shard, ShardedTensorEntry, parse_document
 from ppe_snapshot.engine._manifest_v2 import read as read_v2
 from ppe_snapshot.engine._manifest_v2 import write_manifest as write_v2
-from ppe_snapshot.engine._validation import document_problem, document_v2_problem
+from ppe_snapshot.engine._validation import document_problem, document_v2_problem, document_v3_problem
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, SnapshotNotFoundError
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage import Storage
+from ppe_snapshot.storage import Storage, split_reference
 
 #: What a rank of a multi-rank take expects of the state written once for all (see ``_commit_v2.expected_shared``).
 Shared = tuple[list[str], dict[str, Any]]
@@ -63,15 +65,26 @@ _VERSIONS = {
     2: _Version(problem=document_v2_problem, read=read_v2, write=write_v2, publish=v2.publish,
                 merge_and_commit=v2.merge_and_commit, clean=_clean_v2, shares=True),
 }
+# Version 3 is version 2 whose index files name data files of sibling snapshots too: version 2's steps write it
+# whenever a take's files include such references (``_manifest_v2.top_bytes``); it reads with its own check.
+_VERSIONS[INCREMENTAL_VERSION] = dataclasses.replace(_VERSIONS[2], problem=document_v3_problem)
+#: The versions ``PPE_SNAPSHOT_FORMAT_VERSION`` may ask takes to write (version 3 is written by incremental takes).
+_WRITTEN = (1, 2)
 
 
 def write_version() -> int:
-    """The version takes write: ``PPE_SNAPSHOT_FORMAT_VERSION``, by default :data:`FORMAT_VERSION`."""
-    version = FORMAT_VERSION if SETTINGS.format_version is None else SETTINGS.format_version
-    if version not in _VERSIONS:
+    """The version takes write: ``PPE_SNAPSHOT_FORMAT_VERSION``, by default :data:`DEFAULT_VERSION` (an
+    incremental take writes version 3 where it references a base, see :func:`can_reference`)."""
+    version = DEFAULT_VERSION if SETTINGS.format_version is None else SETTINGS.format_version
+    if version not in _WRITTEN:
         raise ValueError(f"PPE_SNAPSHOT_FORMAT_VERSION={version}: this ppe-snapshot writes format versions "
-                         f"{', '.join(map(str, _VERSIONS))}")
+                         f"{', '.join(map(str, _WRITTEN))} (and {INCREMENTAL_VERSION} for incremental snapshots)")
     return version
+
+
+def can_reference(version: int) -> bool:
+    """Whether a take writing ``version`` can reference a base's data files (index files: version 2 and up)."""
+    return version in (2, INCREMENTAL_VERSION)
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -131,17 +144,19 @@ def clean_parts(storage: Storage, take_id: str, world_size: int, version: int) -
 
 
 def upgrade(source: Storage, dest: Storage) -> None:
-    """Write the version-1 snapshot at ``source`` as a version-2 snapshot at ``dest`` (where nothing is): its
-    data files copied byte for byte, then its index files and the manifest, last. The source is checked
-    first (every entry, every file's size)."""
+    """Write the version-1 or incremental (version-3) snapshot at ``source`` as a self-contained version-2
+    snapshot at ``dest`` (where nothing is): its data files copied byte for byte (each file of another snapshot
+    it references to ``refs/<that snapshot>/<file>``, its chunks renamed), then its index files and the
+    manifest, last. The source is checked first (every entry, every file's size)."""
     manifest = read_manifest(source)
-    if manifest.version != 1:
-        raise ValueError(f"{source.url} is already a version-{manifest.version} snapshot")
+    if manifest.version == DEFAULT_VERSION:
+        raise ValueError(f"{source.url} is already a self-contained version-{manifest.version} snapshot")
     manifest.check_entries()
     v1.refuse_overwrite(dest)
+    inside = {name: _inside(name) for name in manifest.files}
     block = bytearray(64 << 20)
     for name, size in manifest.files.items():
-        writer = dest.open_writer(name, size)
+        writer = dest.open_writer(inside[name], size)
         try:
             for start in range(0, size, len(block)):
                 view = memoryview(block)[: min(len(block), size - start)]
@@ -151,4 +166,34 @@ def upgrade(source: Storage, dest: Storage) -> None:
         except BaseException:
             writer.abort()
             raise
+    if manifest.references:
+        manifest = _renamed(manifest, inside)
     commit(dest, manifest, version=2)
+
+
+def _inside(name: str) -> str:
+    """Where a self-contained copy keeps data file ``name``: a file of a referenced snapshot under ``refs/``."""
+    reference = split_reference(name)
+    return name if reference is None else f"refs/{reference[0]}/{reference[1]}"
+
+
+def _renamed(manifest: Manifest, names: dict[str, str]) -> Manifest:
+    """``manifest`` with every chunk's file renamed as ``names`` says (a built manifest: every entry in memory)."""
+    def chunks(entry: Any) -> Any:
+        if isinstance(entry, ShardedTensorEntry):
+            return ShardedTensorEntry(entry.dtype, entry.shape, [Shard(s.offsets, s.sizes, _moved(s.chunks, names))
+                                                                 for s in entry.shards], entry.replicated)
+        if getattr(entry, "chunks", None) is None:
+            return entry
+        return dataclasses.replace(entry, chunks=_moved(entry.chunks, names))
+
+    def table(entries: Any) -> dict[str, Any]:
+        return {path: chunks(entry) for path, entry in entries.items()}
+
+    return Manifest(manifest.world_size, [table(rank) for rank in manifest.ranks], table(manifest.replicated),
+                    {names[name]: size for name, size in manifest.files.items()}, manifest.take_id,
+                    dict(manifest.metadata), table(manifest.sharded))
+
+
+def _moved(chunks: list[Chunk], names: dict[str, str]) -> list[Chunk]:
+    return [chunk._replace(file=names[chunk.file]) for chunk in chunks]

@@ -52,7 +52,7 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
              snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
              saver_rank: int | None = None, snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT,
              allow_pickle: bool = False, keep: Policy | None = None, save_on_signals: Iterable[Any] = (),
-             preempted_exit_code: int | None = None) -> _Snapshot:
+             preempted_exit_code: int | None = None, incremental: bool = False) -> _Snapshot:
     """An extension that snapshots the training state (the manager, or ``target``).
 
     Args:
@@ -101,6 +101,13 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
         allow_pickle: Keyword-only, beyond ppe's signature: let snapshots hold
             values only pickle can store, and let autoload unpickle them (which
             runs code from the snapshot: only for snapshots you trust).
+        incremental: Keyword-only, beyond ppe's signature: each save writes
+            only the blocks (``PPE_SNAPSHOT_BLOCK_KB``, 1 MiB) that changed since
+            the previous complete snapshot (the writer's last, or the one autoload
+            resumed from) and references the rest of that one's data files. Every
+            snapshot still restores on its own inside the output directory;
+            retention keeps the data files that kept snapshots reference. Needs a
+            ppe_snapshot writer and no ``savefun``.
 
     ``initialize()`` (called by the manager at start) returns the name of the
     snapshot autoload restored, relative to the output directory (as ppe
@@ -128,7 +135,7 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
     options = dict(target=target, condition=condition, writer=writer, filename=filename,
                    snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload, savefun=savefun,
                    allow_pickle=allow_pickle, keep=keep, save_on_signals=save_on_signals,
-                   preempted_exit_code=preempted_exit_code)
+                   preempted_exit_code=preempted_exit_code, incremental=incremental)
     if snapshot_mode == SnapshotMode.DEFAULT:
         if saver_rank is None:
             return _Snapshot(**options)

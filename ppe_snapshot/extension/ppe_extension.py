@@ -54,8 +54,16 @@ class _Snapshot(extension.Extension):
                  writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
                  snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
                  savefun: Any = None, allow_pickle: bool = False, keep: run_dir.Policy | None = None,
-                 save_on_signals: Iterable[Any] = (), preempted_exit_code: int | None = None) -> None:
+                 save_on_signals: Iterable[Any] = (), preempted_exit_code: int | None = None,
+                 incremental: bool = False) -> None:
         ppe_compat.check_writer(writer)
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be True or False, got {incremental!r}")
+        if incremental and savefun is not None:
+            raise ValueError("incremental=True writes engine snapshots, which reference the blocks of the previous "
+                             "one; a savefun writes whole single files: give one or the other")
+        #: Each save references the unchanged blocks of the previous complete snapshot (the writer's).
+        self.incremental = incremental
         ppe_compat.check_n_retains(n_retains)
         #: Retention: ``n_retains`` (KeepLatest) and ``keep`` together, or None.
         self.policy = run_dir.combine(n_retains, keep)
@@ -157,6 +165,11 @@ class _Snapshot(extension.Extension):
         self._storage_options = options if isinstance(options, dict) else None
         if self.policy is not None and self._format is not None and self._prunes():
             ppe_private.add_cleanup_hook(writer, self._prune)
+        if self.incremental:
+            if not isinstance(writer, SnapshotWriter) or not hasattr(writer, "incremental"):
+                raise TypeError(f"incremental=True needs a ppe_snapshot writer (SimpleWriter, ThreadWriter, "
+                                f"ProcessWriter, ...), got {type(writer).__name__}")
+            writer.incremental = True  # type: ignore[attr-defined]
         self._bound = True
 
     # -- extension protocol ----------------------------------------------------
@@ -166,6 +179,8 @@ class _Snapshot(extension.Extension):
         self._bind(manager)
         self._stats_reporter = stats_report.attach(manager)
         listed = self._autoload(manager) if self.autoload else None
+        if self.incremental and self.resumed_from is not None and getattr(self.writer, "base", None) is None:
+            self.writer.base = self.resumed_from  # type: ignore[union-attr]  # the first save references it
         if self.policy is not None and self._format is not None and self._prunes():
             self._prune(listed)  # a run killed between a commit and its pruning left more than the policy keeps
         if self.preemption is not None:
@@ -223,7 +238,8 @@ class _Snapshot(extension.Extension):
         return {self._rng_rank: RNGState().state_dict()}
 
     def _save(self, manager: ExtensionsManagerProtocol, name: str, state: Any, pg: Any,
-              rng: dict[int, Any] | None = None) -> None:
+              rng: dict[int, Any] | None = None, self_contained: bool = False) -> None:
+        """Save ``state`` as ``name``; ``self_contained``: never incremental (a snapshot retention does not see)."""
         writer = self._engine_writer
         if writer is None:  # ppe's protocol
             start = time.perf_counter()
@@ -238,9 +254,10 @@ class _Snapshot(extension.Extension):
         self._rejected.discard(name)
         previous = writer.last_stats
         rng = self._rng_states() if rng is None else rng
+        more = {"incremental": False} if self_contained and self.incremental else {}
         writer(name, manager.out, state, savefun=self._file_savefun,
                metadata=saved_state.metadata(manager, self._target_kind, self._metrics(manager)), pg=pg,
-               extra_state={RNG_KEY: StateDict(rng)}, allow_pickle=True if self._allow_pickle else None)
+               extra_state={RNG_KEY: StateDict(rng)}, allow_pickle=True if self._allow_pickle else None, **more)
         self._report(manager, name, writer.last_stats, previous)
 
     def _report(self, manager: ExtensionsManagerProtocol, name: str, stats: Mapping[str, Any],
@@ -272,14 +289,15 @@ class _Snapshot(extension.Extension):
     def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         self._save_on_error(manager, self._format_name(manager), LOCAL)
 
-    def _save_on_error(self, manager: ExtensionsManagerProtocol, name: str, pg: Any) -> None:
+    def _save_on_error(self, manager: ExtensionsManagerProtocol, name: str, pg: Any,
+                       self_contained: bool = False) -> None:
         location = join(self._out_dir, name)
         if (self._engine_writer is not None and self._file_savefun is None and name not in self._superseded
                 and stored_snapshot.inspect(location, self._storage_options).iteration == manager.iteration):
             logger.warning("training failed at iteration %s; snapshot %s already holds this "
                            "position, so no snapshot on error is taken", manager.iteration, location)
             return
-        self._save(manager, name, state_of(self._resolve_target(manager)), pg)
+        self._save(manager, name, state_of(self._resolve_target(manager)), pg, self_contained=self_contained)
         if self._engine_writer is not None:
             self._engine_writer.wait()  # a failed save raises here: on_error logs it, never as saved
         logger.warning("training failed at iteration %s; saved snapshot %s", manager.iteration,

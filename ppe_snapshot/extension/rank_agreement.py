@@ -178,7 +178,7 @@ class ShardedSnapshot(_DistributedExtension, _Snapshot):
         name = f"{self._format_name(manager)}.error-rank{self._rank}"
         logger.warning("training failed on rank %d; saving this rank's state alone to %s "
                        "(a rank-local snapshot, not used by autoload)", self._rank, name)
-        self._save_on_error(manager, name, LOCAL)
+        self._save_on_error(manager, name, LOCAL, self_contained=True)  # retention does not list it
 
     def _agree(self) -> tuple[list[Candidate], list[Candidate]]:
         listed: list[Candidate] = []

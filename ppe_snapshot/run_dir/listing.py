@@ -9,6 +9,8 @@ matches (:mod:`.names`), and each match is classified:
 ``file``        a single-file snapshot written with a ``savefun`` (ppe's ``torch.save`` format)
 ``incomplete``  a directory without manifest: a save in progress, or the leftover of a crashed one
 ``damaged``     a directory whose manifest or data files are broken, or a file that is not a torch.save file
+``retired``     a directory whose manifest retention removed while incremental snapshots beside it still read
+                its data files (kept until none does; never restored)
 
 Snapshots are ordered by the training position recorded in them (the
 iteration, then the epoch detail) and never by modification time. For a
@@ -29,7 +31,7 @@ from typing import Any
 
 import fsspec
 
-from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR, Snapshot, takes_in_progress
+from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, Snapshot, takes_in_progress
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
 from ppe_snapshot.storage import forget_listings, join, url_to_fs
@@ -41,6 +43,7 @@ class CandidateKind:
     FILE = "file"
     INCOMPLETE = "incomplete"
     DAMAGED = "damaged"
+    RETIRED = "retired"
 
 #: The kinds autoload can restore and retention keeps.
 COMPLETE_KINDS = (CandidateKind.SNAPSHOT, CandidateKind.FILE)
@@ -64,6 +67,8 @@ class Candidate:
     #: (its manifest read), in the process that listed it; None otherwise (a candidate sent to another rank
     #: leaves it behind).
     snapshot: Snapshot | None = field(default=None, compare=False, hash=False, repr=False)
+    #: An incremental snapshot's: the names of the snapshots it reads data files of, relative to ``out_dir``.
+    references: tuple[str, ...] = field(default=(), compare=False, hash=False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "snapshot"}
@@ -162,6 +167,10 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
         stored = recorded_iteration(fs, path)
         return Candidate(rel, url, CandidateKind.FILE, stored if stored is not None else iteration, epoch_detail)
     if not fs.exists(f"{path}/{MANIFEST_NAME}"):
+        if fs.exists(f"{path}/{RETIRED_NAME}"):
+            return Candidate(rel, url, CandidateKind.RETIRED, iteration, epoch_detail,
+                             problem="retention removed its manifest; its data files stay while incremental "
+                                     "snapshots beside it read them")
         return Candidate(rel, url, CandidateKind.INCOMPLETE, iteration, epoch_detail,
                          problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed)",
                          busy=_take_in_progress(fs, path))
@@ -171,7 +180,8 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
     return Candidate(rel, url, CandidateKind.SNAPSHOT,
                      iteration if stored.iteration is None else stored.iteration,
                      epoch_detail if stored.epoch_detail is None else stored.epoch_detail,
-                     metrics=stored.metrics, metadata=stored.metadata, snapshot=stored.snapshot)
+                     metrics=stored.metrics, metadata=stored.metadata, snapshot=stored.snapshot,
+                     references=tuple(posixpath.join(posixpath.dirname(rel), name) for name in stored.references))
 
 
 def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:

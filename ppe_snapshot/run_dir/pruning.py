@@ -5,10 +5,10 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
-from ppe_snapshot.run_dir.listing import Candidate, list_snapshots
+from ppe_snapshot.run_dir.listing import Candidate, CandidateKind, list_snapshots
 from ppe_snapshot.run_dir.names import FilenameFormat
 from ppe_snapshot.run_dir.policies import Policy, as_policy
-from ppe_snapshot.stored_snapshot import remove_snapshot
+from ppe_snapshot.stored_snapshot import remove_snapshot, retire_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,9 @@ def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: C
     take in progress; names in ``protect`` (the snapshot autoload resumed from) until a complete
     snapshot newer than them exists. Incomplete or damaged names older than the newest complete one
     are removed. Names in ``rejected`` (those autoload could not restore, though they pass the quick
-    check) count as damaged: they are never kept in place of a good one.
+    check) count as damaged: they are never kept in place of a good one. Retired names (a removed
+    snapshot's data files, kept while incremental snapshots read them) are removed once no snapshot
+    that stays references them; :func:`needed` says which a removed snapshot must leave its data files for.
     """
     policy = as_policy(keep)
     complete = [c for c in candidates if c.complete and c.name not in rejected]
@@ -35,14 +37,26 @@ def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: C
     kept |= {c.name for c in complete if c.name in protect and not any(c.is_older_than(o) for o in complete)}
     stale = {id(c) for c in complete if c.name not in kept}
     for c in candidates:
-        if c not in complete and not c.busy and c.is_older_than(newest):
+        if c not in complete and c.kind != CandidateKind.RETIRED and not c.busy and c.is_older_than(newest):
             stale.add(id(c))
+    referenced = needed(candidates, stale)
+    stale |= {id(c) for c in candidates if c.kind == CandidateKind.RETIRED and c.name not in referenced}
     return [c for c in candidates if id(c) in stale]
 
 
-def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete one snapshot; an engine snapshot loses its manifest first, so it is never seen half-removed."""
-    remove_snapshot(candidate.url, storage_options)
+def needed(candidates: list[Candidate], removed: Collection[int] = ()) -> set[str]:
+    """The names whose data files the snapshots among ``candidates`` that stay (those whose ``id`` is not in
+    ``removed``) read: an incremental snapshot's references."""
+    return {name for c in candidates if id(c) not in removed for name in c.references}
+
+
+def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None, keep_data: bool = False) -> None:
+    """Delete one snapshot; an engine snapshot loses its manifest first, so it is never seen half-removed.
+    ``keep_data``: incremental snapshots that stay read its data files: it is retired, its data files kept."""
+    if keep_data and candidate.kind == CandidateKind.SNAPSHOT:
+        retire_snapshot(candidate.url, storage_options)
+    else:
+        remove_snapshot(candidate.url, storage_options)
 
 
 def prune(out_dir: str, fmt: str | FilenameFormat, keep: int | Policy,
@@ -54,9 +68,14 @@ def prune(out_dir: str, fmt: str | FilenameFormat, keep: int | Policy,
     policy = as_policy(keep)
     removed = []
     candidates = list_snapshots(out_dir, fmt, storage_options) if listed is None else listed
-    for c in select_prunable(candidates, policy, rejected, protect):
+    prunable = select_prunable(candidates, policy, rejected, protect)
+    referenced = needed(candidates, {id(c) for c in prunable})
+    for c in prunable:
         if not dry_run:
-            remove(c, storage_options)
-            logger.info("removed %s: %s (retention: %r)", c.describe(), c.kind, policy)
+            keep_data = c.name in referenced
+            remove(c, storage_options, keep_data)
+            logger.info("%s %s: %s (retention: %r)", "retired (data files kept for the incremental snapshots "
+                        "that read them)" if keep_data and c.kind == CandidateKind.SNAPSHOT else "removed",
+                        c.describe(), c.kind, policy)
         removed.append(c.url)
     return removed

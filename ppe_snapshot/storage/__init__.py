@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppe_snapshot.storage.base import BlobWriter, Storage, forget_listings, is_safe_relative
+from ppe_snapshot.storage.base import (
+    BlobWriter, Storage, forget_listings, is_safe_relative, split_reference,
+)
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.pools import shared_pool
@@ -44,5 +46,5 @@ def join(base: str, name: str) -> str:
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "Storage", "Tuning", "exchange", "forget_listings",
-           "is_local", "is_safe_relative", "join", "local_path", "open_storage", "open_url", "shared_pool",
-           "split_tuning", "sync_directory", "url_to_fs"]
+           "is_local", "is_safe_relative", "join", "local_path", "open_storage", "open_url",
+           "shared_pool", "split_reference", "split_tuning", "sync_directory", "url_to_fs"]

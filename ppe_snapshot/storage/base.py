@@ -8,6 +8,8 @@ from __future__ import annotations
 import abc
 from typing import Any, Sequence
 
+from ppe_snapshot.errors import CorruptSnapshotError, MissingBaseError
+
 
 def is_safe_relative(name: Any) -> bool:
     """Whether ``name`` is a normalised relative path that stays inside the storage's root.
@@ -17,6 +19,38 @@ def is_safe_relative(name: Any) -> bool:
     """
     return (type(name) is str and name != "" and name[0] != "/" and "\\" not in name and "\0" not in name
             and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+#: How a name of an incremental snapshot's data file starts when the bytes lie in another snapshot of the same run
+#: directory: ``../<that snapshot's name>/<its file>``.
+REFERENCE_PREFIX = "../"
+
+
+def split_reference(name: Any) -> tuple[str, str] | None:
+    """``(snapshot name, file in it)`` when ``name`` is a reference to a file of a sibling snapshot
+    (``../<sibling>/<normalised relative path>``: exactly one step up, into the run directory, and down again);
+    None for anything else."""
+    if type(name) is not str or not name.startswith(REFERENCE_PREFIX):
+        return None
+    sibling, _, rest = name[len(REFERENCE_PREFIX):].partition("/")
+    if not is_safe_relative(sibling) or not is_safe_relative(rest):
+        return None
+    return sibling, rest
+
+
+def is_readable_name(name: Any) -> bool:
+    """Whether a snapshot may name ``name`` as a data file to read: inside it (:func:`is_safe_relative`) or in a
+    sibling snapshot of its run directory (:func:`split_reference`)."""
+    return is_safe_relative(name) or split_reference(name) is not None
+
+
+def missing_base(url: str, name: str) -> CorruptSnapshotError:
+    """The error for a referenced file of a sibling snapshot that is not there."""
+    sibling, _ = split_reference(name) or (name, "")
+    return MissingBaseError(
+        f"{url} is an incremental snapshot: it reads bytes from {name}, in snapshot {sibling!r} of its run "
+        f"directory, which is missing. Restore it inside its run directory with the snapshots it references (copy "
+        f"the whole run directory, or write a self-contained copy with `ppe-snapshot convert --to snapshot`)")
 
 
 class BlobWriter(abc.ABC):

@@ -13,7 +13,7 @@ import numpy as np
 
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage.base import BlobWriter, Storage, is_safe_relative
+from ppe_snapshot.storage.base import BlobWriter, Storage, is_readable_name, missing_base, split_reference
 
 # preadv takes at most this many buffers per call (IOV_MAX on Linux).
 _IOV_MAX = 1024
@@ -235,6 +235,9 @@ class LocalStorage(Storage):
         self.__init__(state["root"], state["url"])
 
     def _abs(self, rel: str) -> str:
+        reference = split_reference(rel)
+        if reference is not None:  # a file of a sibling snapshot (incremental snapshots read only)
+            return os.path.join(os.path.dirname(self.root), reference[0], *reference[1].split("/"))
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
 
     def _ensure_parent(self, path: str) -> None:
@@ -301,21 +304,29 @@ class LocalStorage(Storage):
 
     def _data_path(self, rel: str) -> str:
         """The absolute path of a data file to read; refuses a name that would leave the snapshot."""
-        if not is_safe_relative(rel):
+        if not is_readable_name(rel):
             raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: a data file name must be a "
-                                       "normalised relative path inside the snapshot")
+                                       "normalised relative path inside the snapshot, or ../<snapshot>/<path> "
+                                       "in a snapshot beside it")
         return self._abs(rel)
 
     def _check_resolved(self, rel: str, real: str) -> None:
         """Refuse a file that resolves (through a symbolic link, of the file or of a directory on the
-        way) to a place outside the snapshot directory."""
-        root = os.path.realpath(self.root)
+        way) to a place outside the snapshot directory (for a reference, outside the sibling snapshot it names)."""
+        reference = split_reference(rel)
+        root = os.path.realpath(self.root if reference is None else os.path.join(os.path.dirname(self.root),
+                                                                                  reference[0]))
         if os.path.commonpath([root, real]) != root:
             raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: it resolves to {real}, outside the "
                                        "snapshot directory (a symbolic link?)")
 
     def _open_data(self, rel: str) -> int:
-        return self._open_contained(rel, self._data_path(rel))
+        try:
+            return self._open_contained(rel, self._data_path(rel))
+        except FileNotFoundError:
+            if split_reference(rel) is not None:
+                raise missing_base(self.url, rel) from None
+            raise
 
     def _open_contained(self, rel: str, path: str) -> int:
         """Open a regular file to read, refusing one whose real place is outside the snapshot directory."""
@@ -366,7 +377,12 @@ class LocalStorage(Storage):
     def size(self, rel: str) -> int:
         path = self._data_path(rel)
         self._check_resolved(rel, os.path.realpath(path))
-        return os.path.getsize(path)
+        try:
+            return os.path.getsize(path)
+        except FileNotFoundError:
+            if split_reference(rel) is not None:
+                raise missing_base(self.url, rel) from None
+            raise
 
     def remove(self, rel: str) -> None:
         try:

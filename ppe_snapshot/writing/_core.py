@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppe_snapshot.engine import StateDict, TakeJob, gc_paused, group_rank, prepare_take
+from ppe_snapshot.engine import StateDict, TakeJob, gc_paused, group_rank, prepare_take, split_location
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._errors import add_note, surfaced
 from ppe_snapshot.writing._executors import Executor, Ticket
@@ -86,32 +86,49 @@ class WriterCore:
         self._failures: deque[BaseException] = deque()
         self._cond = threading.Condition()
         self.closed = False
+        #: Incremental saves: each references the unchanged blocks of :attr:`base`, the snapshot this writer
+        #: committed last (or the one autoload resumed from), when it lies beside the new one.
+        self.incremental = False
+        self.base: str | None = None
 
     # -- what a save is --------------------------------------------------------------
     def prepare(self, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-                allow_pickle: bool) -> tuple[TakeJob, AfterCommit]:
+                allow_pickle: bool, incremental: bool = False) -> tuple[TakeJob, AfterCommit]:
         """The take job, and the step after its commit that gives the snapshot its name when it replaces one.
 
         Rank 0 of ``pg`` decides where the take goes (every rank follows it in
         ``prepare_take``) and is the one that moves the committed snapshot.
         """
         replacement = None
+        base = self._base_for(path) if incremental else None
         if group_rank(pg)[0] == 0:
             path, replacement = _replace.plan(path, self.storage_options)
         job = prepare_take(path, state, pg=pg, storage_options=self.storage_options, allow_pickle=allow_pickle,
-                           metadata=metadata)
+                           metadata=metadata, base=base)
         return job, _replace.after_commit(job, replacement)
 
+    def _base_for(self, path: str) -> str | None:
+        """The base of an incremental save to ``path``: :attr:`base` where it lies beside it (not the name being
+        replaced: a snapshot cannot reference the one it replaces)."""
+        if self.base is None:
+            return None
+        base_dir, base_name = split_location(self.base)
+        new_dir, new_name = split_location(path)
+        return self.base if base_dir == new_dir and base_name != new_name else None
+
     def take(self, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-             allow_pickle: bool, start: float) -> None:
-        """An engine snapshot of ``state`` at ``path``; ``start``: when the caller's call began (for the stats)."""
+             allow_pickle: bool, start: float, incremental: bool = False) -> None:
+        """An engine snapshot of ``state`` at ``path``; ``start``: when the caller's call began (for the stats);
+        ``incremental``: referencing the unchanged blocks of :attr:`base`."""
         if not self.executor.background:
-            self._take_in_caller(path, state, metadata, pg, allow_pickle, start)
+            self._take_in_caller(path, state, metadata, pg, allow_pickle, start, incremental)
             return
         slot = self._acquire()
         try:
             self._claim_path(slot, path)  # a save to the same name in flight must end before it is replaced
-            job, step = self.prepare(path, state, metadata, pg, allow_pickle)
+            if incremental:  # its base is the save before it, committed (and retention done with)
+                self._wait_others(slot)
+            job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
             began = time.perf_counter()
             try:
                 buffer = self._buffer(slot, job.layout.size, job.layout.on_cuda())
@@ -121,17 +138,18 @@ class WriterCore:
             job.stage(buffer)
             stats = self._new_stats(path, start, job.layout.size)
             stats["staging_s"] = time.perf_counter() - began
-            self.executor.submit_take(Ticket(slot, stats), job, step, self._finish)
+            self.executor.submit_take(Ticket(slot, stats, take=True), job, step, self._finish)
         except BaseException:
             self._release(slot)
             raise
 
     @gc_paused()  # the caller waits; the take's objects go with the locals before the collector runs again
     def _take_in_caller(self, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-                        allow_pickle: bool, start: float) -> None:
-        job, step = self.prepare(path, state, metadata, pg, allow_pickle)
+                        allow_pickle: bool, start: float, incremental: bool) -> None:
+        job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
         began = time.perf_counter()
         _replace.commit_in_place(job, step)
+        self.base = path
         self._done_in_caller(path, start, began, job.layout.size)
 
     def save_file(self, save: FileSave, target: Any, start: float) -> None:
@@ -197,6 +215,12 @@ class WriterCore:
             self._raise_failure()
             self._slots[number].path = path
 
+    def _wait_others(self, number: int) -> None:
+        with self._cond:
+            while any(slot.busy for n, slot in enumerate(self._slots) if n != number):
+                self._cond.wait()
+            self._raise_failure()
+
     def _release(self, number: int) -> None:
         with self._cond:
             self._slots[number].busy, self._slots[number].path = False, None
@@ -226,6 +250,8 @@ class WriterCore:
         if nbytes is not None:
             stats["bytes"] = nbytes
         if error is None:
+            if ticket.take:
+                self.base = stats["path"]
             try:
                 self._after_save()
             except BaseException as e:

@@ -25,6 +25,8 @@ class Ticket:
     slot: int
     stats: dict[str, Any]
     handoff: float = 0.0
+    #: An engine snapshot (else a single file written by a savefun).
+    take: bool = False
 
 
 #: What an executor calls once a save ended: ``finish(ticket, error or None, bytes written or None)``.

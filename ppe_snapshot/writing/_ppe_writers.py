@@ -89,10 +89,12 @@ class _PpeWriter(Writer, SnapshotWriter):
     """
 
     def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
-                 allow_pickle: bool = False, **kwds: Any) -> None:
+                 allow_pickle: bool = False, incremental: bool = False, **kwds: Any) -> None:
         storage_options: dict[str, Any] | None = kwds.pop("storage_options", None)
         if not isinstance(allow_pickle, bool):
             raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be True or False, got {incremental!r}")
         executor = self._executor()
         Writer.__init__(self, fs=fs, out_dir=out_dir)
         self.allow_pickle = allow_pickle
@@ -100,6 +102,7 @@ class _PpeWriter(Writer, SnapshotWriter):
         self._savefun_kwds = kwds
         self._core = WriterCore(executor, storage_options=storage_options, after_save=_hooks_of(self),
                                 name=type(self).__name__)
+        self._core.incremental = incremental
         self._owner = os.getpid()
         if executor.background:  # at interpreter exit, before multiprocessing stops daemonic children
             self._exit_finalizer = multiprocessing.util.Finalize(
@@ -113,6 +116,26 @@ class _PpeWriter(Writer, SnapshotWriter):
     @property
     def storage_options(self) -> dict[str, Any] | None:
         return self._core.storage_options
+
+    @property
+    def incremental(self) -> bool:
+        """Whether each engine snapshot references the unchanged blocks of :attr:`base` (and writes only the
+        others), where ``base`` lies beside it; set by ``snapshot(incremental=True)``."""
+        return self._core.incremental
+
+    @incremental.setter
+    def incremental(self, value: bool) -> None:
+        self._core.incremental = bool(value)
+
+    @property
+    def base(self) -> str | None:
+        """The snapshot an incremental save references: the last this writer committed (None before the first;
+        the extension sets the one autoload resumed from)."""
+        return self._core.base
+
+    @base.setter
+    def base(self, location: str | None) -> None:
+        self._core.base = None if location is None else str(location)
 
     @property
     def last_stats(self) -> dict[str, Any]:  # type: ignore[override]
@@ -136,15 +159,17 @@ class _PpeWriter(Writer, SnapshotWriter):
 
     def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
                  append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL,
-                 extra_state: Mapping[str, Any] | None = None, allow_pickle: bool | None = None) -> None:
+                 extra_state: Mapping[str, Any] | None = None, allow_pickle: bool | None = None,
+                 incremental: bool | None = None) -> None:
         """Save ``target`` (a state dict) as ``<self.out_dir or out_dir>/<filename>``.
 
         ``metadata`` is stored in the snapshot's manifest; ``pg`` is the
         engine's process group (``LOCAL``: this process alone; ``None``: the
         default group, each rank writing its part); ``extra_state`` holds more
         app-state entries saved beside the target's ``"state"`` (e.g. the RNG
-        state); ``allow_pickle`` overrides the writer's for this save. All
-        four are ignored when a ``savefun`` writes a single file.
+        state); ``allow_pickle`` and ``incremental`` (False: a self-contained
+        snapshot) override the writer's for this save. All five are ignored
+        when a ``savefun`` writes a single file.
         """
         if self._core.closed:
             raise RuntimeError(f"this {type(self).__name__} was finalized; create a new writer to save again")
@@ -153,7 +178,8 @@ class _PpeWriter(Writer, SnapshotWriter):
         savefun = savefun if savefun is not None else self._default_savefun
         if savefun is None:
             self._core.take(path, app_state(target, append, extra_state), metadata, pg,
-                            self.allow_pickle if allow_pickle is None else allow_pickle, start)
+                            self.allow_pickle if allow_pickle is None else allow_pickle, start,
+                            self.incremental if incremental is None else incremental)
         else:
             self._core.save_file(self._file_save(path, savefun, append, self._savefun_kwds), target, start)
 

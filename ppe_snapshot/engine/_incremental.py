@@ -1,0 +1,315 @@
+"""Incremental takes: only the blocks that changed since a base snapshot are written.
+
+Each payload of a rank is cut into blocks (the cut its path had in the base, when the sizes agree: a base
+written without ``base=`` has 64 MiB chunks; else blocks of ``block_bytes``) and every block is hashed
+(xxh3_64). A block whose size and hash equal those of a base chunk (the same path's chunk at the same place
+first, else any chunk of the base with that size and hash) is not written: the new snapshot's chunk names the
+file and offset where the base holds those bytes, ``../<base name>/data/rank<r>.bin``, or where the base itself
+referenced them (references never chain). Every other block is appended to this rank's data file. Readers
+check every chunk's checksum, referenced or not, so a block taken as unchanged by a hash collision (about
+2^-64 per block compared) is the only way to a wrong byte.
+
+The base must be a snapshot beside the new one (the same run directory): references are relative and never
+leave it (``docs/format.md``, section 12).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ppe_snapshot.engine._format import Raw
+from ppe_snapshot.engine._manifest import Chunk, Manifest
+from ppe_snapshot.engine._packing import (
+    ALIGNMENT, CHUNK_BYTES, WRITE_BATCH_BYTES, FileLayout, align, is_copyable_raw, tensor_bytes,
+)
+from ppe_snapshot.engine._sharded import ShardPlan
+from ppe_snapshot.engine._versions import read_manifest
+from ppe_snapshot.settings import SETTINGS
+from ppe_snapshot.storage import Storage, is_local, open_storage, split_reference
+
+_PAD = memoryview(bytes(ALIGNMENT))
+#: Rows handed from the hashing thread to the writing one at a time (and at most this many bytes of them).
+_BATCH_ROWS = 4096
+_BATCH_BYTES = 16 << 20
+
+
+def check_block_bytes(block_bytes: Any) -> int:
+    """``block_bytes`` if it is a valid block size (a positive multiple of 64), else a ValueError saying so."""
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < ALIGNMENT \
+            or block_bytes % ALIGNMENT or block_bytes > CHUNK_BYTES:
+        raise ValueError(f"block_bytes must be a multiple of {ALIGNMENT} from {ALIGNMENT} to {CHUNK_BYTES} (the "
+                         f"bytes an incremental take compares at once), got {block_bytes!r}")
+    return block_bytes
+
+
+def split_location(location: str) -> tuple[str, str]:
+    """``(run directory, snapshot name)`` of a snapshot location (a local path or a URL)."""
+    location = str(location).rstrip("/")
+    if is_local(location):
+        location = os.path.abspath(location.removeprefix("file://"))
+    parent, _, name = location.rpartition("/")
+    return parent, name
+
+
+@dataclass
+class Base:
+    """What a rank of an incremental take may reference of its base snapshot, file names relative to the new
+    snapshot (``../<name>/...``)."""
+    location: str
+    #: path -> its chunks in the base (its own entries, the replicated ones and its own shards).
+    by_path: dict[str, list[Chunk]] = field(default_factory=dict)
+    #: (nbytes, checksum) -> a chunk of the base holding such bytes.
+    by_content: dict[tuple[int, str], Chunk] = field(default_factory=dict)
+    #: Every data file the chunks name, with its size.
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+def check_base(location: Any, new_location: str) -> str:
+    """The name of base snapshot ``location`` in its run directory; raises unless it is another snapshot in the
+    directory of ``new_location`` (references stay inside the run directory)."""
+    if not isinstance(location, (str, os.PathLike)):
+        raise TypeError(f"base must be the path or URL of a snapshot, got {type(location).__name__}")
+    run_dir, name = split_location(str(location))
+    new_run_dir, new_name = split_location(new_location)
+    if run_dir != new_run_dir or not name or name == new_name:
+        raise ValueError(f"base={str(location)!r}: an incremental snapshot's base must be another snapshot in the "
+                         f"same directory as the new one ({new_run_dir}), so that its references stay inside "
+                         "that run directory")
+    return name
+
+
+def open_base(location: str, new_location: str, rank: int, sharded: dict[str, ShardPlan],
+              storage_options: dict[str, Any] | None) -> Base:
+    """The base of rank ``rank``'s share of an incremental take at ``new_location``; raises unless ``location``
+    is a committed snapshot in the same run directory."""
+    name = check_base(location, new_location)
+    storage = open_storage(location, storage_options)
+    try:
+        manifest = read_manifest(storage)
+        base = Base(location)
+        sizes = _file_sizes(manifest, rank)
+        for path, entry in _entries(manifest, rank, sharded):
+            chunks = [_rebased(c, name) for c in getattr(entry, "chunks", None) or []]
+            if chunks:
+                base.by_path[path] = chunks
+        for chunks in base.by_path.values():
+            for chunk in chunks:
+                base.by_content.setdefault((chunk.nbytes, chunk.checksum), chunk)
+        base.sizes = {_rebased_name(n, name): size for n, size in sizes.items()}
+        return base
+    finally:
+        storage.close()
+
+
+def _entries(manifest: Manifest, rank: int, sharded: dict[str, ShardPlan]) -> Iterator[tuple[str, Any]]:
+    """The base's entries that rank ``rank`` may match, by layout name: its own and the replicated ones, and
+    its own shards of the sharded tensors it writes now (by their layout names, where the boxes agree)."""
+    if rank < manifest.world_size:
+        yield from manifest.ranks[rank].items()
+    yield from manifest.replicated.items()
+    for path, plan in sharded.items():
+        if path not in manifest.sharded:
+            continue
+        for_rank = getattr(manifest.sharded, "for_rank", None)
+        entry = for_rank(rank, path) if for_rank is not None else manifest.sharded.get(path)
+        if entry is None:
+            continue
+        boxes = {(tuple(s.offsets), tuple(s.sizes)): s for s in entry.shards}
+        for offsets, sizes, layout_name in plan.shards:
+            shard = boxes.get((tuple(offsets), tuple(sizes)))
+            if shard is not None:
+                yield layout_name, shard
+
+
+def _file_sizes(manifest: Manifest, rank: int) -> dict[str, int]:
+    """The sizes of the base's data files rank ``rank`` may reference (version 2 and up: those of its own and
+    the shared index, without reading every rank's)."""
+    indexes = manifest.indexes
+    if indexes is None:
+        return dict(manifest.files)
+    sizes = dict(indexes.shared().files)
+    if rank < manifest.world_size:
+        sizes.update(indexes.rank(rank).files)
+    return sizes
+
+
+def _rebased_name(name: str, base_name: str) -> str:
+    """A base's data file name as the new snapshot names it: a file of the base is ``../<base>/<file>``; a
+    file the base itself referenced keeps its name (the same run directory: references never chain)."""
+    return name if split_reference(name) is not None else f"../{base_name}/{name}"
+
+
+def _rebased(chunk: Chunk, base_name: str) -> Chunk:
+    return Chunk(_rebased_name(chunk.file, base_name), chunk.offset, chunk.nbytes, chunk.checksum)
+
+
+def _row_bytes(layout: FileLayout, staged: torch.Tensor | None) -> Iterator[memoryview]:
+    """Each row's bytes: a slice of the staged image, or of the live payload (a tensor not readable as it is,
+    on a device or a view, is copied to host memory first, one at a time)."""
+    if staged is not None:
+        image = tensor_bytes(staged[: layout.size])
+        for offset, n in zip(layout.offsets, layout.sizes):
+            yield image[offset:offset + n]
+        return
+    for data, kind in zip(layout.datas(), layout.kinds()):
+        if kind == Raw.TENSOR:
+            if not is_copyable_raw(data):
+                data = data.detach().resolve_conj().resolve_neg().contiguous().cpu()
+            yield tensor_bytes(data)
+        elif kind == Raw.NDARRAY:
+            yield memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        else:
+            yield memoryview(data)
+
+
+def _cut(n: int, base_chunks: list[Chunk] | None, block_bytes: int) -> list[tuple[int, int]]:
+    """Where a payload of ``n`` bytes is compared: the base's chunks of its path where they hold ``n`` bytes, else
+    blocks of ``block_bytes`` (one empty block for no bytes)."""
+    if base_chunks is not None and sum(c.nbytes for c in base_chunks) == n:
+        starts = np.cumsum([0] + [c.nbytes for c in base_chunks[:-1]])
+        return list(zip(starts.tolist(), [c.nbytes for c in base_chunks]))
+    if n == 0:
+        return [(0, 0)]
+    return [(start, min(block_bytes, n - start)) for start in range(0, n, block_bytes)]
+
+
+@dataclass
+class _Row:
+    view: memoryview
+    cuts: list[tuple[int, int]]
+    digests: list[str]
+    base: list[Chunk] | None
+
+
+def _hash_rows(layout: FileLayout, staged: torch.Tensor | None, base: Base, block_bytes: int,
+               out: "queue.Queue[list[_Row] | BaseException | None]") -> None:
+    """The hashing thread: every row's cut and block hashes, handed over in batches (then None)."""
+    try:
+        digest, batch, batch_bytes = xxhash.xxh3_64_hexdigest, [], 0
+        for path, view in zip(layout.paths, _row_bytes(layout, staged)):
+            base_chunks = base.by_path.get(path)
+            cuts = _cut(view.nbytes, base_chunks, block_bytes)
+            batch.append(_Row(view, cuts, [digest(view[s:s + n]) for s, n in cuts], base_chunks))
+            batch_bytes += view.nbytes
+            if len(batch) >= _BATCH_ROWS or batch_bytes >= _BATCH_BYTES:
+                out.put(batch)
+                batch, batch_bytes = [], 0
+        out.put(batch)
+        out.put(None)
+    except BaseException as e:  # handed to the writing thread
+        out.put(e)
+
+
+class _Appender:
+    """Appends changed blocks to this rank's data file, each at an offset aligned to ``ALIGNMENT``."""
+
+    def __init__(self, storage: Storage, file: str) -> None:
+        self.file, self.position = file, 0
+        self._writer = storage.open_writer(file)
+        self._batch: list[memoryview] = []
+        self._batched = 0
+
+    def append(self, view: memoryview, checksum: str) -> Chunk:
+        start = align(self.position)
+        if start > self.position:
+            self._batch.append(_PAD[: start - self.position])
+        self._batch.append(view)
+        self.position = start + view.nbytes
+        self._batched += view.nbytes
+        if self._batched >= WRITE_BATCH_BYTES:
+            self._hand_over()
+        return Chunk(self.file, start, view.nbytes, checksum)
+
+    def _hand_over(self) -> None:
+        self._writer.write(self._batch)
+        self._batch, self._batched = [], 0
+
+    def close(self) -> int:
+        end = align(self.position)
+        if end > self.position:
+            self._batch.append(_PAD[: end - self.position])
+        self.position = end
+        self._hand_over()
+        self._writer.close()
+        return end
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+@dataclass
+class IncrementalWrite:
+    """What an incremental write of one rank gave: each row's chunks, in layout order, and the data files they
+    name with their sizes (this rank's own file, and every referenced file)."""
+    chunks: list[list[Chunk]]
+    files: dict[str, int]
+    #: Bytes written to this rank's own data file, and bytes referenced in the base's files.
+    written_bytes: int = 0
+    referenced_bytes: int = 0
+
+
+def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor | None, base: Base,
+                      block_bytes: int | None = None) -> IncrementalWrite:
+    """Write rank's payloads (from the staged image, or from the live payloads when ``staged`` is None), each
+    block that ``base`` holds unchanged referenced rather than written (see the module's docstring)."""
+    block_bytes = check_block_bytes(block_bytes if block_bytes is not None else SETTINGS.block_bytes)
+    rows: queue.Queue[list[_Row] | BaseException | None] = queue.Queue(maxsize=4)
+    hasher = threading.Thread(target=_hash_rows, args=(layout, staged, base, block_bytes, rows),
+                              name="ppe-snapshot-block-hashes", daemon=True)
+    hasher.start()
+    appender = _Appender(storage, layout.file)
+    result = IncrementalWrite([], {})
+    referenced: set[str] = set()
+    try:
+        while (batch := rows.get()) is not None:
+            if isinstance(batch, BaseException):
+                raise batch
+            for row in batch:
+                chunks = []
+                for index, ((start, n), checksum) in enumerate(zip(row.cuts, row.digests)):
+                    same = row.base[index] if row.base is not None and index < len(row.base) else None
+                    if same is None or (same.nbytes, same.checksum) != (n, checksum):
+                        same = base.by_content.get((n, checksum))
+                    if same is not None and n:
+                        chunks.append(same)
+                        referenced.add(same.file)
+                        result.referenced_bytes += n
+                    else:
+                        chunks += _written(appender, row.view[start:start + n], checksum, block_bytes)
+                        result.written_bytes += n
+                result.chunks.append(chunks)
+        size = appender.close()
+    except BaseException:
+        appender.abort()
+        _drain(rows, hasher)
+        raise
+    hasher.join()
+    result.files = {layout.file: size, **{name: base.sizes[name] for name in sorted(referenced)}}
+    return result
+
+
+def _written(appender: _Appender, view: memoryview, checksum: str, block_bytes: int) -> list[Chunk]:
+    """A changed block appended; one of a base's larger chunks (a base written without ``base=``) is cut into
+    blocks of ``block_bytes``, so that the next take compares it finely."""
+    if view.nbytes <= block_bytes:
+        return [appender.append(view, checksum)]
+    digest = xxhash.xxh3_64_hexdigest
+    return [appender.append(view[s:s + block_bytes], digest(view[s:s + block_bytes]))
+            for s in range(0, view.nbytes, block_bytes)]
+
+
+def _drain(rows: "queue.Queue[Any]", hasher: threading.Thread) -> None:
+    """Let the hashing thread end after a failed write (it may be blocked on a full queue)."""
+    while hasher.is_alive():
+        try:
+            rows.get(timeout=0.1)
+        except queue.Empty:
+            pass

@@ -1,0 +1,365 @@
+"""Incremental snapshots: only changed blocks are written, and every snapshot restores on its own.
+
+Real files (and a real S3 server, real gloo ranks, a real ``kill -9``): the bytes each take writes, restores
+compared bit for bit, references that go missing or are crafted, retention that retires a snapshot whose data
+files others read and removes them once none does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import _crash_child as child
+import _incremental_workers as workers
+from _crafted import read_index
+from _dist import WORKER_ENV
+from test_untrusted_index import write_index
+from ppe_snapshot import CorruptSnapshotError, MissingBaseError, Snapshot, SnapshotExistsError, StateDict, retention
+from ppe_snapshot.cli import main as cli_main
+from ppe_snapshot.engine import RETIRED_NAME
+from ppe_snapshot.writing import ProcessWriter, SimpleWriter, ThreadWriter
+
+BLOCK = 4096
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"frozen": torch.randn(256, 1024, generator=g),          # 1 MiB, never changes
+            "adapter": torch.randn(64, 16, generator=g),            # 4 KiB, changes every take
+            "table": torch.randn(1024, 256, generator=g),           # 1 MiB, rows of 1 KiB
+            "array": np.arange(5000, dtype=np.int64), "step": 0}
+
+
+def restored(path: Path | str, like: dict) -> dict:
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else
+              np.zeros_like(v) if isinstance(v, np.ndarray) else -1 for k, v in like.items()}
+    holder = StateDict(target)
+    Snapshot(str(path)).restore({"m": holder})
+    return dict(holder)
+
+
+def assert_same(got: dict, expected: dict) -> None:
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        elif isinstance(value, np.ndarray):
+            assert np.array_equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def data_size(path: Path, rank: int = 0) -> int:
+    return (path / "data" / f"rank{rank}.bin").stat().st_size
+
+
+def take(path: Path, values: dict, base: Path | None = None) -> None:
+    Snapshot.take(str(path), {"m": StateDict(values)}, base=None if base is None else str(base), block_bytes=BLOCK)
+
+
+def test_only_changed_blocks_are_written_and_each_snapshot_restores(tmp_path):
+    values = state()
+    take(tmp_path / "s1", values)
+    full = data_size(tmp_path / "s1")
+    history = [{k: v.clone() if isinstance(v, torch.Tensor) else np.copy(v) if isinstance(v, np.ndarray) else v
+                for k, v in values.items()}]
+    for i in range(2, 6):
+        values["adapter"] += 1
+        values["table"][[i, 500 + i]] = float(i)  # two rows: two blocks of 4 KiB
+        values["step"] = i
+        take(tmp_path / f"s{i}", values, base=tmp_path / f"s{i - 1}")
+        history.append({k: v.clone() if isinstance(v, torch.Tensor) else np.copy(v) if isinstance(v, np.ndarray)
+                        else v for k, v in values.items()})
+        changed = 3 * BLOCK  # the adapter's block and two of the table's
+        if i == 2:  # s1 is a plain snapshot: the table's one chunk of 1 MiB changed, rewritten in blocks
+            changed = BLOCK + (1 << 20)
+        assert changed <= data_size(tmp_path / f"s{i}") <= changed + 4 * 64, i
+        doc = json.loads((tmp_path / f"s{i}" / "manifest.json").read_text())
+        assert doc["version"] == 3
+        # references never chain: the frozen tensor is read from s1's file, whichever base was given
+        assert "s1" in doc["references"] and len(doc["references"]) <= i - 1
+    assert full > 2 << 20
+    for i, expected in enumerate(history, start=1):
+        Snapshot(str(tmp_path / f"s{i}")).verify()
+        assert_same(restored(tmp_path / f"s{i}", expected), expected)
+    assert torch.equal(Snapshot(str(tmp_path / "s5")).read_object("0/m/frozen"), values["frozen"])
+    assert Snapshot(str(tmp_path / "s5")).references == tuple(sorted(doc["references"]))
+
+
+@pytest.mark.parametrize("how", ["in_place", "data", "numpy_view", "one_element", "dtype"])
+def test_every_kind_of_change_is_written(tmp_path, how):
+    values = state()
+    take(tmp_path / "s1", values)
+    frozen = values["frozen"]
+    if how == "in_place":
+        frozen.mul_(2)
+    elif how == "data":
+        frozen.data[100:101] = 3.0
+    elif how == "numpy_view":
+        frozen.numpy()[7, 7] = -1.0
+    elif how == "one_element":  # one bit of one element
+        frozen.view(torch.int32)[200, 3] ^= 1
+    else:  # the same bytes as another dtype: restored as the new dtype, whatever is referenced
+        values["frozen"] = frozen.view(torch.int32)
+    take(tmp_path / "s2", values, base=tmp_path / "s1")
+    assert_same(restored(tmp_path / "s2", values), values)
+    Snapshot(str(tmp_path / "s2")).verify()
+    if how != "dtype":
+        assert data_size(tmp_path / "s2") >= BLOCK
+
+
+def test_async_take_and_a_full_base_of_large_chunks(tmp_path):
+    values = state()
+    Snapshot.take(str(tmp_path / "full"), {"m": StateDict(values)})  # not incremental: one chunk per tensor
+    values["table"][3] = 5.0
+    expected = dict(values, table=values["table"].clone())
+    pending = Snapshot.async_take(str(tmp_path / "inc"), {"m": StateDict(values)}, base=str(tmp_path / "full"),
+                                  block_bytes=BLOCK)
+    values["table"][4] = 6.0  # after the staging copy: not in the snapshot
+    pending.wait()
+    assert_same(restored(tmp_path / "inc", expected), expected)
+    # the changed 1 MiB chunk of the full base is rewritten cut in blocks: the next take writes one block
+    written = data_size(tmp_path / "inc")
+    assert (1 << 20) <= written < (1 << 20) + BLOCK
+    take(tmp_path / "inc2", expected, base=tmp_path / "inc")
+    assert data_size(tmp_path / "inc2") == 0
+
+
+def test_a_snapshot_without_its_base_names_it(tmp_path):
+    values = state()
+    take(tmp_path / "run" / "s1", values)
+    values["adapter"] += 1
+    take(tmp_path / "run" / "s2", values, base=tmp_path / "run" / "s1")
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.move(str(tmp_path / "run" / "s2"), str(moved / "s2"))
+    for read in (lambda s: s.restore({"m": StateDict(state())}), lambda s: s.read_object("0/m/frozen"),
+                 lambda s: s.verify(deep=False), lambda s: s.verify()):
+        with pytest.raises(MissingBaseError, match=r"snapshot 's1'.*missing") as info:
+            read(Snapshot(str(moved / "s2")))
+        assert isinstance(info.value, CorruptSnapshotError)
+    # a copy of the whole run directory keeps every snapshot valid
+    shutil.move(str(moved / "s2"), str(tmp_path / "run" / "s2"))
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "run")
+    assert_same(restored(tmp_path / "copy" / "s2", values), values)
+
+
+def test_convert_writes_a_self_contained_copy(tmp_path, capsys):
+    values = state()
+    take(tmp_path / "s1", values)
+    values["adapter"] += 1
+    take(tmp_path / "s2", values, base=tmp_path / "s1")
+    assert cli_main(["convert", "--to", "snapshot", str(tmp_path / "s2"), str(tmp_path / "copy")]) == 0
+    shutil.rmtree(tmp_path / "s1")
+    assert Snapshot(str(tmp_path / "copy")).references == ()
+    Snapshot(str(tmp_path / "copy")).verify()
+    assert_same(restored(tmp_path / "copy", values), values)
+    assert cli_main(["verify", str(tmp_path / "s2")]) != 0
+    assert "s1" in capsys.readouterr().out
+
+
+def test_base_must_be_beside_the_new_snapshot(tmp_path):
+    take(tmp_path / "a" / "s1", state())
+    with pytest.raises(ValueError, match="same directory"):
+        take(tmp_path / "b" / "s2", state(), base=tmp_path / "a" / "s1")
+    with pytest.raises(ValueError, match="block_bytes"):
+        Snapshot.take(str(tmp_path / "a" / "s3"), {"m": StateDict(state())}, base=str(tmp_path / "a" / "s1"),
+                      block_bytes=100)
+    assert not (tmp_path / "b" / "s2").exists() and not (tmp_path / "a" / "s3").exists()
+
+
+def _incremental_pair(tmp_path: Path) -> Path:
+    values = state()
+    take(tmp_path / "s1", values)
+    values["adapter"] += 1
+    take(tmp_path / "s2", values, base=tmp_path / "s1")
+    return tmp_path / "s2"
+
+
+@pytest.mark.parametrize("name", ["../../outside/data/rank0.bin", "../s1/../../x/data/rank0.bin", "../s1",
+                                  "../other/data/rank0.bin", "../s1//data/rank0.bin", "/abs/data/rank0.bin"])
+def test_crafted_reference_is_refused(tmp_path, name):
+    path = _incremental_pair(tmp_path)
+    (tmp_path / "other" / "data").mkdir(parents=True)
+    shutil.copy(tmp_path / "s1" / "data" / "rank0.bin", tmp_path / "other" / "data" / "rank0.bin")
+    header, cols = read_index(path / "index" / "rank0.idx")
+    position = next(i for i, (file, _) in enumerate(header["files"]) if file.startswith("../s1/"))
+    header["files"][position][0] = name
+    write_index(path / "index" / "rank0.idx", header, cols)
+    for read in (lambda s: s.restore({"m": StateDict(state())}), lambda s: s.verify()):
+        with pytest.raises(CorruptSnapshotError, match="data file name"):
+            read(Snapshot(str(path)))
+
+
+@pytest.mark.parametrize("references", [[], ["s1", "s1"], ["../s1"], ["a/b"], [".."], "s1", [1]])
+def test_crafted_references_in_the_manifest_are_refused(tmp_path, references):
+    path = _incremental_pair(tmp_path)
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["references"] = references
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptSnapshotError):
+        Snapshot(str(path)).restore({"m": StateDict(state())})
+
+
+def test_retention_retires_referenced_snapshots_and_removes_them_later(tmp_path):
+    run = tmp_path / "run"
+    values = state()
+    take(run / "snap_1", values)
+    for i in range(2, 5):
+        values["adapter"] = torch.full_like(values["adapter"], float(i))
+        values["step"] = i
+        Snapshot.take(str(run / f"snap_{i}"), {"m": StateDict(values)}, base=str(run / f"snap_{i - 1}"),
+                      block_bytes=BLOCK, metadata={"iteration": i})
+    removed = retention.prune(str(run), "snap_{.iteration}", 2)
+    assert sorted(os.path.basename(r) for r in removed) == ["snap_1", "snap_2"]
+    # snap_1 holds the frozen bytes snap_3 and snap_4 read: retired (no manifest, data kept); snap_2 removed
+    assert sorted(os.listdir(run)) == ["snap_1", "snap_3", "snap_4"]
+    assert sorted(os.listdir(run / "snap_1")) == ["data", RETIRED_NAME]
+    kinds = {c.name: c.kind for c in retention.list_snapshots(str(run), "snap_{.iteration}")}
+    assert kinds == {"snap_1": "retired", "snap_3": "snapshot", "snap_4": "snapshot"}
+    third = dict(values, adapter=torch.full_like(values["adapter"], 3.0), step=3)
+    assert_same(restored(run / "snap_3", third), third)
+    assert_same(restored(run / "snap_4", values), values)
+    with pytest.raises(SnapshotExistsError, match="still read"):  # a retired name is never written over
+        take(run / "snap_1", values)
+    # once no kept snapshot reads it, the next prune removes it
+    Snapshot.take(str(run / "snap_5"), {"m": StateDict(values)}, metadata={"iteration": 5})  # self-contained
+    retention.prune(str(run), "snap_{.iteration}", 1)
+    assert sorted(os.listdir(run)) == ["snap_5"]
+    assert_same(restored(run / "snap_5", values), values)
+
+
+@pytest.mark.parametrize("writer_class", [SimpleWriter, ThreadWriter, ProcessWriter])
+def test_extension_with_each_writer(tmp_path, writer_class, capsys):
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+
+    def run(iterations: int) -> tuple[torch.nn.Module, str | None]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 2))
+        model[0].requires_grad_(False)
+        optimizer = torch.optim.Adam(model[1].parameters())
+        manager = ppe.training.ExtensionsManager(model, optimizer, iterations, iters_per_epoch=1, out_dir=str(tmp_path))
+        ext = ppe_snapshot.snapshot(writer=writer_class(), n_retains=2, incremental=True, autoload=True)
+        manager.extend(ext, trigger=(1, "iteration"))
+        while not manager.stop_trigger:
+            with manager.run_iteration():
+                loss = model(torch.randn(4, 256)).square().sum()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        return model, ext.resumed_name
+
+    model, _ = run(4)
+    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_1", "snapshot_iter_3", "snapshot_iter_4"]
+    assert (tmp_path / "snapshot_iter_1" / RETIRED_NAME).exists()
+    frozen_bytes = 256 * 1024 * 4
+    for name in ("snapshot_iter_3", "snapshot_iter_4"):
+        assert Snapshot(str(tmp_path / name)).references == ("snapshot_iter_1",)
+        assert data_size(tmp_path / name) < frozen_bytes / 4
+    resumed, name = run(6)
+    assert name == "snapshot_iter_4"
+    saved = Snapshot(str(tmp_path / "snapshot_iter_6")).read_object("0/state/models/main")
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(saved[key], value), key
+    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_1", "snapshot_iter_5", "snapshot_iter_6"]
+    assert cli_main(["ls", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "retired" in listing and "REFERENCED" in listing
+
+
+def test_ranks_reference_their_own_blocks(dist_run, tmp_path):
+    results = dist_run(workers.incremental_takes, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert torch.equal(result["frozen"], workers.FROZEN)
+        assert torch.equal(result["own"], workers.own_values(rank, 3)) and result["step"] == 3
+        assert result["written"] == workers.BLOCK  # the changed block of "own"
+    snapshot = Snapshot(str(tmp_path / "s3"))
+    assert snapshot.references == ("s1", "s2")
+    assert torch.equal(snapshot.read_object("0/m/frozen"), workers.FROZEN)  # resharded: one process reads it all
+    snapshot.verify()
+
+
+def test_s3_incremental_take_and_retention(s3_bucket):
+    url, options = s3_bucket
+    values = state()
+    Snapshot.take(f"{url}/run/snap_1", {"m": StateDict(values)}, storage_options=options, block_bytes=BLOCK,
+                  metadata={"iteration": 1})
+    for i in (2, 3):
+        values["adapter"] += 1
+        Snapshot.take(f"{url}/run/snap_{i}", {"m": StateDict(values)}, storage_options=options,
+                      base=f"{url}/run/snap_{i - 1}", block_bytes=BLOCK, metadata={"iteration": i})
+    snapshot = Snapshot(f"{url}/run/snap_3", storage_options=options)
+    assert snapshot.references == ("snap_1",)
+    target = state(seed=9)
+    snapshot.restore({"m": StateDict(target)})
+    assert_same(target, values)
+    snapshot.verify()
+    retention.prune(f"{url}/run", "snap_{.iteration}", 1, options)
+    kinds = {c.name: c.kind for c in retention.list_snapshots(f"{url}/run", "snap_{.iteration}", options)}
+    assert kinds == {"snap_1": "retired", "snap_3": "snapshot"}
+    target = state(seed=9)
+    Snapshot(f"{url}/run/snap_3", storage_options=options).restore({"m": StateDict(target)})
+    assert_same(target, values)
+
+
+def _listed_restore(root: Path) -> list[int]:
+    """Every complete snapshot in ``root`` verified and restored against the state of its iteration."""
+    iterations = []
+    for candidate in retention.list_snapshots(str(root), "snapshot_iter_{.iteration}"):
+        if candidate.kind != "snapshot":
+            continue
+        Snapshot(candidate.url).verify()
+        saved = Snapshot(candidate.url).read_object("0/state/models/main")
+        expected = child.incremental_state(candidate.iteration)
+        assert torch.equal(saved["frozen"], expected["frozen"]), candidate.name
+        assert torch.equal(saved["table"], expected["table"]), candidate.name
+        iterations.append(candidate.iteration)
+    return iterations
+
+
+def test_kill_during_incremental_saves_and_prunes_leaves_every_snapshot_restorable(tmp_path):
+    rng = random.Random()
+    root = tmp_path / "run"
+    env = {**os.environ, **WORKER_ENV, "PPE_SNAPSHOT_BLOCK_KB": "4"}
+    newest = 0
+    for kill in range(3):
+        proc = subprocess.Popen([sys.executable, child.__file__, "incremental", str(root), "60"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while not (root.exists() and any(p.name.startswith("snapshot_iter_") and (p / "manifest.json").exists()
+                                              and int(p.name.rsplit("_", 1)[1]) > newest for p in root.iterdir())):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the child saved nothing new"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.5))  # somewhere in a save, a prune or between them
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        iterations = _listed_restore(root)
+        assert iterations and max(iterations) > newest
+        newest = max(iterations)
+    done = subprocess.run([sys.executable, child.__file__, "incremental", str(root), str(newest + 3)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _listed_restore(root) == [newest + 2, newest + 3]
+    kept = {c.name: c for c in retention.list_snapshots(str(root), "snapshot_iter_{.iteration}")}
+    referenced = {name for c in kept.values() for name in c.references}
+    # what the kept snapshots do not read is gone (at most one prune later)
+    assert {name for name, c in kept.items() if c.kind != "snapshot"} <= referenced
