@@ -33,12 +33,15 @@ from ppe_snapshot.engine._packing import (
 from ppe_snapshot.engine._sharded import ShardPlan
 from ppe_snapshot.engine._versions import read_manifest
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage import Storage, is_local, open_storage, split_reference
+from ppe_snapshot.storage import Storage, is_local, open_storage, shared_pool, split_reference
 
 _PAD = memoryview(bytes(ALIGNMENT))
 #: Rows handed from the hashing thread to the writing one at a time (and at most this many bytes of them).
 _BATCH_ROWS = 4096
 _BATCH_BYTES = 16 << 20
+#: Threads hashing a batch's blocks (xxhash lets go of the GIL): hashing a state that did not change is most of
+#: an incremental take's work, and one thread hashes about 10 GB/s here.
+HASH_THREADS = min(4, os.cpu_count() or 1)
 
 
 def check_block_bytes(block_bytes: Any) -> int:
@@ -193,19 +196,42 @@ def _hash_rows(layout: FileLayout, staged: torch.Tensor | None, base: Base, bloc
                out: "queue.Queue[list[_Row] | BaseException | None]") -> None:
     """The hashing thread: every row's cut and block hashes, handed over in batches (then None)."""
     try:
-        digest, batch, batch_bytes = xxhash.xxh3_64_hexdigest, [], 0
+        batch, batch_bytes = [], 0
         for path, view in zip(layout.paths, _row_bytes(layout, staged)):
             base_chunks = base.by_path.get(path)
-            cuts = _cut(view.nbytes, base_chunks, block_bytes)
-            batch.append(_Row(view, cuts, [digest(view[s:s + n]) for s, n in cuts], base_chunks))
+            batch.append(_Row(view, _cut(view.nbytes, base_chunks, block_bytes), [], base_chunks))
             batch_bytes += view.nbytes
             if len(batch) >= _BATCH_ROWS or batch_bytes >= _BATCH_BYTES:
-                out.put(batch)
+                out.put(_hashed(batch, batch_bytes))
                 batch, batch_bytes = [], 0
-        out.put(batch)
+        out.put(_hashed(batch, batch_bytes))
         out.put(None)
     except BaseException as e:  # handed to the writing thread
         out.put(e)
+
+
+def _hashed(batch: list[_Row], nbytes: int) -> list[_Row]:
+    """``batch`` with each row's block hashes, computed by up to ``HASH_THREADS`` threads over equal shares of its
+    bytes (a small batch in this thread)."""
+    blocks = [(row, start, n) for row in batch for start, n in row.cuts]
+    shares = HASH_THREADS if nbytes >= HASH_THREADS * (4 << 20) else 1
+    if shares == 1:
+        digests = _digests(blocks)
+    else:
+        ends = np.cumsum([n for _, _, n in blocks])
+        bounds = [0, *np.searchsorted(ends, [nbytes * k // shares for k in range(1, shares)]).tolist(), len(blocks)]
+        pool = shared_pool("ppe-snapshot-block-hashes", HASH_THREADS)
+        digests = [d for part in pool.map(_digests, [blocks[a:b] for a, b in zip(bounds, bounds[1:])]) for d in part]
+    position = 0
+    for row in batch:
+        row.digests = digests[position:position + len(row.cuts)]
+        position += len(row.cuts)
+    return batch
+
+
+def _digests(blocks: list[tuple[_Row, int, int]]) -> list[str]:
+    digest = xxhash.xxh3_64_hexdigest
+    return [digest(row.view[start:start + n]) for row, start, n in blocks]
 
 
 class _Appender:
