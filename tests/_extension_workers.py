@@ -166,14 +166,14 @@ def flip_byte(path: str, offset: int = 100) -> None:
 
 
 def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: int,
-                          flip: str | None = None, own_rng: bool = False) -> dict[str, Any]:
+                          flip: str | None = None, own_rng: bool = False, incremental: bool = False) -> dict[str, Any]:
     """A straight run, a run that crashes (on every rank), and a resumed run; what each rank saw.
 
     DISTRIBUTED: the model is replicated (gradients all-reduced), the last rank saves.
     SHARDED: every rank trains its own model and saves its part of one snapshot.
     ``flip``: a file of the newest snapshot, relative to it, whose bytes rank 0 damages before resuming.
     ``own_rng``: no RNGState in the manager; each rank draws from its own seed, and only the
-    extension's own RNG capture can bring each rank's generators back.
+    extension's own RNG capture can bring each rank's generators back. ``incremental``: incremental snapshots.
     """
     rank, sharded = dist.get_rank(), mode == "SHARDED"
     straight = Run(os.path.join(out_dir, f"straight{rank}"), iterations, None, seed=rank if sharded else 0,
@@ -183,7 +183,8 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
     straight.train(rank=rank)
     collective = CollectiveState()
     logs = os.path.join(out_dir, f"logs{rank}")  # each rank's LogReport writes its own
-    kwargs = _snapshot_kwargs(mode, writer=make_writer("ThreadWriter", out_dir=out_dir), autoload=True, n_retains=2)
+    kwargs = _snapshot_kwargs(mode, writer=make_writer("ThreadWriter", out_dir=out_dir), autoload=True, n_retains=2,
+                              incremental=incremental)
     first = Run(logs, iterations, kwargs, seed=rank if sharded else 0, sync=not sharded,
                 state_objects={"collective": collective}, rng_in_state=not own_rng)
     if own_rng:
@@ -195,7 +196,7 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
     first.snapshot.writer.finalize()
     calls = collective.calls
     dist.barrier()
-    names = snapshot_names(out_dir)
+    names = [n for n in snapshot_names(out_dir) if os.path.exists(os.path.join(out_dir, n, "manifest.json"))]
     newest = os.path.join(out_dir, names[-1])
     saved_ranks = sorted({int(key.split("/")[0]) for key in ppe_snapshot.Snapshot(newest).get_manifest()})
     if flip is not None and rank == 0:
@@ -210,9 +211,12 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
     resumed.train(rank=rank)
     resumed.snapshot.writer.finalize()
     dist.barrier()
+    at_end = snapshot_names(out_dir)
     return {"straight": straight.state(), "resumed": resumed.state(), "resumed_at": resumed_at,
             "resumed_from": resumed.snapshot.resumed_from, "names_at_crash": names,
-            "names_at_end": snapshot_names(out_dir), "saved_ranks": saved_ranks, "state_dict_calls": calls}
+            "names_at_end": [n for n in at_end if os.path.exists(os.path.join(out_dir, n, "manifest.json"))],
+            "saved_ranks": saved_ranks, "state_dict_calls": calls,
+            "references": ppe_snapshot.Snapshot(os.path.join(out_dir, at_end[-1])).references}
 
 
 def dist_error_on_one_rank(out_dir: str, mode: str, failing_rank: int) -> dict[str, Any]:

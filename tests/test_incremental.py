@@ -6,6 +6,7 @@ files others read and removes them once none does.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -28,7 +29,7 @@ from test_untrusted_index import write_index
 from ppe_snapshot import CorruptSnapshotError, MissingBaseError, Snapshot, SnapshotExistsError, StateDict, retention
 from ppe_snapshot.cli import main as cli_main
 from ppe_snapshot.engine import RETIRED_NAME
-from ppe_snapshot.writing import ProcessWriter, SimpleWriter, ThreadWriter
+from ppe_snapshot.writing import ProcessWriter, SimpleWriter, ThreadQueueWriter, ThreadWriter
 
 BLOCK = 4096
 
@@ -240,7 +241,9 @@ def test_retention_retires_referenced_snapshots_and_removes_them_later(tmp_path)
     assert_same(restored(run / "snap_5", values), values)
 
 
-@pytest.mark.parametrize("writer_class", [SimpleWriter, ThreadWriter, ProcessWriter])
+@pytest.mark.parametrize("writer_class", [SimpleWriter, ThreadWriter, ProcessWriter,
+                                          functools.partial(ThreadQueueWriter, queue_depth=2)],
+                         ids=["SimpleWriter", "ThreadWriter", "ProcessWriter", "ThreadQueueWriter-2"])
 def test_extension_with_each_writer(tmp_path, writer_class, capsys):
     import pytorch_pfn_extras as ppe
 
