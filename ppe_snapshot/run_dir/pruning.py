@@ -52,8 +52,9 @@ def needed(candidates: list[Candidate], removed: Collection[int] = ()) -> set[st
 
 def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None, keep_data: bool = False) -> None:
     """Delete one snapshot; an engine snapshot loses its manifest first, so it is never seen half-removed.
-    ``keep_data``: incremental snapshots that stay read its data files: it is retired, its data files kept."""
-    if keep_data and candidate.kind == CandidateKind.SNAPSHOT:
+    ``keep_data``: incremental snapshots that stay read its data files (it may even be damaged itself): it is
+    retired, its data files kept."""
+    if keep_data:
         retire_snapshot(candidate.url, storage_options)
     else:
         remove_snapshot(candidate.url, storage_options)
@@ -75,7 +76,7 @@ def prune(out_dir: str, fmt: str | FilenameFormat, keep: int | Policy,
             keep_data = c.name in referenced
             remove(c, storage_options, keep_data)
             logger.info("%s %s: %s (retention: %r)", "retired (data files kept for the incremental snapshots "
-                        "that read them)" if keep_data and c.kind == CandidateKind.SNAPSHOT else "removed",
+                        "that read them)" if keep_data else "removed",
                         c.describe(), c.kind, policy)
         removed.append(c.url)
     return removed

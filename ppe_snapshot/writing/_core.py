@@ -99,17 +99,19 @@ class WriterCore:
         Rank 0 of ``pg`` decides where the take goes (every rank follows it in
         ``prepare_take``) and is the one that moves the committed snapshot.
         """
-        replacement = None
+        replacement, asked = None, path
         base = self._base_for(path) if incremental else None
         if group_rank(pg)[0] == 0:
             path, replacement = _replace.plan(path, self.storage_options)
         job = prepare_take(path, state, pg=pg, storage_options=self.storage_options, allow_pickle=allow_pickle,
                            metadata=metadata, base=base)
+        if job.storage.url != asked:  # it replaces a snapshot (every rank follows rank 0's path), which its base
+            job.base = None           # may read: a full save
         return job, _replace.after_commit(job, replacement)
 
     def _base_for(self, path: str) -> str | None:
-        """The base of an incremental save to ``path``: :attr:`base` where it lies beside it (not the name being
-        replaced: a snapshot cannot reference the one it replaces)."""
+        """The base of an incremental save to ``path``: :attr:`base` where it lies beside it and is not at
+        ``path`` (a save replacing a snapshot is never incremental: its base may read the one replaced)."""
         if self.base is None:
             return None
         base_dir, base_name = split_location(self.base)
