@@ -125,6 +125,14 @@ def test_google_cloud_storage_under_both_schemes(gcs_bucket):
     assert torch.equal(out["w"], state["w"])
 
 
+@pytest.mark.parametrize("tail", [b"\r", b"\n", b"\r\n", b"\n\r"])
+def test_an_object_ending_in_a_line_break_reads_back_whole(object_store, tail):
+    """An index file ends in its checksum, any byte: the GCS emulator stored one ending in \\r a byte short."""
+    store = open_storage(f"{object_store.url}/snap", object_store.options)
+    store.put_atomic("index/rank0.idx", b"PPESIDX2" + tail)
+    assert store.read_bytes("index/rank0.idx") == b"PPESIDX2" + tail
+
+
 # -- the extension -----------------------------------------------------------------------------------------
 
 
