@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -34,11 +35,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, drop_cache, emit, fsync_path, gib, mib, secs, tree_bytes  # noqa: E402
 
 from ppe_snapshot import Snapshot, StateDict  # noqa: E402
+from ppe_snapshot.engine._incremental import HASH_THREADS  # noqa: E402
 from ppe_snapshot.writing import ThreadWriter  # noqa: E402
 
 MIB = 1 << 20
 FULL, INCREMENTAL = "full (not incremental)", "incremental"
-FLOOR = "floor: xxh3 of every byte (one thread) + write and fsync of the changed bytes"
+FLOOR = f"floor: xxh3 of every byte ({HASH_THREADS} threads) + write and fsync of the changed bytes"
 
 
 def adapter_state(scale: float) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
@@ -91,10 +93,12 @@ def case_adapter(root: str, rounds: int, scale: float, results: Results) -> dict
                 shutil.rmtree(os.path.join(root, f"{method[:4]}_{r - 1}"))
     for writer in writers.values():
         writer.finalize()
+    tensors = list(state.values())
+    shares = [tensors[k::HASH_THREADS] for k in range(HASH_THREADS)]
+    pool = ThreadPoolExecutor(HASH_THREADS)
     for r in range(rounds):  # the floor of an incremental save: hash every byte, write the changed ones
         start = time.perf_counter()
-        for tensor in state.values():
-            xxhash.xxh3_64_intdigest(memoryview(tensor.numpy()).cast("B"))
+        list(pool.map(hash_all, shares))
         hashed = time.perf_counter()
         path = os.path.join(root, "changed.bin")
         with open(path, "wb") as f:
@@ -113,7 +117,13 @@ def case_adapter(root: str, rounds: int, scale: float, results: Results) -> dict
         results.add("adapter", "torch.save (full, synced)", {"write": time.perf_counter() - start,
                                                              "written": os.path.getsize(path)})
         os.remove(path)
+    pool.shutdown()
     return {"changed": nbytes(changing), "state": nbytes(state.values())}
+
+
+def hash_all(tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        xxhash.xxh3_64_intdigest(memoryview(tensor.numpy()).cast("B"))
 
 
 def case_embedding(root: str, rounds: int, scale: float, block_kb: int, results: Results) -> dict[str, float]:

@@ -73,6 +73,28 @@ def test_keeping_snapshots(tmp_path):
         f"snapshot_iter_{i}" for i in (1000, 2000, 3000, 5000, 6000, 7000)]
 
 
+def test_incremental_snapshots(tmp_path):
+    incremental, = python_blocks("### Incremental snapshots")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4096), torch.nn.Linear(4096, 2))
+    model[0].requires_grad_(False)  # a frozen base: written once
+    manager = _manager(model, "result", epochs=5, per_epoch=1000)
+    _run(incremental, manager=manager, ppe_snapshot=__import__("ppe_snapshot"))
+    _train(manager, model, 1000)
+    from ppe_snapshot import Snapshot
+
+    run = tmp_path / "result"
+    # n_retains=3: the first snapshot is retired (its frozen bytes are read by the kept ones), the second removed
+    assert sorted(p.name for p in run.iterdir()) == [f"snapshot_iter_{i}" for i in (1000, 3000, 4000, 5000)]
+    assert not (run / "snapshot_iter_1000" / "manifest.json").exists()
+    newest = Snapshot(str(run / "snapshot_iter_5000"))
+    assert newest.references == ("snapshot_iter_1000",)
+    entries = newest.get_manifest()
+    assert [c.file for c in entries["0/state/models/main/0.weight"].chunks] == ["../snapshot_iter_1000/data/rank0.bin"]
+    assert [c.file for c in entries["0/state/models/main/1.weight"].chunks] == ["data/rank0.bin"]  # trained
+    saved = newest.read_object("0/state/models/main")
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
 def test_migrating_from_ppe_resumes_from_ppes_snapshot(tmp_path):
     migrating = python_blocks("### Migrating from ppe")[0]
     before, after = migrating.split("# after")
