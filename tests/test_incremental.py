@@ -366,3 +366,21 @@ def test_kill_during_incremental_saves_and_prunes_leaves_every_snapshot_restorab
     referenced = {name for c in kept.values() for name in c.references}
     # what the kept snapshots do not read is gone (at most one prune later)
     assert {name for name, c in kept.items() if c.kind != "snapshot"} <= referenced
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_load_follows_references(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ppe_snapshot.dcp import SnapshotStorageReader
+
+    values = {k: v for k, v in state().items() if isinstance(v, torch.Tensor)}
+    take(tmp_path / "s1", values)
+    values["adapter"] += 1
+    take(tmp_path / "s2", values, base=tmp_path / "s1")
+    take(tmp_path / "s3", values, base=tmp_path / "s2")
+    assert Snapshot(str(tmp_path / "s3")).references == ("s1", "s2")
+    target = {"m": {k: torch.zeros_like(v) for k, v in values.items()}}
+    dcp.load(target, storage_reader=SnapshotStorageReader(str(tmp_path / "s3")))
+    for key, value in values.items():
+        assert torch.equal(target["m"][key], value), key
