@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -249,7 +250,7 @@ def test_extension_with_each_writer(tmp_path, writer_class, capsys):
 
     import ppe_snapshot
 
-    def run(iterations: int) -> tuple[torch.nn.Module, str | None]:
+    def run(iterations: int) -> tuple[torch.nn.Module, Any]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 2))
         model[0].requires_grad_(False)
@@ -263,17 +264,19 @@ def test_extension_with_each_writer(tmp_path, writer_class, capsys):
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-        return model, ext.resumed_name
+        ext.writer.finalize()
+        return model, ext
 
-    model, _ = run(4)
+    model, ext = run(4)
+    frozen_bytes = 256 * 1024 * 4
+    assert ext.writer.last_stats["bytes"] == data_size(tmp_path / "snapshot_iter_4") < frozen_bytes / 4
     assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_1", "snapshot_iter_3", "snapshot_iter_4"]
     assert (tmp_path / "snapshot_iter_1" / RETIRED_NAME).exists()
-    frozen_bytes = 256 * 1024 * 4
     for name in ("snapshot_iter_3", "snapshot_iter_4"):
         assert Snapshot(str(tmp_path / name)).references == ("snapshot_iter_1",)
         assert data_size(tmp_path / name) < frozen_bytes / 4
-    resumed, name = run(6)
-    assert name == "snapshot_iter_4"
+    resumed, ext = run(6)
+    assert ext.resumed_name == "snapshot_iter_4"
     saved = Snapshot(str(tmp_path / "snapshot_iter_6")).read_object("0/state/models/main")
     for key, value in resumed.state_dict().items():
         assert torch.equal(saved[key], value), key

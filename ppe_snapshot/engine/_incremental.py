@@ -277,9 +277,6 @@ class IncrementalWrite:
     name with their sizes (this rank's own file, and every referenced file)."""
     chunks: list[list[Chunk]]
     files: dict[str, int]
-    #: Bytes written to this rank's own data file, and bytes referenced in the base's files.
-    written_bytes: int = 0
-    referenced_bytes: int = 0
 
 
 def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor | None, base: Base,
@@ -307,10 +304,8 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
                     if same is not None and n:
                         chunks.append(same)
                         referenced.add(same.file)
-                        result.referenced_bytes += n
                     else:
                         chunks += _written(appender, row.view[start:start + n], checksum, block_bytes)
-                        result.written_bytes += n
                 result.chunks.append(chunks)
         size = appender.close()
     except BaseException:

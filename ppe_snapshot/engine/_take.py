@@ -74,6 +74,12 @@ class TakeJob:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "channel": None}
 
+    @property
+    def written_bytes(self) -> int:
+        """The size of this rank's data file: all of its payloads, or, once an incremental take is written,
+        the blocks that changed (with their alignment)."""
+        return self.layout.size if self.incremental is None else self.incremental.files[self.layout.file]
+
     @gc_paused()  # a state of many tensors makes as many objects here: no collection walks them meanwhile
     def stage(self, buffer: torch.Tensor | None = None) -> None:
         """Copy this rank's payloads into ``buffer`` (at least ``layout.size`` bytes; it may hold an older image),

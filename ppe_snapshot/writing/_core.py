@@ -150,9 +150,9 @@ class WriterCore:
                         allow_pickle: bool, start: float, incremental: bool) -> None:
         job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
         began = time.perf_counter()
-        _replace.commit_in_place(job, step)
+        written = _replace.commit_in_place(job, step)
         self.base = path
-        self._done_in_caller(path, start, began, job.layout.size)
+        self._done_in_caller(path, start, began, written)
 
     def save_file(self, save: FileSave, target: Any, start: float) -> None:
         """A single file written by ``save``'s savefun."""

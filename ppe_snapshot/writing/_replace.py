@@ -143,8 +143,9 @@ def after_commit(job: Any, replacement: Replacement | None) -> AfterCommit:
     return replacement if job.rank == 0 else None
 
 
-def commit_in_place(job: Any, step: AfterCommit) -> None:
-    """Write and commit a take job, then run its :func:`after_commit` step."""
+def commit_in_place(job: Any, step: AfterCommit) -> int:
+    """Write and commit a take job, then run its :func:`after_commit` step; the bytes it wrote."""
     job.write_and_commit()
     if step is not None:
         step.promote()
+    return job.written_bytes

@@ -160,7 +160,7 @@ def _run(kind: str, body: Callable[[], Any], buffers: dict[int, torch.Tensor], s
                 job.stopped = partial(_stopped, stops, slot)
                 job.write_part()
             else:
-                commit_in_place(job, step)
+                return None, commit_in_place(job, step)
             return None, None
         save, skeleton = work
         return None, save.run(materialize(skeleton, buffers[slot]))

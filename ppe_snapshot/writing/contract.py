@@ -44,7 +44,9 @@ class SaveStats(_EverySaveStats, total=False):
     """What a :class:`SnapshotWriter` tells of its last save (``last_stats``).
 
     An asynchronous writer returns before the write ends: ``write_s`` is None
-    then, and set in the same dict once the snapshot is committed.
+    then, and set in the same dict once the snapshot is committed. ``bytes``:
+    the size of the data the save wrote (an incremental save's changed blocks,
+    once written; before that, the whole state's).
     """
     #: Async writers of engine snapshots: the part of ``blocking_s`` spent copying the state to the staging buffer.
     staging_s: float
