@@ -387,3 +387,19 @@ def test_dcp_load_follows_references(tmp_path):
     dcp.load(target, storage_reader=SnapshotStorageReader(str(tmp_path / "s3")))
     for key, value in values.items():
         assert torch.equal(target["m"][key], value), key
+
+
+def test_a_referenced_file_linked_out_of_its_snapshot_is_refused(tmp_path):
+    path = _incremental_pair(tmp_path / "run")
+    outside = tmp_path / "outside.bin"
+    shutil.move(str(tmp_path / "run" / "s1" / "data" / "rank0.bin"), outside)
+    os.symlink(outside, tmp_path / "run" / "s1" / "data" / "rank0.bin")
+    for read in (lambda s: s.restore({"m": StateDict(state())}), lambda s: s.verify()):
+        with pytest.raises(CorruptSnapshotError, match="outside"):
+            read(Snapshot(str(path)))
+
+
+def test_a_missing_base_writes_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="s0"):
+        take(tmp_path / "s1", state(), base=tmp_path / "s0")
+    assert not (tmp_path / "s1").exists()
