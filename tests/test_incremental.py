@@ -403,3 +403,11 @@ def test_a_missing_base_writes_nothing(tmp_path):
     with pytest.raises(FileNotFoundError, match="s0"):
         take(tmp_path / "s1", state(), base=tmp_path / "s0")
     assert not (tmp_path / "s1").exists()
+
+
+def test_a_referenced_snapshot_linked_out_of_the_run_directory_is_refused(tmp_path):
+    path = _incremental_pair(tmp_path / "run")
+    shutil.move(str(tmp_path / "run" / "s1"), tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "run" / "s1")
+    with pytest.raises(CorruptSnapshotError, match="outside the run directory"):
+        Snapshot(str(path)).restore({"m": StateDict(state())})

@@ -312,10 +312,17 @@ class LocalStorage(Storage):
 
     def _check_resolved(self, rel: str, real: str) -> None:
         """Refuse a file that resolves (through a symbolic link, of the file or of a directory on the
-        way) to a place outside the snapshot directory (for a reference, outside the sibling snapshot it names)."""
+        way) to a place outside the snapshot directory; for a reference, outside the sibling snapshot it names,
+        or a sibling that itself resolves outside the run directory."""
         reference = split_reference(rel)
-        root = os.path.realpath(self.root if reference is None else os.path.join(os.path.dirname(self.root),
-                                                                                  reference[0]))
+        if reference is None:
+            root = os.path.realpath(self.root)
+        else:
+            run_dir = os.path.realpath(os.path.dirname(self.root))
+            root = os.path.realpath(os.path.join(os.path.dirname(self.root), reference[0]))
+            if os.path.commonpath([run_dir, root]) != run_dir:
+                raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: snapshot {reference[0]!r} "
+                                           f"resolves to {root}, outside the run directory (a symbolic link?)")
         if os.path.commonpath([root, real]) != root:
             raise CorruptSnapshotError(f"{self.url}: refusing to read {rel!r}: it resolves to {real}, outside the "
                                        "snapshot directory (a symbolic link?)")
