@@ -3,7 +3,8 @@
 A snapshot whose save was killed before the commit has no manifest and is
 never mistaken for a snapshot; every committed one stays whole. A snapshot
 saved again under its name (``filename="latest"``) is killed at any moment of
-its replacement: the previous or the new one is left, complete, for autoload.
+its replacement: the previous or the new one is left, complete, for autoload. An incremental training run
+(``KeepLatest(2)``) is killed at random moments of its saves and prunes: every complete snapshot restores.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -195,3 +197,53 @@ def test_kill_during_replacement_leaves_the_previous_or_the_new_snapshot(tmp_pat
         found = _newest_complete_index(root, expected_small)
         assert found in (last_saved, last_saved + 1), (found, printed)  # the previous or the one in flight
         first = found + 1
+
+
+def _listed_restore(root: Path) -> list[int]:
+    """Every complete snapshot in ``root`` verified and restored against the state of its iteration."""
+    iterations = []
+    for candidate in retention.list_snapshots(str(root), "snapshot_iter_{.iteration}"):
+        if candidate.kind != "snapshot":
+            continue
+        Snapshot(candidate.url).verify()
+        saved = Snapshot(candidate.url).read_object("0/state/models/main")
+        expected = child.incremental_state(candidate.iteration)
+        assert torch.equal(saved["frozen"], expected["frozen"]), candidate.name
+        assert torch.equal(saved["table"], expected["table"]), candidate.name
+        iterations.append(candidate.iteration)
+    return iterations
+
+
+def test_kill_during_incremental_saves_and_prunes_leaves_every_snapshot_restorable(tmp_path):
+    rng = random.Random()
+    root = tmp_path / "run"
+    env = {**os.environ, **WORKER_ENV, "PPE_SNAPSHOT_BLOCK_KB": "4"}
+    newest = 0
+    for kill in range(3):
+        proc = subprocess.Popen([sys.executable, child.__file__, "incremental", str(root), "60"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while not (root.exists() and any(p.name.startswith("snapshot_iter_") and (p / "manifest.json").exists()
+                                              and int(p.name.rsplit("_", 1)[1]) > newest for p in root.iterdir())):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the child saved nothing new"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.5))  # somewhere in a save, a prune or between them
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        iterations = _listed_restore(root)
+        assert iterations and max(iterations) > newest
+        newest = max(iterations)
+    done = subprocess.run([sys.executable, child.__file__, "incremental", str(root), str(newest + 3)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _listed_restore(root) == [newest + 2, newest + 3]
+    kept = {c.name: c for c in retention.list_snapshots(str(root), "snapshot_iter_{.iteration}")}
+    referenced = {name for c in kept.values() for name in c.references}
+    # what the kept snapshots do not read is gone (at most one prune later)
+    assert {name for name, c in kept.items() if c.kind != "snapshot"} <= referenced

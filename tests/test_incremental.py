@@ -1,20 +1,15 @@
 """Incremental snapshots: only changed blocks are written, and every snapshot restores on its own.
 
-Real files (and a real S3 server, real gloo ranks, a real ``kill -9``): the bytes each take writes, restores
-compared bit for bit, references that go missing or are crafted, retention that retires a snapshot whose data
-files others read and removes them once none does.
+Real files (and a real S3 server, real gloo ranks; ``kill -9`` of an incremental run: tests/test_crash.py): the
+bytes each take writes, restores compared bit for bit, references that go missing or are crafted, retention that
+retires a snapshot whose data files others read and removes them once none does.
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
-import random
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-import _crash_child as child
 import _incremental_workers as workers
 from _crafted import read_index
-from _dist import WORKER_ENV
 from test_untrusted_index import write_index
 from ppe_snapshot import CorruptSnapshotError, MissingBaseError, Snapshot, SnapshotExistsError, StateDict, retention
 from ppe_snapshot.cli import main as cli_main
@@ -319,56 +312,6 @@ def test_s3_incremental_take_and_retention(s3_bucket):
     target = state(seed=9)
     Snapshot(f"{url}/run/snap_3", storage_options=options).restore({"m": StateDict(target)})
     assert_same(target, values)
-
-
-def _listed_restore(root: Path) -> list[int]:
-    """Every complete snapshot in ``root`` verified and restored against the state of its iteration."""
-    iterations = []
-    for candidate in retention.list_snapshots(str(root), "snapshot_iter_{.iteration}"):
-        if candidate.kind != "snapshot":
-            continue
-        Snapshot(candidate.url).verify()
-        saved = Snapshot(candidate.url).read_object("0/state/models/main")
-        expected = child.incremental_state(candidate.iteration)
-        assert torch.equal(saved["frozen"], expected["frozen"]), candidate.name
-        assert torch.equal(saved["table"], expected["table"]), candidate.name
-        iterations.append(candidate.iteration)
-    return iterations
-
-
-def test_kill_during_incremental_saves_and_prunes_leaves_every_snapshot_restorable(tmp_path):
-    rng = random.Random()
-    root = tmp_path / "run"
-    env = {**os.environ, **WORKER_ENV, "PPE_SNAPSHOT_BLOCK_KB": "4"}
-    newest = 0
-    for kill in range(3):
-        proc = subprocess.Popen([sys.executable, child.__file__, "incremental", str(root), "60"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            deadline = time.monotonic() + 60
-            while not (root.exists() and any(p.name.startswith("snapshot_iter_") and (p / "manifest.json").exists()
-                                              and int(p.name.rsplit("_", 1)[1]) > newest for p in root.iterdir())):
-                assert proc.poll() is None, proc.communicate()
-                assert time.monotonic() < deadline, "the child saved nothing new"
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0, 0.5))  # somewhere in a save, a prune or between them
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
-        iterations = _listed_restore(root)
-        assert iterations and max(iterations) > newest
-        newest = max(iterations)
-    done = subprocess.run([sys.executable, child.__file__, "incremental", str(root), str(newest + 3)],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert _listed_restore(root) == [newest + 2, newest + 3]
-    kept = {c.name: c for c in retention.list_snapshots(str(root), "snapshot_iter_{.iteration}")}
-    referenced = {name for c in kept.values() for name in c.references}
-    # what the kept snapshots do not read is gone (at most one prune later)
-    assert {name for name, c in kept.items() if c.kind != "snapshot"} <= referenced
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
