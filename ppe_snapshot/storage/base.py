@@ -6,7 +6,8 @@ stores); every path it takes is relative to that root and uses ``/``.
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 from ppe_snapshot.errors import CorruptSnapshotError, MissingBaseError
 
@@ -44,8 +45,19 @@ def is_readable_name(name: Any) -> bool:
     return is_safe_relative(name) or split_reference(name) is not None
 
 
-def missing_base(url: str, name: str) -> CorruptSnapshotError:
-    """The error for a referenced file of a sibling snapshot that is not there."""
+@contextlib.contextmanager
+def naming_missing_base(url: str, name: str) -> Iterator[None]:
+    """A ``FileNotFoundError`` for ``name``, a file of a sibling snapshot (a reference), becomes
+    :class:`MissingBaseError` naming that snapshot; any other passes as it is."""
+    try:
+        yield
+    except FileNotFoundError:
+        if split_reference(name) is not None:
+            raise _missing_base(url, name) from None
+        raise
+
+
+def _missing_base(url: str, name: str) -> CorruptSnapshotError:
     sibling, _ = split_reference(name) or (name, "")
     return MissingBaseError(
         f"{url} is an incremental snapshot: it reads bytes from {name}, in snapshot {sibling!r} of its run "

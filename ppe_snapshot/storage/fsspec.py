@@ -1,14 +1,13 @@
 """Storage on any fsspec file system (``s3://``, ``gs://``, ``memory://``, ...)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import fsspec
 
-from ppe_snapshot.storage.base import BlobWriter, Storage, check_stored_size, missing_base, split_reference
+from ppe_snapshot.storage.base import BlobWriter, Storage, check_stored_size, naming_missing_base, split_reference
 from ppe_snapshot.storage.multipart import MultipartWriter, byte_view, check_part_size, supports_multipart
 from ppe_snapshot.storage.ranged import RangedReader, read_range
 from ppe_snapshot.storage.tuning import Tuning, split_tuning
@@ -122,27 +121,17 @@ class FsspecStorage(Storage):
         self.read_vectored(rel, offset, [out])
 
     def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
-        with self._base_named(rel):
+        with naming_missing_base(self.url, rel):
             if self._ranged is not None:  # ranged requests in parallel, into the views
                 self._ranged.read(self._abs(rel), offset, views)
             else:
                 read_range(self.fs, self._abs(rel), offset, [byte_view(v) for v in views])
 
-    @contextlib.contextmanager
-    def _base_named(self, rel: str) -> Iterator[None]:
-        """A missing file of a sibling snapshot (a reference) raises :class:`MissingBaseError`, naming it."""
-        try:
-            yield
-        except FileNotFoundError:
-            if split_reference(rel) is not None:
-                raise missing_base(self.url, rel) from None
-            raise
-
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self._abs(rel))
 
     def size(self, rel: str) -> int:
-        with self._base_named(rel):
+        with naming_missing_base(self.url, rel):
             return self.fs.size(self._abs(rel))
 
     def remove(self, rel: str) -> None:

@@ -13,7 +13,9 @@ import numpy as np
 
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage.base import BlobWriter, Storage, is_readable_name, missing_base, split_reference
+from ppe_snapshot.storage.base import (
+    BlobWriter, Storage, is_readable_name, naming_missing_base, split_reference,
+)
 
 # preadv takes at most this many buffers per call (IOV_MAX on Linux).
 _IOV_MAX = 1024
@@ -328,12 +330,8 @@ class LocalStorage(Storage):
                                        "snapshot directory (a symbolic link?)")
 
     def _open_data(self, rel: str) -> int:
-        try:
+        with naming_missing_base(self.url, rel):
             return self._open_contained(rel, self._data_path(rel))
-        except FileNotFoundError:
-            if split_reference(rel) is not None:
-                raise missing_base(self.url, rel) from None
-            raise
 
     def _open_contained(self, rel: str, path: str) -> int:
         """Open a regular file to read, refusing one whose real place is outside the snapshot directory."""
@@ -384,12 +382,8 @@ class LocalStorage(Storage):
     def size(self, rel: str) -> int:
         path = self._data_path(rel)
         self._check_resolved(rel, os.path.realpath(path))
-        try:
+        with naming_missing_base(self.url, rel):
             return os.path.getsize(path)
-        except FileNotFoundError:
-            if split_reference(rel) is not None:
-                raise missing_base(self.url, rel) from None
-            raise
 
     def remove(self, rel: str) -> None:
         try:
