@@ -26,7 +26,7 @@ variable                              default  meaning
 ``PPE_SNAPSHOT_READ_PART_MB``         ``8``    object stores: reads are split into ranged requests
                                                of at most this many MiB
 ``PPE_SNAPSHOT_READ_WORKERS``         ``32``   object stores: ranged requests in flight per storage
-``PPE_SNAPSHOT_FORMAT_VERSION``      ``2``    the format version takes write: ``1`` (one JSON
+``PPE_SNAPSHOT_FORMAT_VERSION``       ``2``    the format version takes write: ``1`` (one JSON
                                                manifest) or ``2`` (a small manifest and index files);
                                                unset: the engine's ``DEFAULT_VERSION``, which also
                                                checks the value. Incremental takes write ``3``
