@@ -293,8 +293,10 @@ class IndexTable(LazyEntries):
         return len(self._index.tensor_rows) + len(self._others)
 
 
-def chunk_list(index: Index, start: int, end: int) -> list[Chunk]:
-    cols, names = index.cols, index.file_names
+def chunk_list(index: Index, start: int, end: int, names: list[str] | None = None) -> list[Chunk]:
+    """Chunks ``start`` to ``end`` of the index's chunk columns; ``names``: the data file names to give them, by
+    their position in the index's file table (by default the names it holds)."""
+    cols, names = index.cols, index.file_names if names is None else names
     return [Chunk(names[f], o, n, c) for f, o, n, c in zip(
         cols["chunk_file"][start:end].tolist(), cols["chunk_offset"][start:end].tolist(),
         cols["chunk_nbytes"][start:end].tolist(), _hex(cols["chunk_checksum"][start:end]))]
