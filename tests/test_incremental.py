@@ -354,3 +354,24 @@ def test_a_referenced_snapshot_linked_out_of_the_run_directory_is_refused(tmp_pa
     os.symlink(tmp_path / "elsewhere", tmp_path / "run" / "s1")
     with pytest.raises(CorruptSnapshotError, match="outside the run directory"):
         Snapshot(str(path)).restore({"m": StateDict(state())})
+
+
+def test_verify_names_every_snapshot_a_damaged_base_block_damages(tmp_path, capsys):
+    run = tmp_path / "run"
+    values = state()
+    take(run / "snap_1", values)
+    for i in (2, 3):
+        values["adapter"] += 1
+        Snapshot.take(str(run / f"snap_{i}"), {"m": StateDict(values)}, base=str(run / f"snap_{i - 1}"),
+                      block_bytes=BLOCK, metadata={"iteration": i})
+    retention.prune(str(run), "snap_{.iteration}", 2)  # snap_1 retired: snap_2 and snap_3 read its frozen bytes
+    with open(run / "snap_1" / "data" / "rank0.bin", "r+b") as f:  # one byte of the frozen tensor
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    paths = [str(run / name) for name in ("snap_1", "snap_2", "snap_3")]
+    assert cli_main(["verify", *paths]) == 1
+    out = capsys.readouterr().out
+    assert f"RETIRED {paths[0]}" in out
+    assert f"DAMAGED {paths[1]}: m/frozen" in out and f"DAMAGED {paths[2]}: m/frozen" in out

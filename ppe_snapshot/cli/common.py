@@ -117,6 +117,15 @@ def classify(fs: fsspec.AbstractFileSystem, fs_path: str) -> tuple[str | None, s
     return None, "is neither a snapshot directory, a torch.save file nor a safetensors file"
 
 
+def is_retired(path: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether ``path`` is a retired snapshot directory (its data files kept for the snapshots that read them)."""
+    fs, root = filesystem(path, storage_options)
+    try:
+        return fs.isdir(root) and classify(fs, root)[0] == Kind.RETIRED
+    except OSError:
+        return False
+
+
 def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_progress: bool = False) -> Source:
     """What ``path`` holds; :class:`UsageError` (naming the path) when it is missing or not a snapshot."""
     fs, root = filesystem(path, storage_options)

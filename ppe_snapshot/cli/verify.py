@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Any
 
-from ppe_snapshot.cli.common import Kind, Source, UsageError, open_source, progress, read_state
+from ppe_snapshot.cli.common import Kind, Source, UsageError, is_retired, open_source, progress, read_state
 from ppe_snapshot.engine import read_manifest
 from ppe_snapshot.engine.codec import ShardedTensorEntry, read_into
 from ppe_snapshot.errors import CorruptSnapshotError
@@ -70,6 +70,9 @@ def check(path: str, storage_options: dict | None, quick: bool) -> list[str]:
 def cmd_verify(args: argparse.Namespace) -> int:
     damaged = unusable = 0
     for path in args.paths:
+        if is_retired(path, args.storage_options):  # e.g. verify RUN/*: no snapshot, nothing wrong
+            print(f"RETIRED {path}: no snapshot; its data files are checked with the snapshots that read them")
+            continue
         try:
             problems = check(path, args.storage_options, args.quick)
         except UsageError as e:
@@ -98,8 +101,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("verify", parents=[common], help="check snapshots; exit 1 if any is damaged",
                        description="Check snapshots: an engine snapshot's manifest, file sizes and every checksum "
                                    "(each damaged entry is named); a ppe torch.save file by loading it with "
-                                   "weights_only=True; DCP and safetensors files by loading them. Exit status: 0 all "
-                                   "good, 1 damage found, 2 a path is missing or not a snapshot.")
+                                   "weights_only=True; DCP and safetensors files by loading them. An incremental "
+                                   "snapshot's referenced blocks are checked too; a retired directory (data files "
+                                   "kept for the snapshots that read them) is named and passed over. Exit status: 0 "
+                                   "all good, 1 damage found, 2 a path is missing or not a snapshot.")
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--quick", action="store_true",
                    help="check manifests and file sizes only, not checksums (ppe files: the header only)")
