@@ -375,3 +375,35 @@ def test_verify_names_every_snapshot_a_damaged_base_block_damages(tmp_path, caps
     out = capsys.readouterr().out
     assert f"RETIRED {paths[0]}" in out
     assert f"DAMAGED {paths[1]}: m/frozen" in out and f"DAMAGED {paths[2]}: m/frozen" in out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_save_with_a_base_writes_only_what_changed(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
+
+    values = {"m": {k: v for k, v in state().items() if isinstance(v, torch.Tensor)}, "step": 1}
+    dcp.save(values, storage_writer=SnapshotStorageWriter(str(tmp_path / "d1")))
+    for i in (2, 3):
+        values["m"]["adapter"] += 1
+        values["step"] = i
+        dcp.save(values, storage_writer=SnapshotStorageWriter(str(tmp_path / f"d{i}"), base=str(tmp_path / f"d{i - 1}"),
+                                                              block_bytes=BLOCK))
+    snapshot = Snapshot(str(tmp_path / "d3"))
+    assert "d1" in snapshot.references and snapshot.metadata["dcp"]
+    assert data_size(tmp_path / "d3") <= BLOCK + 2048  # the adapter's block, and "step" (a torch.save stream)
+    snapshot.verify()
+    target = {"m": {k: torch.zeros_like(v) for k, v in values["m"].items()}, "step": 0}
+    dcp.load(target, storage_reader=SnapshotStorageReader(str(tmp_path / "d3")))
+    assert target["step"] == 3
+    for key, value in values["m"].items():
+        assert torch.equal(target["m"][key], value), key
+    with pytest.raises(CheckpointException) as info:  # DCP gathers each rank's error
+        dcp.save(values, storage_writer=SnapshotStorageWriter(str(tmp_path / "other" / "d4"),
+                                                              base=str(tmp_path / "d3")))
+    error = next(iter(info.value.failures.values()))
+    error = error[0] if isinstance(error, tuple) else error
+    assert isinstance(error, ValueError) and "same directory" in str(error)
+    assert not (tmp_path / "other" / "d4" / "manifest.json").exists()

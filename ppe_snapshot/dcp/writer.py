@@ -22,7 +22,7 @@ from ppe_snapshot.engine import align
 from ppe_snapshot.engine.codec import (
     BytesEntry, Chunk, Entry, Manifest, Payload, PayloadAppender, Raw, Shard, ShardedTensorEntry, TensorEntry,
     can_store_raw, commit_manifest, data_file, dtype_name, encode_value, escape, host_copy_buffer, needs_bounce,
-    new_take_id, refuse_overwrite,
+    new_take_id, refuse_overwrite, write_pieces,
 )
 from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
@@ -33,7 +33,8 @@ class _Stored:
     """Where one write item went (``WriteResult.storage_data``, gathered to the coordinator)."""
     dtype: str | None  # None for bytes
     chunks: list[Chunk]
-    file_size: int
+    #: The data files its chunks name, with their sizes (an incremental write's include its base's).
+    files: dict[str, int]
 
 
 def _resolve(item: WriteItem, planner: SavePlanner) -> Payload:
@@ -80,8 +81,29 @@ def _write_file(storage: Storage, file: str, items: Sequence[WriteItem], planner
     except BaseException:
         writer.abort()
         raise
-    return [WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=_Stored(dtype, chunks, size))
+    return [WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=_Stored(dtype, chunks, {file: size}))
             for item, nbytes, dtype, chunks in written]
+
+
+def _piece_offsets(item: WriteItem) -> list[int] | None:
+    """Where the item's tensor lies in the saved tensor, when it is a piece of it (None: the whole value)."""
+    data = item.tensor_data
+    if data is None or (not any(data.chunk.offsets) and list(data.chunk.sizes) == list(data.size)):
+        return None
+    return list(data.chunk.offsets)
+
+
+def _write_file_incremental(storage: Storage, file: str, items: Sequence[WriteItem], planner: SavePlanner,
+                            base: str, storage_options: dict[str, Any] | None,
+                            block_bytes: int | None) -> list[WriteResult]:
+    """``_write_file``, referencing what snapshot ``base`` holds unchanged (every item resolved first)."""
+    payloads = [_resolve(item, planner) for item in items]
+    pieces = [(escape(item.index.fqn), _piece_offsets(item), payload) for item, payload in zip(items, payloads)]
+    written = write_pieces(storage, file, pieces, base, storage_options, block_bytes)
+    return [WriteResult(index=item.index, size_in_bytes=payload.nbytes, storage_data=_Stored(
+                dtype_name(payload.data.dtype) if payload.kind == Raw.TENSOR else None, chunks,
+                {name: written.files[name] for name in {c.file for c in chunks}} or {file: written.files[file]}))
+            for item, payload, chunks in zip(items, payloads, written.chunks)]
 
 
 def _build_manifest(metadata: Metadata, results: list[list[WriteResult]], take_id: str) -> Manifest:
@@ -90,8 +112,7 @@ def _build_manifest(metadata: Metadata, results: list[list[WriteResult]], take_i
     for rank_results in results:
         for result in rank_results:
             stored[index_key(result.index.fqn, result.index.offset)] = result.storage_data
-            for chunk in result.storage_data.chunks:
-                files[chunk.file] = result.storage_data.file_size
+            files.update(result.storage_data.files)
 
     def take(fqn: str, offsets: Sequence[int] | None) -> _Stored:
         found = stored.get(index_key(fqn, offsets))
@@ -133,13 +154,17 @@ class SnapshotStorageWriter(StorageWriter):
 
     ``path`` is a local directory or any fsspec URL (``storage_options`` go to fsspec). Like
     ``Snapshot.take``, it refuses to write over a committed snapshot. See :mod:`ppe_snapshot.dcp.layout`
-    for the layout.
+    for the layout. ``base``: an earlier snapshot beside ``path`` whose unchanged blocks (of ``block_bytes``)
+    the new one references rather than writes, as ``Snapshot.take(base=)`` does.
     """
 
-    def __init__(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
+                 base: str | os.PathLike | None = None, block_bytes: int | None = None) -> None:
         super().__init__()
         self.path = location(path)
         self.storage_options = storage_options
+        self.base = None if base is None else location(base)
+        self.block_bytes = block_bytes
         self.save_id = new_take_id()
         self.is_coordinator = True
         self._storage: Storage | None = None
@@ -182,7 +207,11 @@ class SnapshotStorageWriter(StorageWriter):
             if not isinstance(plan.storage_data, str):
                 raise ValueError("the save plan carries no data file name; SnapshotStorageWriter.prepare_global_plan "
                                  "must run on the coordinator's plans before write_data")
-            results = _write_file(self._opened(), plan.storage_data, plan.items, planner)
+            if self.base is None:
+                results = _write_file(self._opened(), plan.storage_data, plan.items, planner)
+            else:
+                results = _write_file_incremental(self._opened(), plan.storage_data, plan.items, planner, self.base,
+                                                  self.storage_options, self.block_bytes)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

@@ -18,7 +18,7 @@ import itertools
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +28,13 @@ import xxhash
 
 from ppe_snapshot.engine._format import Raw
 from ppe_snapshot.engine._index import chunk_list
-from ppe_snapshot.engine._manifest import Chunk, Manifest
+from ppe_snapshot.engine._flatten import Payload
+from ppe_snapshot.engine._manifest import Chunk, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._packing import (
-    ALIGNMENT, CHUNK_BYTES, WRITE_BATCH_BYTES, FileLayout, align, is_copyable_raw, tensor_bytes,
+    ALIGNMENT, CHUNK_BYTES, WRITE_BATCH_BYTES, FileLayout, align, is_copyable_raw, lay_out, tensor_bytes,
 )
 from ppe_snapshot.engine._sharded import ShardPlan
-from ppe_snapshot.engine._versions import read_manifest
+from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, is_local, open_storage, shared_pool, split_reference
 
@@ -140,7 +141,31 @@ def _table_chunks(table: Any, name: str) -> Iterator[tuple[str, list[Chunk]]]:
         yield path, chunks[start:end]
         start = end
     for path in index.header["entries"]:
-        yield path, [_rebased(c, name) for c in getattr(table.get(path), "chunks", None) or []]
+        entry = table.get(path)
+        if isinstance(entry, ShardedTensorEntry):  # the DCP adapter's chunked tensors: a row per chunk
+            for shard in entry.shards:
+                yield block_key(path, shard.offsets), [_rebased(c, name) for c in shard.chunks]
+        else:
+            yield path, [_rebased(c, name) for c in getattr(entry, "chunks", None) or []]
+
+
+def block_key(path: str, offsets: Sequence[int]) -> str:
+    """The name under which a base's piece of a tensor at ``offsets`` is matched (a DCP chunk)."""
+    return f"{path}@{','.join(map(str, offsets))}"
+
+
+def write_pieces(storage: Storage, file: str, pieces: list[tuple[str, Sequence[int] | None, Payload]],
+                 base: str, storage_options: dict[str, Any] | None, block_bytes: int | None = None
+                 ) -> IncrementalWrite:
+    """Write ``pieces`` (path, offsets of a piece of a tensor or None for a whole value, payload) to ``file`` of
+    the snapshot at ``storage``, referencing what snapshot ``base`` beside it holds: an incremental write for a
+    writer that builds its manifest itself (the DCP adapter). Chunks come back in the order of ``pieces``."""
+    if not can_reference(write_version()):
+        raise ValueError(f"an incremental write (base={base!r}) needs format version 2 or newer; "
+                         f"PPE_SNAPSHOT_FORMAT_VERSION asks for {write_version()}")
+    opened = open_base(base, storage.url, 0, {}, storage_options)
+    named = [(path if offsets is None else block_key(path, offsets), payload) for path, offsets, payload in pieces]
+    return write_incremental(storage, lay_out(file, named), None, opened, block_bytes)
 
 
 def _shards(manifest: Manifest, rank: int, sharded: dict[str, ShardPlan]) -> Iterator[tuple[str, Any]]:

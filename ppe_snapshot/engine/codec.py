@@ -18,6 +18,9 @@ Bytes
     ``data_file(rank)`` (the data file a rank writes), ``Payload`` and ``PayloadAppender`` (append payloads to a
     data file, their chunks checksummed), ``needs_bounce`` / ``host_copy_buffer`` (a tensor written through a
     host copy), ``is_direct``, ``tensor_bytes``, ``read_into`` (verified reads of chunks).
+Incremental writes
+    ``write_pieces(storage, file, pieces, base, storage_options)``: a data file whose pieces unchanged since
+    snapshot ``base`` are referenced, not written (``base=`` of the DCP writer).
 Committing
     ``new_take_id()``, ``refuse_overwrite(storage)``, ``commit_manifest(storage, manifest)`` (checks it restores,
     then writes it in the format version takes write, the manifest last).
@@ -25,6 +28,7 @@ Committing
 from ppe_snapshot.engine._commit import refuse_overwrite
 from ppe_snapshot.engine._flatten import Payload, child_path, escape, inflate
 from ppe_snapshot.engine._format import Container, Raw, data_file, new_take_id
+from ppe_snapshot.engine._incremental import write_pieces
 from ppe_snapshot.engine._loading import leaf_loader
 from ppe_snapshot.engine._manifest import (
     BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
@@ -47,4 +51,6 @@ __all__ = [
     "tensor_bytes",
     # committing
     "commit_manifest", "new_take_id", "refuse_overwrite",
+    # incremental writes
+    "write_pieces",
 ]
