@@ -31,14 +31,13 @@ from ppe_snapshot.engine._index import chunk_list
 from ppe_snapshot.engine._flatten import Payload
 from ppe_snapshot.engine._manifest import Chunk, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._packing import (
-    ALIGNMENT, CHUNK_BYTES, WRITE_BATCH_BYTES, FileLayout, align, is_copyable_raw, lay_out, tensor_bytes,
+    ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
 from ppe_snapshot.engine._sharded import ShardPlan
 from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, is_local, open_storage, shared_pool, split_reference
 
-_PAD = memoryview(bytes(ALIGNMENT))
 #: Rows handed from the hashing thread to the writing one at a time (and at most this many bytes of them).
 _BATCH_ROWS = 4096
 _BATCH_BYTES = 16 << 20
@@ -289,43 +288,6 @@ def _digests(blocks: list[tuple[_Row, int, int]]) -> list[str]:
     return [digest(row.view[start:start + n]) for row, start, n in blocks]
 
 
-class _Appender:
-    """Appends changed blocks to this rank's data file, each at an offset aligned to ``ALIGNMENT``."""
-
-    def __init__(self, storage: Storage, file: str) -> None:
-        self.file, self.position = file, 0
-        self._writer = storage.open_writer(file)
-        self._batch: list[memoryview] = []
-        self._batched = 0
-
-    def append(self, view: memoryview, checksum: str) -> Chunk:
-        start = align(self.position)
-        if start > self.position:
-            self._batch.append(_PAD[: start - self.position])
-        self._batch.append(view)
-        self.position = start + view.nbytes
-        self._batched += view.nbytes
-        if self._batched >= WRITE_BATCH_BYTES:
-            self._hand_over()
-        return Chunk(self.file, start, view.nbytes, checksum)
-
-    def _hand_over(self) -> None:
-        self._writer.write(self._batch)
-        self._batch, self._batched = [], 0
-
-    def close(self) -> int:
-        end = align(self.position)
-        if end > self.position:
-            self._batch.append(_PAD[: end - self.position])
-        self.position = end
-        self._hand_over()
-        self._writer.close()
-        return end
-
-    def abort(self) -> None:
-        self._writer.abort()
-
-
 @dataclass
 class IncrementalWrite:
     """What an incremental write of one rank gave: each row's chunks, in layout order, and the data files they
@@ -343,7 +305,8 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
     hasher = threading.Thread(target=_hash_rows, args=(layout, staged, base, block_bytes, rows),
                               name="ppe-snapshot-block-hashes", daemon=True)
     hasher.start()
-    appender = _Appender(storage, layout.file)
+    writer = storage.open_writer(layout.file)
+    appender = PayloadAppender(writer, layout.file)
     result = IncrementalWrite([], {})
     referenced: set[str] = set()
     add, by_content = result.chunks.append, base.by_content
@@ -363,9 +326,11 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
                     else:
                         chunks += _written(appender, row.view[start:start + n], checksum, block_bytes)
                 add(chunks)
-        size = appender.close()
+        size = align(appender.position)
+        appender.finish(size)
+        writer.close()
     except BaseException:
-        appender.abort()
+        writer.abort()
         _drain(rows, hasher)
         raise
     hasher.join()
@@ -373,13 +338,13 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
     return result
 
 
-def _written(appender: _Appender, view: memoryview, checksum: str, block_bytes: int) -> list[Chunk]:
+def _written(appender: PayloadAppender, view: memoryview, checksum: str, block_bytes: int) -> list[Chunk]:
     """A changed block appended; one of a base's larger chunks (a base written without ``base=``) is cut into
     blocks of ``block_bytes``, so that the next take compares it finely."""
     if view.nbytes <= block_bytes:
-        return [appender.append(view, checksum)]
+        return [appender.append_hashed(view, checksum)]
     digest = xxhash.xxh3_64_hexdigest
-    return [appender.append(view[s:s + block_bytes], digest(view[s:s + block_bytes]))
+    return [appender.append_hashed(view[s:s + block_bytes], digest(view[s:s + block_bytes]))
             for s in range(0, view.nbytes, block_bytes)]
 
 

@@ -349,6 +349,18 @@ class PayloadAppender:
             return int(chunks[0].checksum, 16)
         return chunks or xxhash.xxh3_64_intdigest(b"")
 
+    def append_hashed(self, view: memoryview, checksum: str) -> Chunk:
+        """Append bytes already hashed (``checksum``) at the next offset aligned to ``ALIGNMENT``, as they are (no
+        copy); their chunk. An incremental take's changed blocks."""
+        start = align(self.position)
+        self.pad_to(start)
+        self._end_gather()
+        self._batch.append(view)
+        self.position = start + view.nbytes
+        if self.position - self._handed_over >= WRITE_BATCH_BYTES:
+            self._hand_over()
+        return Chunk(self._file, start, view.nbytes, checksum)
+
     def finish(self, size: int) -> None:
         """Pad to ``size`` and hand over the rest."""
         self.pad_to(size)
