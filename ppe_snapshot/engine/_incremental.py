@@ -68,7 +68,6 @@ def split_location(location: str) -> tuple[str, str]:
 class Base:
     """What a rank of an incremental take may reference of its base snapshot, file names relative to the new
     snapshot (``../<name>/...``)."""
-    location: str
     #: path -> its chunks in the base (its own entries, the replicated ones and its own shards).
     by_path: dict[str, list[Chunk]] = field(default_factory=dict)
     #: (nbytes, checksum) -> a chunk of the base holding such bytes.
@@ -99,7 +98,7 @@ def open_base(location: str, new_location: str, rank: int, sharded: dict[str, Sh
     storage = open_storage(location, storage_options)
     try:
         manifest = read_manifest(storage)
-        base = Base(location)
+        base = Base()
         sizes = _file_sizes(manifest, rank)
         for path, chunks in _base_chunks(manifest, rank, sharded, name):
             if chunks:
@@ -131,7 +130,7 @@ def _table_chunks(table: Any, name: str) -> Iterator[tuple[str, list[Chunk]]]:
     index = getattr(getattr(table, "table", None), "index", None)
     if index is None:  # version 1: the entries are in memory
         for path, entry in table.items():
-            yield path, [_rebased(c, name) for c in getattr(entry, "chunks", None) or []]
+            yield from _entry_chunks(path, entry, name)
         return
     ends = index.cols["tensor_chunk_end"].tolist()
     chunks = chunk_list(index, 0, ends[-1] if ends else 0, [_rebased_name(n, name) for n in index.file_names])
@@ -140,12 +139,16 @@ def _table_chunks(table: Any, name: str) -> Iterator[tuple[str, list[Chunk]]]:
         yield path, chunks[start:end]
         start = end
     for path in index.header["entries"]:
-        entry = table.get(path)
-        if isinstance(entry, ShardedTensorEntry):  # the DCP adapter's chunked tensors: a row per chunk
-            for shard in entry.shards:
-                yield block_key(path, shard.offsets), [_rebased(c, name) for c in shard.chunks]
-        else:
-            yield path, [_rebased(c, name) for c in getattr(entry, "chunks", None) or []]
+        yield from _entry_chunks(path, table.get(path), name)
+
+
+def _entry_chunks(path: str, entry: Any, name: str) -> Iterator[tuple[str, list[Chunk]]]:
+    """An entry's chunks by the name they are matched under: the DCP adapter's chunked tensors a piece each."""
+    if isinstance(entry, ShardedTensorEntry):
+        for shard in entry.shards:
+            yield block_key(path, shard.offsets), [_rebased(c, name) for c in shard.chunks]
+    else:
+        yield path, [_rebased(c, name) for c in getattr(entry, "chunks", None) or []]
 
 
 def block_key(path: str, offsets: Sequence[int]) -> str:
@@ -159,9 +162,10 @@ def write_pieces(storage: Storage, file: str, pieces: list[tuple[str, Sequence[i
     """Write ``pieces`` (path, offsets of a piece of a tensor or None for a whole value, payload) to ``file`` of
     the snapshot at ``storage``, referencing what snapshot ``base`` beside it holds: an incremental write for a
     writer that builds its manifest itself (the DCP adapter). Chunks come back in the order of ``pieces``."""
-    if not can_reference(write_version()):
+    version = write_version()
+    if not can_reference(version):
         raise ValueError(f"an incremental write (base={base!r}) needs format version 2 or newer; "
-                         f"PPE_SNAPSHOT_FORMAT_VERSION asks for {write_version()}")
+                         f"PPE_SNAPSHOT_FORMAT_VERSION asks for {version}")
     opened = open_base(base, storage.url, 0, {}, storage_options)
     named = [(path if offsets is None else block_key(path, offsets), payload) for path, offsets, payload in pieces]
     return write_incremental(storage, lay_out(file, named), None, opened, block_bytes)
