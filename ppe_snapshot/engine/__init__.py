@@ -27,10 +27,11 @@ A snapshot in storage
     version; ``SnapshotNotFoundError`` when none is committed; ``manifest.lookup(rank, path)`` gives an entry),
     ``upgrade_snapshot(source, dest)`` (a version-1 or incremental snapshot rewritten as a self-contained
     version 2). Incremental snapshots: ``RETIRED_NAME`` marks a removed snapshot's directory kept for the data
-    files others reference; ``split_location(location)`` is (run directory, snapshot name).
+    files others reference; ``check_base(base, path)`` raises unless ``base`` may be the base of an incremental
+    take at ``path`` (another snapshot in the same directory).
 """
 from ppe_snapshot.engine._format import INDEX_DIR, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, takes_in_progress
-from ppe_snapshot.engine._incremental import split_location
+from ppe_snapshot.engine._incremental import check_base
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._hostmem import new_shared_buffer
 from ppe_snapshot.engine._packing import align
@@ -52,6 +53,6 @@ __all__ = [
     # state objects
     "OptimizerState", "RNGState", "StateDict", "Stateful",
     # a snapshot in storage
-    "INDEX_DIR", "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "read_manifest", "split_location", "takes_in_progress",
+    "INDEX_DIR", "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "check_base", "read_manifest", "takes_in_progress",
     "upgrade_snapshot",
 ]

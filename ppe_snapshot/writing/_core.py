@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppe_snapshot.engine import StateDict, TakeJob, gc_paused, group_rank, prepare_take, split_location
+from ppe_snapshot.engine import StateDict, TakeJob, check_base, gc_paused, group_rank, prepare_take
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._errors import add_note, surfaced
 from ppe_snapshot.writing._executors import Executor, Ticket
@@ -114,9 +114,11 @@ class WriterCore:
         ``path`` (a save replacing a snapshot is never incremental: its base may read the one replaced)."""
         if self.base is None:
             return None
-        base_dir, base_name = split_location(self.base)
-        new_dir, new_name = split_location(path)
-        return self.base if base_dir == new_dir and base_name != new_name else None
+        try:
+            check_base(self.base, path)
+        except ValueError:  # elsewhere, or at the name being saved: this save is a full one
+            return None
+        return self.base
 
     def take(self, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
              allow_pickle: bool, start: float, incremental: bool = False) -> None:
