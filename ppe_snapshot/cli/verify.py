@@ -70,12 +70,12 @@ def check(path: str, storage_options: dict | None, quick: bool) -> list[str]:
 def cmd_verify(args: argparse.Namespace) -> int:
     damaged = unusable = 0
     for path in args.paths:
-        if is_retired(path, args.storage_options):  # e.g. verify RUN/*: no snapshot, nothing wrong
-            print(f"RETIRED {path}: no snapshot; its data files are checked with the snapshots that read them")
-            continue
         try:
             problems = check(path, args.storage_options, args.quick)
         except UsageError as e:
+            if is_retired(path, args.storage_options):  # e.g. verify RUN/*: no snapshot, nothing wrong
+                print(f"RETIRED {path}: no snapshot; its data files are checked with the snapshots that read them")
+                continue
             unusable += 1
             print(f"ppe-snapshot: {e}", file=sys.stderr)
             continue
