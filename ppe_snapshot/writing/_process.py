@@ -25,6 +25,7 @@ from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.writing._errors import add_note
 from ppe_snapshot.writing._executors import Executor, Finish, Ticket
 from ppe_snapshot.writing._files import FileSave
+from ppe_snapshot.writing._pinning import HostRegistrations
 from ppe_snapshot.writing._replace import AfterCommit
 from ppe_snapshot.writing._worker import READY, frame
 
@@ -197,7 +198,7 @@ class WorkerProcess(Executor):
         super().__init__(depth)
         self._writer = writer
         self._tickets = itertools.count()
-        self._registered: set[int] = set()
+        self._pinned = HostRegistrations()
         self._buffers: dict[int, torch.Tensor] = {}  # each slot's, sent again to a worker that replaces one
         #: One byte per slot, shared with the worker: set when the take of several ranks in the slot failed
         #: elsewhere, so that the worker stops writing it (the parent speaks for the worker to the other ranks).
@@ -237,18 +238,12 @@ class WorkerProcess(Executor):
 
     def allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
         buffer = new_shared_buffer(nbytes)  # zeroed; the worker maps the same pages
-        if pin and torch.cuda.is_available():  # page-locked, so device-to-host copies run at full speed
-            try:
-                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
-                self._registered.add(buffer.data_ptr())
-            except Exception as e:  # still correct, only slower
-                logger.warning("could not page-lock the shared staging buffer: %s", e)
+        if pin:  # page-locked, so device-to-host copies run at full speed
+            self._pinned.register(buffer)
         return buffer
 
     def drop_buffer(self, buffer: torch.Tensor) -> None:
-        if buffer.data_ptr() in self._registered:
-            self._registered.discard(buffer.data_ptr())
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+        self._pinned.unregister(buffer)
 
     def buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
         self._buffers[slot] = buffer
@@ -305,3 +300,4 @@ class WorkerProcess(Executor):
         if self._running is not None:
             self._running.close()
             self._running = None
+        self._pinned.clear()
