@@ -72,7 +72,7 @@ def _write_file(storage: Storage, file: str, items: Sequence[WriteItem], planner
             payload = _resolve(item, planner)
             appender.pad_to(align(appender.position))
             if needs_bounce(payload):
-                bounce = host_copy_buffer(payload.nbytes, bounce)
+                bounce = host_copy_buffer(payload.data, bounce)
             chunks = appender.append(payload, bounce)
             dtype = dtype_name(payload.data.dtype) if payload.kind == Raw.TENSOR else None
             written.append((item, payload.nbytes, dtype, chunks))
