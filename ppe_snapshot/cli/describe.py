@@ -183,10 +183,7 @@ def _engine_entry(key: str, entry: Any) -> dict[str, Any]:
         kind = "pickled" if isinstance(entry, PickleEntry) else "bytes"
         return {"key": key, "kind": kind, "bytes": sum(c.nbytes for c in entry.chunks)}
     if isinstance(entry, ObjectEntry):
-        try:
-            text = json.dumps(entry.value)
-        except (TypeError, ValueError, RecursionError):
-            text = "<nested too deeply to show>"
+        text = show_json(entry.value)
         return {"key": key, "kind": "value", "value": text if len(text) <= 60 else text[:57] + "..."}
     return {"key": key, "kind": type(entry).__name__}
 
@@ -253,6 +250,23 @@ def _safetensors_entries(source: Source) -> list[dict[str, Any]]:
     return [{"key": key, **describe_value(value)} for key, value in sorted(read_safetensors(source).items())]
 
 
+#: A value nested deeper is not printed (as deep as the engine's readers decode). An explicit bound: whether
+#: ``json.dumps`` runs out of recursion first depends on the Python version (3.12 prints 1,000 levels, 3.11 not).
+SHOW_DEPTH = 200
+
+
+def show_json(value: Any) -> str:
+    """``value`` as one line of JSON, or ``<nested too deeply to show>``."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= SHOW_DEPTH:
+                return "<nested too deeply to show>"
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return json.dumps(value)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     source = open_source(args.path, args.storage_options)
     report = inspect_source(source)
@@ -261,10 +275,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"{source.kind} {args.path}")
     if report["metadata"] is not None:
-        try:
-            print(f"metadata {json.dumps(report['metadata'])}")
-        except (TypeError, ValueError, RecursionError):
-            print("metadata <nested too deeply to show>")
+        print(f"metadata {show_json(report['metadata'])}")
     if report.get("committed_at"):
         versions = ", ".join(f"{k} {v}" for k, v in report["written_by"].items())
         print(f"committed {report['committed_at']}" + (f" by {versions}" if versions else ""))
