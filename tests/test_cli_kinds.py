@@ -115,8 +115,11 @@ def test_inspect_every_kind(kinds, capsys):
         assert main(["inspect", path]) == 0, path
         out = capsys.readouterr().out
         assert out.startswith(f"{kind} {path}\n") and f"  {line}\n" in out, out
-        # the extension layout also holds the RNG states: torch's generator and numpy's 624 uint32 words
-        tensor_bytes = 60 if kind != "snapshot" else 60 + RNGState().state_dict()["torch"].numel() + 624 * 4
+        # the extension layout also holds the RNG states: torch's generators (CUDA's where CUDA was used) and
+        # numpy's 624 uint32 words
+        rng = RNGState().state_dict()
+        generators = sum(t.numel() for t in [rng["torch"], *rng.get("cuda", [])])
+        tensor_bytes = 60 if kind != "snapshot" else 60 + generators + 624 * 4
         assert f"tensors, {tensor_bytes} B of tensors\n" in out
         assert main(["inspect", "--json", path]) == 0
         report = json.loads(capsys.readouterr().out)
