@@ -8,7 +8,9 @@ if the job had been preempted, the second resumes from the newest snapshot
     torchrun --nproc_per_node=2 examples/train_sharded.py --out /tmp/sharded-run
 
 (Set ``GLOO_SOCKET_IFNAME=lo`` where the host name does not resolve to a
-usable interface.) The parameters are DTensors sharded over the ranks by
+usable interface.) With ``--device cuda`` each rank trains on its own GPU
+(``LOCAL_RANK``) over NCCL, and the snapshot is staged through pinned host
+memory; it restores on CPU ranks as well. The parameters are DTensors sharded over the ranks by
 ``fully_shard``; each rank saves only its own shards, and the snapshot can be
 restored on another number of ranks. The optimizer's state goes through
 ``ppe_snapshot.OptimizerState`` (torch.distributed.checkpoint's state_dict API),
@@ -18,6 +20,7 @@ restores in place too.
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytorch_pfn_extras as ppe
 import torch
@@ -34,13 +37,21 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output directory shared by the ranks (a path or URL)")
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--stop-at", type=int, default=None, help="stop after this many iterations")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one GPU per rank, NCCL (default: cpu, gloo)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -61,7 +72,7 @@ def main() -> None:
     while not manager.stop_trigger:
         with manager.run_iteration():
             g = torch.Generator().manual_seed(1000 * rank + manager.iteration)  # each rank's own data
-            x = torch.randn(32, 32, generator=g)
+            x = torch.randn(32, 32, generator=g).to(device)
             F.cross_entropy(model(x), (x.sum(1) > 0).long() + 2 * (x[:, 0] > 0).long()).backward()
             optimizer.step()
             optimizer.zero_grad()
