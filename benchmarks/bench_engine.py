@@ -26,11 +26,11 @@ from common import PeakRSS, Results, drop_cache, emit, fsync_path, gbps, gib, mi
 import ppe_snapshot as ps  # noqa: E402
 
 
-def large_state(scale: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """21 Linear(2048, 2048) layers after one Adam step: params + exp_avg + exp_avg_sq ~ 1 GiB."""
+def large_state(scale: float, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """21 Linear(2048, 2048) layers after one Adam step: params + exp_avg + exp_avg_sq ~ 1 GiB (on ``device``)."""
     torch.manual_seed(0)
     layers = max(1, round(21 * scale))
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(layers)]).to(device)
     optim = torch.optim.Adam(model.parameters())
     for p in model.parameters():
         p.grad = torch.randn_like(p)

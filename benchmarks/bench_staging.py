@@ -17,9 +17,12 @@ It also times the first call of each writer (buffer allocation), one
 64 MiB in ``--many`` small tensors (the cost per tensor), and the RSS over
 ``--rss`` consecutive snapshots of 128 MiB per writer (reused buffers: flat).
 Report: medians, and the writers' blocking time over the 2-thread copy of
-the same round.
+the same round. With ``--device cuda`` the state (and the many tensors) live
+on the GPU: the plain copy goes into a pinned buffer, as the writers' staging
+does, and DCP's cached stagers pin theirs.
 
     python benchmarks/bench_staging.py [--rounds 5] [--scale 1.0] [--steps 1] [--many 10000 100000] [--rss 100]
+                                       [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -63,7 +66,8 @@ def tensors(value) -> list[torch.Tensor]:
 
 
 class PlainCopy:
-    """``copy_`` of every tensor into its place in one private buffer, faulted in once."""
+    """``copy_`` of every tensor into its place in one private buffer, faulted in once (pinned for device
+    tensors, copied asynchronously and waited for)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -72,7 +76,7 @@ class PlainCopy:
     def __call__(self, path: str, state: dict) -> dict[str, float]:
         sources = tensors(state)
         if self.views is None:
-            memory = torch.empty(sum(t.nbytes for t in sources), dtype=torch.uint8)
+            memory = torch.empty(sum(t.nbytes for t in sources), dtype=torch.uint8, pin_memory=on_cuda(sources))
             memory.fill_(0)  # fault every page in
             self.views, offset = [], 0
             for t in sources:
@@ -83,7 +87,9 @@ class PlainCopy:
         try:
             start = time.perf_counter()
             for view, t in zip(self.views, sources):
-                view.copy_(t)
+                view.copy_(t, non_blocking=t.is_cuda)
+            if on_cuda(sources):
+                torch.cuda.synchronize()
             return {"blocking": time.perf_counter() - start}
         finally:
             torch.set_num_threads(threads)
@@ -129,9 +135,13 @@ class DcpAsync:
             self.stager.close()
 
 
-def methods() -> dict[str, Callable]:
+def on_cuda(sources: list[torch.Tensor]) -> bool:
+    return any(t.is_cuda for t in sources)
+
+
+def methods(device: str) -> dict[str, Callable]:
     def cached(shared: bool) -> StagingOptions:
-        return StagingOptions(use_pinned_memory=False, use_shared_memory=shared, use_async_staging=False,
+        return StagingOptions(use_pinned_memory=device == "cuda", use_shared_memory=shared, use_async_staging=False,
                               use_non_blocking_copy=False)
 
     return {
@@ -145,12 +155,12 @@ def methods() -> dict[str, Callable]:
     }
 
 
-def many_tensors(counts: list[int], rounds: int, root: str) -> Results:
+def many_tensors(counts: list[int], rounds: int, root: str, device: str) -> Results:
     """The writers' calls for 64 MiB in ``count`` float32 tensors; the first, untimed call allocates."""
     results = Results()
     for count in counts:
         torch.manual_seed(0)
-        state = {f"t{i}": torch.randn(16 * 2**20 // count) for i in range(count)}
+        state = {f"t{i}": torch.randn(16 * 2**20 // count, device=device) for i in range(count)}
         writers = {THREAD: Writer(writing.ThreadWriter), PROCESS: Writer(writing.ProcessWriter)}
         try:
             for name, writer in writers.items():
@@ -185,6 +195,7 @@ def main() -> None:
                         help="tensor counts of the 64 MiB many-tensor case")
     parser.add_argument("--rss", type=int, default=100, help="consecutive snapshots for the RSS check (0: none)")
     parser.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     parser.add_argument("--report")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -193,11 +204,11 @@ def main() -> None:
     os.makedirs(root)
     store = tempfile.mktemp()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    model, optim = large_state(args.scale)
+    model, optim = large_state(args.scale, args.device)
     nbytes = state_bytes({"model": model, "optim": optim})
-    batch = torch.randn(8, 2048)
+    batch = torch.randn(8, 2048, device=args.device)
     results, case, first = Results(), "staging", Results()
-    table = methods()
+    table = methods(args.device)
 
     def snapshot(name: str, method: Callable, path: str) -> dict[str, float]:
         for _ in range(args.steps):
@@ -208,11 +219,25 @@ def main() -> None:
         os.sync()  # the write's page-cache writeback does not run into the next method
         return metrics
 
+    failed: dict[str, str] = {}  # a method that raised, and why: left out of the rounds that follow
+
+    def attempt(name: str, path: str) -> dict[str, float] | None:
+        if name in failed:
+            return None
+        try:
+            return snapshot(name, table[name], path)
+        except Exception as e:
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"{name} failed: {failed[name]}", flush=True)
+            remove(path)
+            return None
+
     try:
-        for name, method in table.items():  # untimed for the medians: first buffer allocations, worker start
-            metrics = snapshot(name, method, os.path.join(root, "warmup"))
-            first.add(case, name, metrics)
-            print(f"first call: {name}: {metrics['blocking']:.3f} s", flush=True)
+        for name in table:  # untimed for the medians: first buffer allocations, worker start
+            metrics = attempt(name, os.path.join(root, "warmup"))
+            if metrics is not None:
+                first.add(case, name, metrics)
+                print(f"first call: {name}: {metrics['blocking']:.3f} s", flush=True)
         for _ in range(args.rounds):  # a fresh buffer every call: what a first snapshot costs
             path = os.path.join(root, "async_take")
             start = time.perf_counter()
@@ -224,10 +249,12 @@ def main() -> None:
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                metrics = snapshot(name, table[name], os.path.join(root, f"r{r}"))
+                metrics = attempt(name, os.path.join(root, f"r{r}"))
+                if metrics is None:
+                    continue
                 results.add(case, name, metrics)
                 print(f"round {r}: {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()), flush=True)
-        many = many_tensors(args.many, args.rounds, root)
+        many = many_tensors(args.many, args.rounds, root, args.device)
         rss = {name: rss_over_many(cls, os.path.join(root, "rss"), args.rss) for name, cls in
                [(THREAD, writing.ThreadWriter), (PROCESS, writing.ProcessWriter)]} if args.rss else {}
     finally:
@@ -237,8 +264,10 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     copy2 = results.samples[(case, COPY2, "blocking")]
     lines = [f"Command: `python benchmarks/bench_staging.py --rounds {args.rounds} --scale {args.scale} "
-             f"--steps {args.steps} --many {' '.join(map(str, args.many))} --rss {args.rss}`  ",
-             f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}; state {gib(nbytes)} "
+             f"--steps {args.steps} --many {' '.join(map(str, args.many))} --rss {args.rss} "
+             f"--device {args.device}`  ",
+             f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}"
+             f"{f', {torch.cuda.get_device_name()}' if args.device == 'cuda' else ''}; state {gib(nbytes)} "
              f"in {len(tensors({'m': model.state_dict(), 'o': optim.state_dict()}))} tensors; "
              f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; medians of {args.rounds} rounds, "
              f"methods interleaved, {args.steps} training step(s) before each.", "",
@@ -256,8 +285,10 @@ def main() -> None:
                      f"{results.median(case, name, 'blocking') / results.median(case, COPY1, 'blocking'):.2f}x "
                      "the 1-thread copy")
     dcp_names = [m for m in results.methods(case) if m.startswith("dcp")]
-    best = min(dcp_names, key=lambda m: results.median(case, m, "blocking"))
-    lines.append(f"- best dcp.async_save staging: {results.median(case, best, 'blocking'):.3f} s ({best})")
+    if dcp_names:
+        best = min(dcp_names, key=lambda m: results.median(case, m, "blocking"))
+        lines.append(f"- best dcp.async_save staging: {results.median(case, best, 'blocking'):.3f} s ({best})")
+    lines += [f"- {name}: failed, left out: {why}" for name, why in failed.items()]
     if args.many:
         lines += ["", "64 MiB in many float32 tensors (steady state; planning includes the hand-off, which for the "
                   "ProcessWriter pickles the job):", "",
