@@ -47,3 +47,26 @@ def written_as(version: int) -> Iterator[None]:
         yield
     finally:
         SETTINGS.format_version = before
+
+
+def assert_ranged_reads_scatter(storage: Any, stream: bool) -> None:
+    """A :class:`RangedReader` of ``storage`` (an object store) scatters 100 kB ranges over views of any size, and
+    a range past the end is EOFError; ``stream``: whether it streams responses into place."""
+    import pytest
+
+    from ppe_snapshot.storage.ranged import RangedReader
+    from ppe_snapshot.storage.tuning import Tuning
+
+    data = bytes(range(256)) * 4000  # 1,024,000 bytes
+    storage.put_atomic("blob", data)
+    reader = RangedReader(storage.fs, Tuning(part_size=8 << 20, upload_concurrency=4, read_part_size=100_000,
+                                             read_workers=4))
+    if not stream:
+        reader._stream = None
+    assert (reader._stream is not None) == stream
+    views = [memoryview(bytearray(n)) for n in (3, 250_000, 0, 99_997, 500_000)]
+    reader.read(f"{storage.root}/blob", 1000, views)
+    assert b"".join(bytes(v) for v in views) == data[1000:1000 + 850_000]
+    for start in (1_000_000, 2_000_000):  # the range ends past the end / starts past it
+        with pytest.raises(EOFError, match="expected at least"):
+            reader.read(f"{storage.root}/blob", start, [memoryview(bytearray(50_000))])

@@ -6,11 +6,14 @@ request is logged as ``(method, path with query, status)`` for the tests to
 count attempts. A gate (``hold_until``) holds the first matching requests
 until that many are in the proxy at once: proof that a client sends them in
 parallel (a client sending one at a time gets 500s when the gate gives up).
+A cut (``cut_off``) forwards a request but sends only the first half of the
+response's body, announced whole, then closes the connection (logged as 0).
 """
 from __future__ import annotations
 
 import http.client
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,6 +46,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.log: list[tuple[str, str, int]] = []
         self._gates: list[tuple[str, re.Pattern, threading.Barrier, list[int], float]] = []
+        self._cuts: list[_Rule] = []
         self.gates_passed = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
@@ -58,6 +62,11 @@ class FaultProxy:
     def fail_always(self, method: str, pattern: str, status: int) -> None:
         with self._lock:
             self._rules.append(_Rule(method, re.compile(pattern), [status], True))
+
+    def cut_off(self, method: str, pattern: str, count: int) -> None:
+        """The next ``count`` responses to requests of ``method`` matching ``pattern`` break off halfway."""
+        with self._lock:
+            self._cuts.append(_Rule(method, re.compile(pattern), [0] * count, False))
 
     def hold_until(self, method: str, pattern: str, count: int, timeout: float = 30.0) -> None:
         """Hold the first ``count`` requests of ``method`` matching ``pattern`` until all ``count`` have arrived;
@@ -103,6 +112,10 @@ class FaultProxy:
             return 500
         return None
 
+    def _cut(self, method: str, path: str) -> bool:
+        with self._lock:
+            return any(rule.take(method, path) is not None for rule in self._cuts)
+
     def _record(self, method: str, path: str, status: int) -> None:
         with self._lock:
             self.log.append((method, path, status))
@@ -139,6 +152,12 @@ class FaultProxy:
                     headers, length = [("Content-Type", "application/xml")], None
                 else:
                     status, headers, data, length = self._forward(body)
+                    if status < 300 and proxy._cut(self.command, self.path):
+                        proxy._record(self.command, self.path, 0)
+                        self._send(status, headers, data[:len(data) // 2], str(len(data)))
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                 proxy._record(self.command, self.path, status)  # before the client can see the reply
                 self._send(status, headers, data, length)
 

@@ -22,6 +22,7 @@ from ppe_snapshot.storage import join, open_storage, url_to_fs
 from ppe_snapshot.storage.part_stores import part_store_type
 
 import _sharded_workers
+from _asserts import assert_ranged_reads_scatter
 from _extension_workers import Crash, Run, assert_same, make_writer
 
 ITERS = 10
@@ -123,6 +124,15 @@ def test_google_cloud_storage_under_both_schemes(gcs_bucket):
     out = StateDict(w=torch.zeros(64, 64))
     Snapshot(f"gs://{bucket}/a", storage_options=options).restore({"s": out})
     assert torch.equal(out["w"], state["w"])
+
+
+def test_gcs_ranged_reads_stream_into_the_views(gcs_bucket):
+    """GCS reads are streamed into place (storage/gcs_reads.py); a missing object is FileNotFoundError."""
+    url, options = gcs_bucket
+    storage = open_storage(url, options)
+    assert_ranged_reads_scatter(storage, stream=True)
+    with pytest.raises(FileNotFoundError):
+        storage.read_into("none", 0, memoryview(bytearray(10)))
 
 
 @pytest.mark.parametrize("tail", [b"\r", b"\n", b"\r\n", b"\n\r"])

@@ -13,6 +13,8 @@ import torch
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict
 from ppe_snapshot.storage import FsspecStorage, LocalStorage, Tuning, open_storage
 
+from _asserts import assert_ranged_reads_scatter
+
 PART = r"data/rank0\.bin\?partNumber="
 DATA = r"/run/snap/data/rank0\.bin"
 
@@ -144,22 +146,10 @@ def test_knobs_are_checked_and_never_reach_fsspec(s3_bucket, tmp_path):
 
 
 def test_the_generic_ranged_path_scatters_cat_file_ranges(s3_bucket):
-    """The path of remote stores other than S3 (gcsfs, adlfs, http): ``cat_file`` of each range, copied into
+    """The path of remote stores that do not stream (adlfs, http): ``cat_file`` of each range, copied into
     place. Run here on the real S3 server with s3fs's streaming turned off."""
-    from ppe_snapshot.storage.ranged import RangedReader
-
     url, options = s3_bucket
-    storage = open_storage(url, options)
-    data = bytes(range(256)) * 4000  # 1,024,000 bytes
-    storage.put_atomic("blob", data)
-    reader = RangedReader(storage.fs, Tuning(part_size=8 << 20, upload_concurrency=4, read_part_size=100_000,
-                                             read_workers=4))
-    reader._streams = False
-    views = [memoryview(bytearray(n)) for n in (3, 250_000, 0, 99_997, 500_000)]
-    reader.read(f"{storage.root}/blob", 1000, views)
-    assert b"".join(bytes(v) for v in views) == data[1000:1000 + 850_000]
-    with pytest.raises(EOFError, match="expected at least"):
-        reader.read(f"{storage.root}/blob", 1_000_000, [memoryview(bytearray(50_000))])
+    assert_ranged_reads_scatter(open_storage(url, options), stream=False)
 
 
 def test_every_opener_of_a_url_takes_the_knobs_out_and_shares_one_file_system(s3_bucket):

@@ -3,6 +3,7 @@ in front of each emulator: transient 5xx are absorbed (data, parts, manifest), p
 within the store's documented bound, and nothing of a failed take is visible. (S3: tests/test_s3_faults.py.)"""
 from __future__ import annotations
 
+import math
 import types
 
 import fsspec
@@ -92,6 +93,35 @@ def test_gcs_persistent_errors_fail_within_the_bound_and_leave_nothing(gcs, wait
     assert proxy.requests("POST", GCS_PART_2) == [500] * 6
     assert len(waits) == 5 and all(2 ** n <= wait <= 2 ** n + 1 for n, wait in enumerate(waits))
     _nothing_at(path, direct)  # the other parts' components removed, no manifest
+
+
+GCS_DATA_READ = r"/download/storage/v1/b/[^/]+/o/[^?]*data%2Frank0\.bin\?alt=media"  # ranged reads, streamed
+
+
+def test_gcs_reads_absorb_transient_errors_and_bodies_cut_off(gcs, waits):
+    """A ranged read streamed into place follows gcsfs's policy too: 5xx retried, and a response whose body
+    breaks off halfway is read again from its start (the restore is bit-exact)."""
+    path, options, proxy, direct = gcs
+    Snapshot.take(path, {"s": StateDict(_state())}, storage_options=direct)
+    proxy.fail("GET", GCS_DATA_READ, [503, 500])
+    _assert_restores(path, options)
+    first = proxy.requests("GET", GCS_DATA_READ)  # the data file is read in two ranges, in parallel
+    assert sorted(first) == [206, 206, 500, 503]
+    proxy.cut_off("GET", GCS_DATA_READ, 2)
+    _assert_restores(path, options)
+    assert sorted(proxy.requests("GET", GCS_DATA_READ)[len(first):]) == [0, 0, 206, 206]
+    assert len(waits) == 4
+
+
+def test_gcs_a_read_that_keeps_failing_fails_after_six_attempts(gcs, waits):
+    path, options, proxy, direct = gcs
+    Snapshot.take(path, {"s": StateDict(_state())}, storage_options=direct)
+    proxy.fail_always("GET", GCS_DATA_READ, 503)
+    with pytest.raises(Exception, match="503|injected"):
+        _assert_restores(path, options)
+    assert proxy.requests("GET", GCS_DATA_READ) == [503] * 12  # two ranges, 6 attempts each
+    # each range waits 2**(n-1) s plus up to 1 s before its retry n
+    assert sorted(math.floor(math.log2(wait)) for wait in waits) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 # -- Azure: AZURE_RETRIES on adlfs's client --------------------------------------------------------------------

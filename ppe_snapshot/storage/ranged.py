@@ -2,20 +2,21 @@
 
 One read (``Storage.read_vectored``: consecutive bytes into a list of views) is cut into pieces of at most
 ``Tuning.read_part_size`` bytes (fewer bytes, down to 1 MiB, where that gives every reader a piece), fetched at
-once on a shared pool of ``Tuning.read_workers`` threads. On S3
-(s3fs) each response body is streamed into its destination views (no intermediate bytes object of the
-piece), and a piece whose body breaks off is requested again; other file systems get ``cat_file`` of each
-range, copied into place.
+once on a shared pool of ``Tuning.read_workers`` threads. On S3 (s3fs) and GCS (gcsfs, ``gcs_reads.py``) each
+response body is streamed into its destination views (no intermediate bytes object of the piece), and a piece
+whose body breaks off is requested again; other file systems get ``cat_file`` of each range, copied into place.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
 from concurrent.futures import Future, wait
+from functools import partial
 from typing import Any, Sequence
 
 import fsspec.asyn
 
+from ppe_snapshot.storage.gcs_reads import is_gcsfs, stream_range
 from ppe_snapshot.storage.multipart import byte_view
 from ppe_snapshot.storage.part_stores import is_s3fs
 from ppe_snapshot.storage.pools import shared_pool
@@ -78,7 +79,8 @@ class RangedReader:
 
     def __init__(self, fs: Any, tuning: Tuning) -> None:
         self._fs, self._tuning = fs, tuning
-        self._streams = is_s3fs(fs)  # s3fs: responses streamed into place
+        # responses streamed into place (a coroutine filling one piece), where the store allows it
+        self._stream = self._stream_into if is_s3fs(fs) else partial(stream_range, fs) if is_gcsfs(fs) else None
 
     def read(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` in order from the consecutive bytes of ``path`` at ``offset``."""
@@ -103,11 +105,11 @@ class RangedReader:
                 raise error
 
     def _fetch(self, path: str, start: int, targets: list[memoryview]) -> None:
-        if not self._streams:
+        if self._stream is None:
             read_range(self._fs, path, start, targets)
             return
         try:
-            fsspec.asyn.sync(self._fs.loop, self._stream_into, path, start, targets)
+            fsspec.asyn.sync(self._fs.loop, self._stream, path, start, targets)
         except (EOFError, FileNotFoundError):
             raise
         except OSError:
