@@ -17,6 +17,9 @@ Methods:
   gcsfs               fs.pipe({key: bytes}) / fs.cat([keys]), one object per tensor, gcsfs defaults
   gcs-transfer        google-cloud-storage's transfer_manager.upload_many / download_many, 16 threads, one
                       object per tensor (downloads written straight into the tensors)
+  floor (GCS, save)   the state as one object the only parallel way this server takes (it serves no XML
+                      multipart upload): the same 8 MiB components as ppe-snapshot, 16 in flight, through gcsfs's
+                      pipe_file, composed 32 per request in the same rounds, then deleted; no ppe-snapshot code
   adlfs               fs.pipe / fs.cat as above, adlfs defaults
   azure-blob          azure-storage-blob upload_blob / download_blob(...).readinto, max_concurrency=16, one blob
                       per tensor, one after the other
@@ -44,6 +47,7 @@ from common import PeakRSS, Results, emit, free_port, mib  # noqa: E402
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # no gRPC bucket-type lookup (60 s on an emulator)
 BUCKET = "bench"
+FLOOR = "floor: components + compose, bare gcsfs (save only)"
 SHAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3_shaped.py")
 
 
@@ -101,6 +105,40 @@ class Gcs(_Store):
     def methods(self) -> dict:
         return {"ppe-snapshot": (self.ppe_save, self.ppe_restore), "gcsfs": (self.fs_save, self.fs_restore),
                 "gcs-transfer": (self.tm_save, self.tm_restore)}
+
+    def floor_save(self, state, prefix):
+        import fsspec.asyn
+        fsspec.asyn.sync(self.fs.loop, self._floor, state, prefix)
+
+    async def _floor(self, state, prefix, part=8 << 20, in_flight=16, fan_in=32):
+        import asyncio
+        pieces, parts, filled = [], [], 0  # each part: the slices of the tensors' bytes it holds
+        for view in (_view(v) for v in state.values()):
+            while view.nbytes:
+                n = min(view.nbytes, part - filled)
+                pieces.append(view[:n])
+                view, filled = view[n:], filled + n
+                if filled == part:
+                    parts.append(pieces)
+                    pieces, filled = [], 0
+        parts += [pieces] if pieces else []
+        slots = asyncio.Semaphore(in_flight)
+
+        async def put(number, slices):
+            async with slots:
+                await self.fs._pipe_file(f"{BUCKET}/{prefix}/c{number:05d}", b"".join(slices))
+            return f"{BUCKET}/{prefix}/c{number:05d}"
+
+        names = list(await asyncio.gather(*(put(i, p) for i, p in enumerate(parts))))
+        components, round_ = list(names), 0
+        while len(names) > fan_in:
+            groups = [names[i:i + fan_in] for i in range(0, len(names), fan_in)]
+            names = [f"{BUCKET}/{prefix}/r{round_}-{i:05d}" for i in range(len(groups))]
+            components += names
+            await asyncio.gather(*(self.fs._merge(n, g) for n, g in zip(names, groups)))
+            round_ += 1
+        await self.fs._merge(f"{BUCKET}/{prefix}/data", names)
+        await self.fs._rm(components)
 
     def tm_save(self, state, prefix):
         from google.cloud.storage import transfer_manager
@@ -290,6 +328,14 @@ def run(store, states: dict, rounds: int, name: str) -> Results:
                       flush=True)
                 del targets
                 store.remove(prefix)
+            if hasattr(store, "floor_save"):
+                prefix = f"floor-{kind}-{uuid.uuid4().hex[:8]}"
+                start = time.perf_counter()
+                store.floor_save(state, prefix)
+                results.add(kind, FLOOR, {"save": time.perf_counter() - start})
+                print(f"{name} round {round_} {kind} floor: save {results.samples[(kind, FLOOR, 'save')][-1]:.2f} s",
+                      flush=True)
+                store.remove(prefix)
     return results
 
 
@@ -308,9 +354,13 @@ def report(args, results: dict, states: dict, rss: dict) -> str:
             for kind in states:
                 for op in ("save", "restore"):
                     value = result.median(kind, method, op)
-                    best = min(result.median(kind, m, op) for m in methods if m != "ppe-snapshot")
-                    cells.append(f"{value:.2f} s" + (f" ({value / best:.2f}x best peer)"
-                                                     if method == "ppe-snapshot" else ""))
+                    if value is None:
+                        cells.append("-")
+                        continue
+                    best = min(result.median(kind, m, op) for m in methods if m not in ("ppe-snapshot", FLOOR))
+                    floor = result.median(kind, FLOOR, op)
+                    ratios = f" ({value / best:.2f}x best peer" + (f", {value / floor:.2f}x floor)" if floor else ")")
+                    cells.append(f"{value:.2f} s" + (ratios if method == "ppe-snapshot" else ""))
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append("Peak RSS above the state of one ppe-snapshot take (median of 3 fresh processes, each after a "
