@@ -26,6 +26,7 @@ variable                              default  meaning
 ``PPE_SNAPSHOT_READ_PART_MB``         ``8``    object stores: reads are split into ranged requests
                                                of at most this many MiB
 ``PPE_SNAPSHOT_READ_WORKERS``         ``32``   object stores: ranged requests in flight per storage
+                                               (unset: 32, and 64 on GCS, whose reads hold no memory)
 ``PPE_SNAPSHOT_FORMAT_VERSION``       ``2``    the format version takes write: ``1`` (one JSON
                                                manifest) or ``2`` (a small manifest and index files);
                                                unset: the engine's ``DEFAULT_VERSION``, which also
@@ -55,7 +56,8 @@ class Settings:
     part_bytes: int = 8 << 20
     upload_concurrency: int = 16
     read_part_bytes: int = 8 << 20
-    read_workers: int = 32
+    #: None: the store's default (``storage/tuning.py``).
+    read_workers: int | None = None
     #: None: the default (settings import nothing of ours: the engine defines the versions and checks this one).
     format_version: int | None = None
     block_bytes: int = 1 << 20
@@ -72,7 +74,7 @@ class Settings:
             part_bytes=int(env.get("PPE_SNAPSHOT_PART_MB", "8")) << 20,
             upload_concurrency=int(env.get("PPE_SNAPSHOT_UPLOAD_CONCURRENCY", "16")),
             read_part_bytes=int(env.get("PPE_SNAPSHOT_READ_PART_MB", "8")) << 20,
-            read_workers=int(env.get("PPE_SNAPSHOT_READ_WORKERS", "32")),
+            read_workers=int(env["PPE_SNAPSHOT_READ_WORKERS"]) if env.get("PPE_SNAPSHOT_READ_WORKERS") else None,
             format_version=int(env["PPE_SNAPSHOT_FORMAT_VERSION"]) if env.get("PPE_SNAPSHOT_FORMAT_VERSION") else None,
             block_bytes=int(env.get("PPE_SNAPSHOT_BLOCK_KB", "1024")) << 10,
         )

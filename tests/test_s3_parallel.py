@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict
-from ppe_snapshot.storage import FsspecStorage, LocalStorage, Tuning, open_storage
+from ppe_snapshot.storage import FsspecStorage, LocalStorage, open_storage, split_tuning
 
 from _asserts import assert_ranged_reads_scatter
 
@@ -143,6 +143,17 @@ def test_knobs_are_checked_and_never_reach_fsspec(s3_bucket, tmp_path):
     # local paths keep the local storage, knobs or not; a plain fsspec file system keeps the generic path
     assert isinstance(open_storage(str(tmp_path), {"ppe_read_workers": 8}), LocalStorage)
     assert open_storage("memory://ppe-snapshot-knobs", {"ppe_read_workers": 8}).read_workers == 2
+
+
+def test_readers_in_flight_default_per_store(monkeypatch):
+    """32 ranged readers, 64 on GCS (its reads hold no memory); the environment or the options set any store's."""
+    from ppe_snapshot.settings import SETTINGS
+
+    assert [split_tuning(None, url)[0].read_workers for url in ("s3://b/x", "gs://b/x", "gcs://b/x", "az://c/x")] \
+        == [32, 64, 64, 32]
+    assert split_tuning({"ppe_read_workers": 8}, "gs://b/x")[0].read_workers == 8
+    monkeypatch.setattr(SETTINGS, "read_workers", 16)
+    assert split_tuning(None, "gs://b/x")[0].read_workers == 16
 
 
 def test_the_generic_ranged_path_scatters_cat_file_ranges(s3_bucket):

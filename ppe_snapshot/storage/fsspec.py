@@ -208,7 +208,7 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
 
     A URL whose file system is not installed raises an ``ImportError`` naming the extra that installs it.
     """
-    tuning, options = split_tuning(storage_options)
+    tuning, options = split_tuning(storage_options, str(url))
     try:
         fs, path = fsspec.core.url_to_fs(str(url), **with_connections(str(url), with_retry_policy(str(url), options),
                                                                       tuning))
@@ -231,7 +231,7 @@ def open_url(url: str, mode: str, storage_options: dict[str, Any] | None = None)
 
 def fsspec_storage(url: str, storage_options: dict[str, Any] | None) -> FsspecStorage:
     """The snapshot directory at ``url`` (see :func:`url_to_fs`)."""
-    tuning = split_tuning(storage_options)[0]
+    tuning = split_tuning(storage_options, url)[0]
     fs, root = url_to_fs(url, storage_options)
     check_part_size(fs, tuning.part_size)
     return FsspecStorage(fs, root, url, tuning)

@@ -12,9 +12,11 @@ Each is read from ``storage_options`` (the key is removed before the options rea
 ``ppe_read_part_size`` (``PPE_SNAPSHOT_READ_PART_MB``, in MiB; default 8 MiB)
     a read is split into ranged requests of at most this many bytes (of less, down to 1 MiB, where that gives
     every reader a request).
-``ppe_read_workers`` (``PPE_SNAPSHOT_READ_WORKERS``; default 32)
+``ppe_read_workers`` (``PPE_SNAPSHOT_READ_WORKERS``; default 32, on GCS 64)
     ranged requests in flight (one thread pool per value, shared by the storages of a process), and runs the
-    engine reads at once.
+    engine reads at once. GCS gets more: its responses stream into place, so a reader holds no memory, and
+    64 restored 512 MiB 5-15 % faster than 32 through the benchmarks' shaped proxy (where on S3 they restored
+    8 x 64 MiB 20 % slower).
 
 Memory: a writer holds at most ``ppe_upload_concurrency x ppe_part_size`` bytes of parts beyond the
 state. Reads land in their destination.
@@ -57,12 +59,19 @@ def _positive(key: str, value: Any) -> int:
     return number
 
 
-def split_tuning(storage_options: dict[str, Any] | None) -> tuple[Tuning, dict[str, Any]]:
-    """The knobs in effect, and ``storage_options`` without them (what goes to fsspec)."""
+#: ``ppe_read_workers`` where neither the options nor the environment set it, per URL scheme.
+READ_WORKERS_BY_SCHEME = {"gs": 64, "gcs": 64}
+READ_WORKERS_DEFAULT = 32
+
+
+def split_tuning(storage_options: dict[str, Any] | None, url: str = "") -> tuple[Tuning, dict[str, Any]]:
+    """The knobs in effect at ``url``, and ``storage_options`` without them (what goes to fsspec)."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
     options = dict(storage_options or {})
     given = {key: _positive(key, options.pop(key)) for key in KEYS if key in options}
     tuning = Tuning(part_size=given.get(PART_SIZE, SETTINGS.part_bytes),
                     upload_concurrency=given.get(UPLOAD_CONCURRENCY, SETTINGS.upload_concurrency),
                     read_part_size=given.get(READ_PART_SIZE, SETTINGS.read_part_bytes),
-                    read_workers=given.get(READ_WORKERS, SETTINGS.read_workers))
+                    read_workers=given.get(READ_WORKERS) or SETTINGS.read_workers
+                    or READ_WORKERS_BY_SCHEME.get(scheme, READ_WORKERS_DEFAULT))
     return tuning, options
