@@ -41,3 +41,30 @@ def incremental_takes(root: str) -> dict[str, Any]:
     Snapshot(f"{root}/s3").restore({"m": target, "rank": own_target})
     return {"written": os.path.getsize(f"{root}/s3/data/rank{rank}.bin"), "frozen": target["frozen"].full_tensor(),
             "own": own_target["own"], "step": target["step"]}
+
+
+def dcp_incremental_saves(root: str) -> dict[str, Any]:
+    """Three ``dcp.save`` of a sharded frozen tensor and a sharded adapter through SnapshotStorageWriter, each
+    save after the first with the one before as its base and one block of each rank's shard of the adapter
+    changed; then ``dcp.load`` of the last into fresh sharded targets. Returns this rank's data file size in the
+    last save and the tensors loaded (whole)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    adapter = torch.zeros(2 * 4096)  # each rank's shard: 4096 floats, 16 KiB
+    state = {"frozen": distribute_tensor(FROZEN, mesh, [Shard(0)]),
+             "adapter": distribute_tensor(adapter, mesh, [Shard(0)])}
+    dcp.save(state, storage_writer=SnapshotStorageWriter(f"{root}/d1"))
+    for step in (2, 3):
+        state["adapter"].to_local()[:16] = step  # the first block of this rank's shard
+        dcp.save(state, storage_writer=SnapshotStorageWriter(f"{root}/d{step}", base=f"{root}/d{step - 1}",
+                                                             block_bytes=BLOCK))
+    target = {name: distribute_tensor(torch.zeros_like(value.full_tensor()), mesh, [Shard(0)])
+              for name, value in state.items()}
+    dcp.load(target, storage_reader=SnapshotStorageReader(f"{root}/d3"))
+    written = sum(os.path.getsize(f"{root}/d3/data/{name}") for name in os.listdir(f"{root}/d3/data")
+                  if name.startswith(f"rank{rank}"))
+    return {"written": written, **{name: value.full_tensor() for name, value in target.items()}}

@@ -291,6 +291,18 @@ def test_ranks_reference_their_own_blocks(dist_run, tmp_path):
     snapshot.verify()
 
 
+def test_dcp_saves_of_several_ranks_write_only_their_changed_blocks(dist_run, tmp_path):
+    results = dist_run(workers.dcp_incremental_saves, 2, str(tmp_path))
+    adapter = torch.zeros(2 * 4096)
+    adapter[:16] = adapter[4096:4096 + 16] = 3
+    for result in results:
+        assert torch.equal(result["frozen"], workers.FROZEN) and torch.equal(result["adapter"], adapter)
+        assert result["written"] == workers.BLOCK  # the changed block of its shard of the adapter, nothing else
+    snapshot = Snapshot(str(tmp_path / "d3"))
+    assert snapshot.references == ("d1", "d2") and snapshot.metadata["dcp"]
+    snapshot.verify()
+
+
 def test_s3_incremental_take_and_retention(s3_bucket):
     url, options = s3_bucket
     values = state()
