@@ -8,7 +8,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 
 .DEFAULT_GOAL := test
-.PHONY: venv test demo bench clean distclean
+.PHONY: venv test demo bench gpu-check clean distclean
 
 venv: $(STAMP)
 
@@ -27,6 +27,19 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/bench_engine.py
+
+# The checks that need a CUDA GPU (CI has none, and these tests skip there): the CUDA tests, the FSDP2 example
+# over NCCL (stopped at 25, resumed on the GPU, then resumed on two CPU ranks over gloo), and staging with the
+# state on the GPU. GPU_PY: a Python whose torch has CUDA, with this package's requirements.
+GPU_PY ?= $(PY)
+GPU_RUN := /tmp/ppe-snapshot-gpu-check
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),venv)
+	$(GPU_PY) -m pytest -q tests -k cuda
+	rm -rf $(GPU_RUN)
+	$(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda --out $(GPU_RUN) --stop-at 25
+	$(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda --out $(GPU_RUN)
+	GLOO_SOCKET_IFNAME=lo $(GPU_PY) -m torch.distributed.run --nproc_per_node=2 examples/train_sharded.py --out $(GPU_RUN) --iterations 50
+	$(GPU_PY) benchmarks/bench_staging.py --device cuda --rounds 3 --many 10000 --rss 0
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache benchmarks/out
