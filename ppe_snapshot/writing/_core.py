@@ -131,7 +131,7 @@ class WriterCore:
         try:
             self._claim_path(slot, path)  # a save to the same name in flight must end before it is replaced
             if incremental:  # its base is the save before it, committed (and retention done with)
-                self._wait_others(slot)
+                self._wait_for_saves(besides=slot)
             job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
             began = time.perf_counter()
             try:
@@ -219,9 +219,11 @@ class WriterCore:
             self._raise_failure()
             self._slots[number].path = path
 
-    def _wait_others(self, number: int) -> None:
+    def _wait_for_saves(self, besides: int | None = None) -> None:
+        """Block until every save in flight but the one in slot ``besides`` is committed and its hooks ran; raise
+        a save's failure."""
         with self._cond:
-            while any(slot.busy for n, slot in enumerate(self._slots) if n != number):
+            while any(slot.busy for n, slot in enumerate(self._slots) if n != besides):
                 self._cond.wait()
             self._raise_failure()
 
@@ -276,10 +278,7 @@ class WriterCore:
     # -- waiting and shutting down --------------------------------------------------------
     def wait(self) -> None:
         """Block until every save in flight is committed and its hooks ran; raise a save's failure."""
-        with self._cond:
-            while any(slot.busy for slot in self._slots):
-                self._cond.wait()
-            self._raise_failure()
+        self._wait_for_saves()
 
     def finalize(self) -> None:
         """Wait for the saves in flight, then shut the executor down (idempotent)."""
