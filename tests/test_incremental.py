@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import _incremental_workers as workers
+from _asserts import written_as
 from _crafted import read_index
 from test_untrusted_index import write_index
 from ppe_snapshot import CorruptSnapshotError, MissingBaseError, Snapshot, SnapshotExistsError, StateDict, retention
@@ -352,6 +353,29 @@ def test_a_referenced_file_linked_out_of_its_snapshot_is_refused(tmp_path):
     for read in (lambda s: s.restore({"m": StateDict(state())}), lambda s: s.verify()):
         with pytest.raises(CorruptSnapshotError, match="outside"):
             read(Snapshot(str(path)))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_incremental_take_needs_index_files(tmp_path):
+    """Format version 1 (one JSON manifest) cannot reference a base: the engine's take and the DCP writer refuse
+    before writing anything."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ppe_snapshot.dcp import SnapshotStorageWriter
+
+    Snapshot.take(str(tmp_path / "s1"), {"m": StateDict(w=torch.ones(4))})
+    refused = "needs format version 2 or newer; PPE_SNAPSHOT_FORMAT_VERSION asks for 1"
+    with written_as(1):
+        with pytest.raises(ValueError, match=refused):
+            Snapshot.take(str(tmp_path / "s2"), {"m": StateDict(w=torch.ones(4))}, base=str(tmp_path / "s1"))
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"w": torch.ones(4)}, storage_writer=SnapshotStorageWriter(str(tmp_path / "d2"),
+                                                                                base=str(tmp_path / "s1")))
+    error = next(iter(info.value.failures.values()))
+    error = error[0] if isinstance(error, tuple) else error
+    assert isinstance(error, ValueError) and refused in str(error)
+    assert not (tmp_path / "s2" / "manifest.json").exists() and not (tmp_path / "d2" / "manifest.json").exists()
 
 
 def test_a_missing_base_writes_nothing(tmp_path):

@@ -55,6 +55,13 @@ def check_block_bytes(block_bytes: Any) -> int:
     return block_bytes
 
 
+def check_version(version: int, base: Any) -> None:
+    """Raise unless takes writing format ``version`` can reference base ``base`` (index files: version 2 and up)."""
+    if not can_reference(version):
+        raise ValueError(f"an incremental take (base={base!r}) needs format version 2 or newer; "
+                         f"PPE_SNAPSHOT_FORMAT_VERSION asks for {version}")
+
+
 def split_location(location: str) -> tuple[str, str]:
     """``(run directory, snapshot name)`` of a snapshot location (a local path or a URL)."""
     location = str(location).rstrip("/")
@@ -162,10 +169,7 @@ def write_pieces(storage: Storage, file: str, pieces: list[tuple[str, Sequence[i
     """Write ``pieces`` (path, offsets of a piece of a tensor or None for a whole value, payload) to ``file`` of
     the snapshot at ``storage``, referencing what snapshot ``base`` beside it holds: an incremental write for a
     writer that builds its manifest itself (the DCP adapter). Chunks come back in the order of ``pieces``."""
-    version = write_version()
-    if not can_reference(version):
-        raise ValueError(f"an incremental write (base={base!r}) needs format version 2 or newer; "
-                         f"PPE_SNAPSHOT_FORMAT_VERSION asks for {version}")
+    check_version(write_version(), base)
     opened = open_base(base, storage.url, 0, {}, storage_options)
     named = [(path if offsets is None else block_key(path, offsets), payload) for path, offsets, payload in pieces]
     return write_incremental(storage, lay_out(file, named), None, opened, block_bytes)

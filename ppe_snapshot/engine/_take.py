@@ -14,7 +14,7 @@ from ppe_snapshot.engine._flatten import Payload, PlainTensors, flatten, mark_re
 from ppe_snapshot.engine._format import Raw, data_file, new_take_id
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._incremental import (
-    IncrementalWrite, check_base, check_block_bytes, open_base, write_incremental,
+    IncrementalWrite, check_base, check_block_bytes, check_version, open_base, write_incremental,
 )
 from ppe_snapshot.engine._manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine._packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
@@ -338,9 +338,7 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
             check_base(base, str(path))
             if block_bytes is not None:
                 check_block_bytes(block_bytes)
-            if not versions.can_reference(version):
-                raise ValueError(f"an incremental take (base={base!r}) needs format version 2 or newer; "
-                                 f"PPE_SNAPSHOT_FORMAT_VERSION asks for {version}")
+            check_version(version, base)
         globs = _globs(replicated)
         items, plain = _flatten_all(app_state, allow_pickle, tensor_prepare)
     except Exception as e:  # every rank must still reach the agreement below
