@@ -14,7 +14,9 @@ every few iterations, three times, each in a child process:
 3. restarted on the same directory: ``autoload`` finds the newest complete
    snapshot, and training goes on from there to the end.
 
-It prints where run 3 resumed from, then PASS when its final model and
+After the kill it prints which snapshots were complete at that moment and, once the writer process (which
+outlives the trainer by the save in hand) has exited, whether it finished the one it was writing. It prints
+where run 3 resumed from, then PASS when its final model and
 optimizer are bit-identical to run 1 (FAIL and exit status 1 otherwise).
 With ``--keep DIR`` the runs are made under DIR and left there, to explore
 with the command line (``ppe-snapshot ls DIR/crashed``).
@@ -65,6 +67,7 @@ def train(out_dir: str, iterations: int) -> None:
     manager.start_extensions()  # autoload happens here
     if snapshot.resumed_from is not None:
         print(f"RESUMED {snapshot.resumed_from} iteration {manager.iteration}", flush=True)
+    print(f"WRITER {snapshot.writer.worker_pid}", flush=True)  # the parent waits for it to go after the kill
     while not manager.stop_trigger:
         with manager.run_iteration(step_optimizers=["main"]):
             g = torch.Generator().manual_seed(manager.iteration)  # the data of this iteration
@@ -95,7 +98,7 @@ def _show(line: str) -> None:
     elif line.startswith("RESUMED"):
         _, path, _, iteration = line.split()
         print(f"  autoload resumed from {path} at iteration {iteration}")
-    elif not line.startswith("ITERATION"):
+    elif not line.startswith(("ITERATION", "WRITER")):
         print(line, end="")
 
 
@@ -111,10 +114,13 @@ def _run_to_end(out_dir: str, show: bool = True) -> list[str]:
     return lines
 
 
-def _run_and_kill(out_dir: str) -> None:
-    child = _child(out_dir)
+def _run_and_kill(out_dir: str) -> int | None:
+    """Runs the child until KILL_AFTER and SIGKILLs it; returns its writer process's pid."""
+    child, writer_pid = _child(out_dir), None
     for line in child.stdout:
-        if line.startswith(("SNAPSHOT", "ITERATION")) and int(line.split()[1].rstrip(":")) >= KILL_AFTER:
+        if line.startswith("WRITER"):
+            writer_pid = int(line.split()[1])
+        elif line.startswith(("SNAPSHOT", "ITERATION")) and int(line.split()[1].rstrip(":")) >= KILL_AFTER:
             child.send_signal(signal.SIGKILL)  # right after the snapshot was handed to the writer
             _show(line)
             break
@@ -122,6 +128,47 @@ def _run_and_kill(out_dir: str) -> None:
     child.wait()
     child.stdout.close()
     print(f"  killed the training process after iteration {KILL_AFTER} (status {child.returncode})")
+    return writer_pid
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _snapshots(out_dir: str) -> tuple[list[str], set[str]]:
+    """The snapshot directories in ``out_dir``, oldest first, and those that are complete (have a manifest)."""
+    names = sorted((n for n in os.listdir(out_dir) if n.startswith("snapshot_iter_")), key=lambda n: int(n[14:]))
+    return names, {n for n in names if os.path.exists(os.path.join(out_dir, n, "manifest.json"))}
+
+
+def _report_kill(out_dir: str, writer_pid: int | None) -> None:
+    """Says what the kill left: what was complete at that moment, and what the writer process did after it.
+
+    The ProcessWriter's worker is a process of its own: it finishes the save in hand (or not) and exits once it
+    sees its parent gone. The listing is made again once it has, so that what is printed is what autoload finds.
+    """
+    names, complete = _snapshots(out_dir)
+    writing = [n for n in names if n not in complete]
+    print(f"  complete at the kill: {', '.join(n for n in names if n in complete) or 'none'}" +
+          (f"; being written by the writer process: {', '.join(writing)}" if writing else ""))
+    deadline = time.monotonic() + 30
+    while writer_pid is not None and _alive(writer_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if writer_pid is not None and _alive(writer_pid):
+        print(f"  the writer process (pid {writer_pid}) is still running after 30 s")
+        return
+    _, complete_after = _snapshots(out_dir)
+    for name in writing:
+        if name in complete_after:
+            print(f"  the writer process finished {name} after the trainer died, then exited: it is complete")
+        else:
+            print(f"  the writer process exited without finishing {name}: an incomplete leftover (no manifest.json),"
+                  " which autoload skips and n_retains removes")
 
 
 def _same(a: object, b: object) -> bool:
@@ -146,14 +193,7 @@ def main(keep: str | None) -> int:
         _run_to_end(straight, show=False)
         print(f"2. training again, snapshots every {SNAPSHOT_EVERY} iterations, and killing it with SIGKILL\n"
               "   (the first write also waits for the writer's new worker process to import torch)")
-        _run_and_kill(crashed)
-        left = sorted((n for n in os.listdir(crashed) if n.startswith("snapshot_iter_")), key=lambda n: int(n[14:]))
-        partial = [n for n in left if not os.path.exists(os.path.join(crashed, n, "manifest.json"))]
-        # The writer process may still be finishing a write (it exits with its parent within a second): a name
-        # without manifest.json is not committed yet, which autoload tells apart from a complete one either way.
-        print(f"  left behind: {', '.join(left)}" +
-              (f"; {', '.join(partial)} had no manifest.json yet (not committed when the trainer was killed)"
-               if partial else ""))
+        _report_kill(crashed, _run_and_kill(crashed))
         print("3. restarting it with autoload=True")
         lines = _run_to_end(crashed)
         if not any(line.startswith("RESUMED") for line in lines):
@@ -166,7 +206,9 @@ def main(keep: str | None) -> int:
           f"{'bit-identical to' if ok else 'different from'} the uninterrupted run's "
           f"({time.perf_counter() - start:.1f} s)")
     if keep:
-        print(f"the run directories are in {keep}; try: ppe-snapshot ls {os.path.join(keep, 'crashed')}")
+        tool = os.path.join(os.path.dirname(sys.executable), "ppe-snapshot")  # the venv's, which PATH may lack
+        print(f"the run directories are in {keep}; try: {tool if os.path.exists(tool) else 'ppe-snapshot'} ls "
+              f"{os.path.join(keep, 'crashed')}")
     return 0 if ok else 1
 
 
