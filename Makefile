@@ -1,28 +1,34 @@
-# `make test` works on a fresh clone: it creates the project's own .venv and installs
-# requirements-dev.txt, re-installing only when requirements-dev.txt / setup.cfg / setup.py
-# change (stamp file in the venv). A virtualenv that happens to be active is left alone;
-# `make test VENV=/path/to/venv` uses (and creates) that one instead.
+# `make test` and `make demo` work on a fresh clone: they create the project's own .venv. `make demo` installs
+# requirements.txt (the library and torch), `make test` requirements-dev.txt (that, plus the test stack);
+# each re-installs only when its requirements / setup.cfg / setup.py change (stamp files in the venv).
+# A virtualenv that happens to be active is left alone; `make test VENV=/path/to/venv` uses (and creates) that one.
 
 VENV ?= .venv
 PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.ppe-snapshot-dev.stamp
+RUN_STAMP := $(VENV)/.ppe-snapshot-run.stamp
 
 .DEFAULT_GOAL := test
 .PHONY: venv test demo bench gpu-check clean distclean
 
 venv: $(STAMP)
 
-$(STAMP): requirements-dev.txt setup.cfg setup.py
+$(RUN_STAMP): requirements.txt setup.cfg setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -r requirements.txt
+	touch $@
+
+$(STAMP): requirements-dev.txt requirements.txt setup.cfg setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -r requirements-dev.txt
 	@# Azurite, Azure's blob storage emulator, for the az:// tests (skipped where npm is missing)
 	-command -v npm >/dev/null && npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3
-	touch $@
+	touch $@ $(RUN_STAMP)
 
 test: venv
 	$(PY) -m pytest -q tests
 
-demo: venv
+demo: $(RUN_STAMP)
 	$(PY) examples/demo.py
 
 bench: venv
