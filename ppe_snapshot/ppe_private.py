@@ -28,7 +28,7 @@ from typing import Any, Callable
 from pytorch_pfn_extras import writing as ppe_writing
 
 #: The pytorch_pfn_extras versions (major.minor) whose private names this module was checked against.
-TESTED_PPE = ("0.9",)
+TESTED_PPE = ("0.8", "0.9")
 
 #: The class of ppe's default file system (POSIX paths), private in ppe (``writing._writer_base._PosixFileSystem``).
 PPE_DEFAULT_FS = type(ppe_writing.Writer().fs)
