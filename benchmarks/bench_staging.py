@@ -12,8 +12,8 @@ round runs every method once, in a rotating order, each right after the same
   writer's ``last_stats["staging_s"]`` splits the call into planning and copy;
 * ``dcp.async_save`` with its stagers (the cached ones reuse their buffers).
 
-It also times the first call of each writer (buffer allocation), one
-``Snapshot.async_take`` (a fresh buffer per call), and the writers' calls for
+``Snapshot.async_take`` is a method of the rounds too (it keeps its buffer from one call to the next). It also
+times the first call of each method (buffer allocation), and the writers' calls for
 64 MiB in ``--many`` small tensors (the cost per tensor), and the RSS over
 ``--rss`` consecutive snapshots of 128 MiB per writer (reused buffers: flat).
 Report: medians, and the writers' blocking time over the 2-thread copy of
@@ -52,7 +52,7 @@ import ppe_snapshot as ps  # noqa: E402
 from ppe_snapshot import writing  # noqa: E402
 
 COPY1, COPY2 = "copy_ into a faulted private buffer, 1 thread", "copy_ into a faulted private buffer, 2 threads"
-THREAD, PROCESS = "ThreadWriter", "ProcessWriter"
+THREAD, PROCESS, ASYNC_TAKE = "ThreadWriter", "ProcessWriter", "Snapshot.async_take"
 
 
 def tensors(value) -> list[torch.Tensor]:
@@ -135,6 +135,23 @@ class DcpAsync:
             self.stager.close()
 
 
+class AsyncTake:
+    """``Snapshot.async_take``, whose staging buffer is kept from one call to the next."""
+
+    def __init__(self) -> None:
+        ps.Snapshot.release_staging()  # the first call allocates, as a fresh process's would
+
+    def __call__(self, path: str, state: dict) -> dict[str, float]:
+        start = time.perf_counter()
+        pending = ps.Snapshot.async_take(path, {"state": ps.StateDict(state)})
+        blocking = time.perf_counter() - start
+        pending.wait()
+        return {"blocking": blocking}
+
+    def close(self) -> None:
+        ps.Snapshot.release_staging()
+
+
 def on_cuda(sources: list[torch.Tensor]) -> bool:
     return any(t.is_cuda for t in sources)
 
@@ -149,6 +166,7 @@ def methods(device: str) -> dict[str, Callable]:
         COPY2: PlainCopy(2),
         THREAD: Writer(writing.ThreadWriter),
         PROCESS: Writer(writing.ProcessWriter),
+        ASYNC_TAKE: AsyncTake(),
         "dcp.async_save thread, default staging": DcpAsync(AsyncCheckpointerType.THREAD, None),
         "dcp.async_save thread + cached staging": DcpAsync(AsyncCheckpointerType.THREAD, cached(False)),
         "dcp.async_save process + cached shm staging": DcpAsync(AsyncCheckpointerType.PROCESS, cached(True)),
@@ -238,13 +256,6 @@ def main() -> None:
             if metrics is not None:
                 first.add(case, name, metrics)
                 print(f"first call: {name}: {metrics['blocking']:.3f} s", flush=True)
-        for _ in range(args.rounds):  # a fresh buffer every call: what a first snapshot costs
-            path = os.path.join(root, "async_take")
-            start = time.perf_counter()
-            pending = ps.Snapshot.async_take(path, {"model": model, "optim": optim})
-            results.add("async_take", "Snapshot.async_take", {"blocking": time.perf_counter() - start})
-            pending.wait()
-            remove(path)
         names = list(table)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -276,8 +287,14 @@ def main() -> None:
              "| first call (allocates its buffers; the ProcessWriter's also waits for its worker to start) | blocked |",
              "|---|---|"]
     lines += [f"| {name} | {secs(first.median(case, name, 'blocking'))} |" for name in first.methods(case)]
-    lines += [f"| Snapshot.async_take, every call (fresh buffer) | "
-              f"{secs(results.median('async_take', results.methods('async_take')[0], 'blocking'))} |", ""]
+    lines.append("")
+    steady = {name: results.median(case, name, "blocking") for name in results.methods(case)}
+    for name in (THREAD, PROCESS, ASYNC_TAKE):
+        if name in first.methods(case) and name in steady:
+            lines.append(f"- {name}: first call {first.median(case, name, 'blocking') / steady[name]:.2f}x its "
+                         "steady blocking")
+    if ASYNC_TAKE in steady and THREAD in steady:
+        lines.append(f"- {ASYNC_TAKE}: steady blocking {steady[ASYNC_TAKE] / steady[THREAD]:.2f}x the ThreadWriter's")
     for name in (THREAD, PROCESS):
         per_round = [b / c for b, c in zip(results.samples[(case, name, "blocking")], copy2)]
         lines.append(f"- {name}: blocked {statistics.median(per_round):.2f}x the 2-thread copy of the same round "

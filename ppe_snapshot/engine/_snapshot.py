@@ -12,6 +12,7 @@ from ppe_snapshot.engine._manifest import Entry, Manifest
 from ppe_snapshot.engine._ranks import group_rank
 from ppe_snapshot.engine._reads import verify_chunks
 from ppe_snapshot.engine._stateful import check_restorable, restore_order
+from ppe_snapshot.engine._staging_pool import give_back, release_staging_buffers, take_staging_buffer
 from ppe_snapshot.engine._take import TakeJob, TensorPrepare, prepare_take
 from ppe_snapshot.engine._versions import read_manifest
 from ppe_snapshot.errors import CorruptSnapshotError
@@ -94,20 +95,30 @@ class Snapshot:
 
         The write and the commit go on in a background thread; mutating the
         state after this returns does not change the snapshot. ``staging``
-        supplies a reusable buffer (writers use it); by default a buffer is
-        allocated and released when the write ends. ``base`` and ``block_bytes``
-        as for :meth:`take` (the blocks are compared in the background).
+        supplies a reusable buffer (writers use it); by default the buffer is
+        kept when the write ends and reused by the next call (page-locked for
+        state on a GPU, plain for state on the host; at most one idle buffer
+        of each kind, see :meth:`release_staging`). ``base`` and
+        ``block_bytes`` as for :meth:`take` (the blocks are compared in the
+        background).
         """
         job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
                            allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func,
                            base=base, block_bytes=block_bytes)
+        pin = job.layout.on_cuda()
         try:
-            buffer = staging(job.layout.size) if staging is not None else None
+            buffer = staging(job.layout.size) if staging is not None else take_staging_buffer(job.layout.size, pin)
         except BaseException as e:
             job.conclude(e)  # several ranks: the others hear of it rather than wait
             raise
         job.stage(buffer)
-        return PendingSnapshot(job, cls(job.storage.url, pg, storage_options))
+        return PendingSnapshot(job, cls(job.storage.url, pg, storage_options), pooled=None if staging else pin)
+
+    @staticmethod
+    def release_staging() -> int:
+        """Free the staging buffers :meth:`async_take` keeps between calls (at most one of each kind: plain
+        and page-locked); returns their size in bytes. The next ``async_take`` allocates afresh."""
+        return release_staging_buffers()
 
     # -- reading ------------------------------------------------------------
     def _storage(self) -> Storage:
@@ -210,17 +221,23 @@ class Snapshot:
 class PendingSnapshot:
     """A snapshot being written in the background by :meth:`Snapshot.async_take`."""
 
-    def __init__(self, job: TakeJob, snapshot: Snapshot) -> None:
+    def __init__(self, job: TakeJob, snapshot: Snapshot, pooled: bool | None = None) -> None:
+        """``pooled``: the staging buffer goes back to :meth:`Snapshot.async_take`'s pool when the write ends
+        (True: a page-locked one); None: the caller's, left alone."""
         self._snapshot = snapshot
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(job,), name="ppe-snapshot-write")
+        self._thread = threading.Thread(target=self._run, args=(job, job.staged if pooled is not None else None,
+                                                               bool(pooled)), name="ppe-snapshot-write")
         self._thread.start()
 
-    def _run(self, job: TakeJob) -> None:
+    def _run(self, job: TakeJob, pooled: torch.Tensor | None, pin: bool) -> None:
         try:
-            job.write_and_commit()
+            job.write_and_commit()  # lets go of the job's staging buffer
         except BaseException as e:  # handed to wait()
             self._error = e
+        finally:
+            if pooled is not None:
+                give_back(pooled, pin)
 
     def done(self) -> bool:
         """Whether the write has finished (successfully or not)."""
