@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import fsspec
 import torch
 
+from ppe_snapshot.cli.dcp_dirs import load_dcp
 from ppe_snapshot.dcp import DCP_KEY
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, RNGState, Snapshot
 from ppe_snapshot.retention import filesystem
@@ -195,7 +195,7 @@ def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, An
             state = state[STATE_KEY] if isinstance(state[STATE_KEY], dict) else state
         return state, rng
     if source.kind in (Kind.DCP_ADAPTER, Kind.TORCH_DCP):
-        return read_dcp(source), {}
+        return read_dcp(source, allow_pickle)[0], {}
     if source.kind == Kind.PPE_FILE:
         if allow_pickle:  # the user trusts the file: objects beyond tensors and plain values are unpickled
             with open_url(source.path, "rb", source.storage_options) as f:
@@ -208,26 +208,23 @@ def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, An
     raise UsageError(f"{source.path}: a {source.kind} snapshot cannot be read")
 
 
-def read_dcp(source: Source) -> dict[str, Any]:
-    """A DCP checkpoint's whole state dict (DCP's own loader; non-tensor values as DCP deserializes them)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+def _dcp_reader(source: Source) -> Any:
     if source.kind == Kind.DCP_ADAPTER:
         from ppe_snapshot.dcp import SnapshotStorageReader
-        reader: Any = SnapshotStorageReader(source.path, storage_options=source.storage_options)
-    else:
-        local = local_path(source.path, source.storage_options)
-        if local is None:
-            raise UsageError(f"{source.path}: torch DCP directories are read from local paths only")
-        reader = dcp.FileSystemReader(local)
-    state: dict[str, Any] = {}
-    # dcp.load fills only the keys given; the empty planner (as torch's dcp_to_torch_save) loads them all
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state
+        return SnapshotStorageReader(source.path, storage_options=source.storage_options)
+    import torch.distributed.checkpoint as dcp
+
+    local = local_path(source.path, source.storage_options)
+    if local is None:
+        raise UsageError(f"{source.path}: torch DCP directories are read from local paths only")
+    return dcp.FileSystemReader(local)
+
+
+def read_dcp(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A DCP checkpoint's whole state dict (DCP's own loader; non-tensor values without pickle unless allowed),
+    with what ``convert`` recorded there (empty dicts, dict keys that are not strings), and the snapshot metadata
+    it recorded (None when it was not written by ``convert``)."""
+    return load_dcp(_dcp_reader(source), allow_pickle)
 
 
 def read_safetensors(source: Source) -> dict[str, Any]:

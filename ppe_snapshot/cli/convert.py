@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import warnings
 from typing import Any
 
 import torch
 
-from ppe_snapshot.cli.common import Kind, UsageError, flatten, open_source, progress, read_state
+from ppe_snapshot.cli.common import Kind, Source, UsageError, flatten, open_source, progress, read_dcp, read_state
+from ppe_snapshot.cli.dcp_dirs import save_dcp
 from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
 from ppe_snapshot.storage import local_path, open_storage, open_url
 from ppe_snapshot.retention import filesystem
@@ -80,22 +80,30 @@ def _write_torch(state: dict[str, Any], dst: str, storage_options: dict | None) 
         f.write(buffer.getvalue())
 
 
-def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
+def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None,
+               metadata: dict[str, Any] | None) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     local = local_path(dst, storage_options)
     if local is None:
         raise UsageError(f"{dst}: torch DCP directories are written to local paths only")
-    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        save_dcp(state, dcp.FileSystemWriter(local), metadata)
+    except CheckpointException as e:  # a BaseException holding each rank's error and its traceback as text
+        cause = next(iter(e.failures.values()), e)
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack)
+        raise UsageError(f"{dst}: torch DCP could not write it: {type(cause).__name__}: {cause}") from e
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
-        try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(local), no_dist=True)
-        except CheckpointException as e:  # a BaseException holding each rank's error and its traceback as text
-            cause = next(iter(e.failures.values()), e)
-            cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack)
-            raise UsageError(f"{dst}: torch DCP could not write it: {type(cause).__name__}: {cause}") from e
+
+def _read(source: Source, allow_pickle: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """The source's state, its RNG states, and the metadata recorded with it (training position...): an engine
+    snapshot's, or what ``convert`` recorded in a DCP checkpoint."""
+    if source.kind in (Kind.DCP_ADAPTER, Kind.TORCH_DCP):
+        state, metadata = read_dcp(source, allow_pickle)
+        return state, {}, metadata
+    state, rng = read_state(source, allow_pickle=allow_pickle)
+    return state, rng, source.snapshot().metadata if source.kind == Kind.SNAPSHOT else None
 
 
 def _self_contained_current(path: str, storage_options: dict | None) -> bool:
@@ -118,7 +126,7 @@ def convert(args: argparse.Namespace) -> str:
                          "instead")
     existing = _check_destination(args.dst, args.storage_options, args.force)
     with progress(4, f"convert {args.src}", unit="step") as bar:
-        state, rng = ({}, {}) if upgrade else read_state(source, allow_pickle=args.allow_pickle)
+        state, rng, metadata = ({}, {}, None) if upgrade else _read(source, args.allow_pickle)
         if target in ("safetensors", "dcp"):
             flatten(state)  # keys that collide once joined are refused here, before anything is written
         bar.update(2)
@@ -129,7 +137,7 @@ def convert(args: argparse.Namespace) -> str:
                 upgrade_snapshot(open_storage(args.src, args.storage_options),
                                  open_storage(args.dst, args.storage_options))
             else:
-                _write(args, target, state, sorted(rng))
+                _write(args, target, state, sorted(rng), metadata)
         except BaseException:
             _remove_partial(args.dst, args.storage_options)
             if aside is not None:  # the old DST comes back: a failed --force loses nothing
@@ -151,17 +159,19 @@ def _remove_partial(dst: str, storage_options: dict | None) -> None:
         pass
 
 
-def _write(args: argparse.Namespace, target: str, state: dict[str, Any], left_out: list[str]) -> None:
+def _write(args: argparse.Namespace, target: str, state: dict[str, Any], left_out: list[str],
+           metadata: dict[str, Any] | None) -> None:
     if left_out and target != "snapshot":
         _note(f"{target} target holds the training state only; not written: {', '.join(left_out)} "
               "(RNG states: convert to a snapshot to keep them)")
     if target == "snapshot":
         app_state: dict[str, Any] = {"state": StateDict(state)}
-        Snapshot.take(args.dst, app_state, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
+        Snapshot.take(args.dst, app_state, storage_options=args.storage_options, allow_pickle=args.allow_pickle,
+                      metadata=metadata)
     elif target == "torch":
         _write_torch(state, args.dst, args.storage_options)
     elif target == "dcp":
-        _write_dcp(state, args.dst, args.storage_options)
+        _write_dcp(state, args.dst, args.storage_options, metadata)
     else:
         _write_safetensors(state, args.dst, args.storage_options)
 

@@ -1,0 +1,181 @@
+"""torch DCP checkpoints as the CLI writes and reads them, keeping what DCP's flattening loses.
+
+DCP stores the leaves of a nested state dict under dotted keys. An empty dict leaves no key (ppe's manager state
+holds some: ``extensions/_Snapshot/trigger``), and every dict key comes back as a string (an optimizer's ``state``
+is keyed by ints, and ``Optimizer.load_state_dict`` silently ignores string keys). :func:`save_dcp` records both,
+with the snapshot's metadata (training position), in the checkpoint's ``planner_data`` under :data:`EXTRAS_KEY`;
+:func:`load_dcp` puts them back. DCP's own loaders look ``planner_data`` up by the keys they load, so a plain
+``dcp.load`` of the checkpoint is unaffected.
+
+Non-tensor values are read with ``torch.load(weights_only=True)`` unless the caller allows pickle (DCP's own
+loader unpickles them whole).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ppe_snapshot.errors import UnsupportedValueError
+
+#: The ``planner_data`` key of what :func:`save_dcp` records beside DCP's own mappings.
+EXTRAS_KEY = "__ppe_snapshot__"
+
+Path = tuple[str | int, ...]
+
+
+def _children(value: Any) -> list[tuple[str | int, Any]]:
+    if isinstance(value, Mapping):
+        return [(str(k), v) for k, v in value.items()]
+    return list(enumerate(value)) if isinstance(value, list) else []
+
+
+def _skeleton(value: Any) -> Any:
+    """A container holding only containers, as plain dicts (their own keys) and lists."""
+    if isinstance(value, Mapping):
+        return {k: _skeleton(v) for k, v in value.items()}
+    return [_skeleton(v) for v in value]
+
+
+def structure(state: Mapping[str, Any], leaves: list[Path]) -> dict[str, Any]:
+    """What DCP does not store of ``state`` whose stored leaves are at ``leaves``: the containers holding no leaf
+    (``empty``: [path, skeleton, place among its parent's keys], the outermost ones) and the dicts with keys other than strings (``keys``: [path,
+    [[key as stored, key]...]], in the dict's order)."""
+    stored = set(leaves)
+    holding = {leaf[:i] for leaf in leaves for i in range(1, len(leaf) + 1)}
+    empty: list[list[Any]] = []
+    keys: list[list[Any]] = []
+
+    def walk(value: Any, path: Path, place: int) -> None:
+        if path in stored:
+            return
+        if path and path not in holding:
+            if isinstance(value, (Mapping, list)):
+                empty.append([list(path), _skeleton(value), place])
+            return
+        if isinstance(value, Mapping) and any(type(k) is not str for k in value):
+            keys.append([list(path), [[str(k), k] for k in value]])
+        for i, (key, child) in enumerate(_children(value)):
+            walk(child, path + (key,), i)
+
+    walk(state, (), 0)
+    return {"empty": empty, "keys": keys}
+
+
+def _value_at(state: Any, path: list[Any]) -> Any:
+    for key in path:
+        state = state[key] if isinstance(state, list) else next(v for k, v in state.items() if str(k) == key)
+    return state
+
+
+def _extend(node: list[Any], index: int) -> None:
+    node.extend([None] * (index + 1 - len(node)))
+
+
+def _set(state: dict[str, Any], path: list[Any], value: Any, place: int | None = None) -> None:
+    """Put ``value`` at ``path``, making the dicts (string keys) and lists (int keys) on the way; a new key of a
+    dict goes to ``place`` among its keys (by default last)."""
+    node: Any = state
+    for key, following in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            _extend(node, key)
+        child = node[key] if isinstance(node, list) else node.get(key)
+        if child is None:
+            child = node[key] = {} if isinstance(following, str) else []
+        node = child
+    if isinstance(node, list):
+        _extend(node, path[-1])
+    node[path[-1]] = value
+    if isinstance(node, dict) and place is not None:
+        items = [(k, v) for k, v in node.items() if k != path[-1]]
+        items.insert(place, (path[-1], value))
+        node.clear()
+        node.update(items)
+
+
+def restore_structure(state: dict[str, Any], extras: Mapping[str, Any]) -> None:
+    """Put back what :func:`structure` recorded: the empty containers in their places, then the dicts' own keys
+    (innermost first, so that every path is still spelled as stored when it is followed)."""
+    for path, skeleton, place in extras.get("empty", ()):  # outer ones first, in order: each place is right
+        _set(state, list(path), skeleton, place)
+    for path, pairs in sorted(extras.get("keys", ()), key=lambda record: -len(record[0])):
+        holder = _value_at(state, list(path))
+        rebuilt = {key: holder[stored] for stored, key in pairs if stored in holder}
+        holder.clear()
+        holder.update(rebuilt)
+
+
+class _RecordingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that also records :func:`structure` and ``metadata`` in ``planner_data``."""
+
+    def __init__(self, metadata: Mapping[str, Any] | None) -> None:
+        super().__init__()
+        self._metadata = dict(metadata or {})
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        original = state_dict
+        super().set_up_planner(state_dict, *args, **kwargs)
+        if EXTRAS_KEY in self.mappings:
+            raise UnsupportedValueError(f"the state holds a value at {EXTRAS_KEY!r}, the key this converter keeps "
+                                        "its records under; rename it")
+        self._extras = {**structure(original, list(self.mappings.values())), "metadata": self._metadata}
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, planner_data={**(plan.planner_data or {}), EXTRAS_KEY: self._extras})
+
+
+class _RecordedLoadPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's planner that loads a whole checkpoint, reading non-tensor values without pickle unless allowed, and
+    keeping what :class:`_RecordingSavePlanner` recorded."""
+
+    def __init__(self, allow_pickle: bool) -> None:
+        super().__init__()
+        self._allow_pickle = allow_pickle
+        self.extras: Mapping[str, Any] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        data = getattr(metadata, "planner_data", None)
+        self.extras = data.get(EXTRAS_KEY, {}) if isinstance(data, Mapping) else {}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=not self._allow_pickle)
+        except pickle.UnpicklingError as e:
+            raise UnsupportedValueError(
+                f"the value {fqn!r} needs pickle to read, and unpickling runs code chosen by whoever wrote the "
+                "checkpoint; allow pickle (--allow-pickle, allow_pickle=True) to read it if you trust it") from e
+        _set(self.original_state_dict, list(self.mappings[fqn]), loaded)
+
+
+def save_dcp(state: dict[str, Any], writer: Any, metadata: Mapping[str, Any] | None = None) -> None:
+    """``dcp.save`` of ``state`` in one process through ``writer``, recording what DCP does not keep."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
+        dcp.save(state, storage_writer=writer, planner=_RecordingSavePlanner(metadata), no_dist=True)
+
+
+def load_dcp(reader: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A DCP checkpoint's whole state dict read through ``reader``, as it was saved where :func:`save_dcp` wrote
+    it, and the metadata recorded then (None when none was)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    planner = _RecordedLoadPlanner(allow_pickle)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # as above
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    restore_structure(state, planner.extras)
+    metadata = planner.extras.get("metadata")
+    return state, (dict(metadata) if isinstance(metadata, Mapping) else None)
