@@ -6,6 +6,7 @@ ppe files with ``torch.load(weights_only=True)``, safetensors files hold nothing
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -13,9 +14,10 @@ from typing import Any, Iterable, Iterator
 import fsspec
 import torch
 
-from ppe_snapshot.cli.dcp_dirs import load_dcp
+from ppe_snapshot.cli.dcp_dirs import load_dcp, metadata_checked_reader
 from ppe_snapshot.dcp import DCP_KEY
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, RNGState, Snapshot
+from ppe_snapshot.errors import SnapshotNotFoundError, UnsupportedFormatError, UnsupportedValueError
 from ppe_snapshot.retention import filesystem
 from ppe_snapshot.run_dir import load_file
 from ppe_snapshot.storage import local_path, open_url
@@ -127,13 +129,17 @@ def is_retired(path: str, storage_options: dict[str, Any] | None) -> bool:
 
 
 def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_progress: bool = False) -> Source:
-    """What ``path`` holds; :class:`UsageError` (naming the path) when it is missing or not a snapshot."""
+    """What ``path`` holds. Raises, naming the path and the problem, :class:`SnapshotNotFoundError` when nothing
+    readable is there (nothing at all, a directory without a snapshot, an in-progress or retired one) and
+    :class:`UnsupportedFormatError` for a file of no kind that is read here."""
     fs, root = filesystem(path, storage_options)
     if not fs.exists(root):
-        raise UsageError(f"{path}: no such file or directory")
+        raise SnapshotNotFoundError(f"{path}: no such file or directory")
     kind, problem = classify(fs, root)
+    if kind is None and not fs.isdir(root):
+        raise UnsupportedFormatError(f"{path}: {problem}")
     if kind is None or kind == Kind.RETIRED or (kind == Kind.IN_PROGRESS and not allow_in_progress):
-        raise UsageError(f"{path}: {problem}")
+        raise SnapshotNotFoundError(f"{path}: {problem}")
     if kind == Kind.SNAPSHOT:
         try:
             metadata = Snapshot(path, pg=LOCAL, storage_options=storage_options).metadata
@@ -201,30 +207,34 @@ def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, An
             with open_url(source.path, "rb", source.storage_options) as f:
                 state = torch.load(f, map_location="cpu", weights_only=False)
         else:
-            state = load_file(source.path, source.storage_options)
+            try:
+                state = load_file(source.path, source.storage_options)
+            except pickle.UnpicklingError as e:  # torch's message suggests weights_only=False: say what it means
+                raise UnsupportedValueError(
+                    f"{source.path}: holds objects beyond tensors and plain values, and unpickling them runs code "
+                    "chosen by whoever wrote the file; allow pickle (--allow-pickle, allow_pickle=True) to read it "
+                    "if you trust it") from e
         return (state if isinstance(state, dict) else {"value": state}), {}
     if source.kind == Kind.SAFETENSORS:
         return read_safetensors(source), {}
     raise UsageError(f"{source.path}: a {source.kind} snapshot cannot be read")
 
 
-def _dcp_reader(source: Source) -> Any:
+def _dcp_reader(source: Source, allow_pickle: bool) -> Any:
     if source.kind == Kind.DCP_ADAPTER:
         from ppe_snapshot.dcp import SnapshotStorageReader
         return SnapshotStorageReader(source.path, storage_options=source.storage_options)
-    import torch.distributed.checkpoint as dcp
-
     local = local_path(source.path, source.storage_options)
     if local is None:
-        raise UsageError(f"{source.path}: torch DCP directories are read from local paths only")
-    return dcp.FileSystemReader(local)
+        raise UnsupportedFormatError(f"{source.path}: torch DCP directories are read from local paths only")
+    return metadata_checked_reader(local, allow_pickle)
 
 
 def read_dcp(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """A DCP checkpoint's whole state dict (DCP's own loader; non-tensor values without pickle unless allowed),
     with what ``convert`` recorded there (empty dicts, dict keys that are not strings), and the snapshot metadata
     it recorded (None when it was not written by ``convert``)."""
-    return load_dcp(_dcp_reader(source), allow_pickle)
+    return load_dcp(_dcp_reader(source, allow_pickle), allow_pickle)
 
 
 def read_safetensors(source: Source) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ppe_snapshot.cli.common import Kind, Source, UsageError, flatten, open_source, progress, read_dcp, read_state
-from ppe_snapshot.cli.dcp_dirs import save_dcp
+from ppe_snapshot.cli.dcp_dirs import failure, save_dcp
 from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
 from ppe_snapshot.storage import local_path, open_storage, open_url
 from ppe_snapshot.retention import filesystem
@@ -91,8 +91,7 @@ def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None,
     try:
         save_dcp(state, dcp.FileSystemWriter(local), metadata)
     except CheckpointException as e:  # a BaseException holding each rank's error and its traceback as text
-        cause = next(iter(e.failures.values()), e)
-        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack)
+        cause = failure(e)
         raise UsageError(f"{dst}: torch DCP could not write it: {type(cause).__name__}: {cause}") from e
 
 

@@ -7,23 +7,28 @@ with the snapshot's metadata (training position), in the checkpoint's ``planner_
 :func:`load_dcp` puts them back. DCP's own loaders look ``planner_data`` up by the keys they load, so a plain
 ``dcp.load`` of the checkpoint is unaffected.
 
-Non-tensor values are read with ``torch.load(weights_only=True)`` unless the caller allows pickle (DCP's own
-loader unpickles them whole).
+A checkpoint is untrusted input: unless the caller allows pickle, its non-tensor values are read with
+``torch.load(weights_only=True)`` (DCP's own loader unpickles them whole), and a torch DCP directory's
+``.metadata`` (a pickle) by an unpickler that makes nothing but what DCP's metadata is made of.
 """
 from __future__ import annotations
 
 import dataclasses
 import io
+import pathlib
 import pickle
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ppe_snapshot.errors import UnsupportedValueError
+from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedValueError
 
 #: The ``planner_data`` key of what :func:`save_dcp` records beside DCP's own mappings.
 EXTRAS_KEY = "__ppe_snapshot__"
@@ -46,8 +51,8 @@ def _skeleton(value: Any) -> Any:
 
 def structure(state: Mapping[str, Any], leaves: list[Path]) -> dict[str, Any]:
     """What DCP does not store of ``state`` whose stored leaves are at ``leaves``: the containers holding no leaf
-    (``empty``: [path, skeleton, place among its parent's keys], the outermost ones) and the dicts with keys other than strings (``keys``: [path,
-    [[key as stored, key]...]], in the dict's order)."""
+    (``empty``: [path, skeleton, place among its parent's keys], the outermost ones) and the dicts with keys other
+    than strings (``keys``: [path, [[key as stored, key]...]], in the dict's order)."""
     stored = set(leaves)
     holding = {leaf[:i] for leaf in leaves for i in range(1, len(leaf) + 1)}
     empty: list[list[Any]] = []
@@ -175,7 +180,70 @@ def load_dcp(reader: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], d
     planner = _RecordedLoadPlanner(allow_pickle)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # as above
-        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+        try:
+            _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            raise failure(e) from None
     restore_structure(state, planner.extras)
     metadata = planner.extras.get("metadata")
     return state, (dict(metadata) if isinstance(metadata, Mapping) else None)
+
+
+def failure(error: CheckpointException) -> BaseException:
+    """The error a rank raised inside DCP's save or load (DCP hands it on wrapped, with its stack as text)."""
+    cause: Any = next(iter(error.failures.values()), error)
+    return cause[0] if isinstance(cause, tuple) else cause
+
+
+#: The globals a torch DCP ``.metadata`` pickle may name, beyond DCP's metadata classes and torch's dtypes,
+#: layouts and memory formats.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
+    ("builtins", "frozenset"), *(("pathlib", kind.__name__) for kind in (
+        pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path)),
+}
+
+
+def _metadata_global(module: str, name: str) -> bool:
+    if (module, name) in _METADATA_GLOBALS:
+        return True
+    if module == dcp_metadata.__name__:
+        found = getattr(dcp_metadata, name, None)
+        return isinstance(found, type) and found.__module__ == module
+    return module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                        torch.memory_format))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _metadata_global(module, name):
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata is not made of")
+        return super().find_class(module, name)
+
+
+class _CheckedReader(FileSystemReader):
+    """torch's ``FileSystemReader``, its ``.metadata`` read once, by :class:`_MetadataUnpickler`."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        where = self._get_metadata_path()
+        try:
+            with self.fs.create_stream(where, "rb") as stream:
+                self._metadata = _MetadataUnpickler(stream).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+            raise CorruptSnapshotError(f"{where}: not unpickled ({e}); a DCP metadata file holds nothing else. "
+                                       "Allow pickle (--allow-pickle, allow_pickle=True) if you trust it") from e
+        if not isinstance(self._metadata, dcp_metadata.Metadata):
+            raise CorruptSnapshotError(f"{where} holds a {type(self._metadata).__name__}, not DCP's metadata")
+        self._metadata.storage_meta = self._metadata.storage_meta or dcp_metadata.StorageMeta()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+def metadata_checked_reader(path: str, allow_pickle: bool) -> FileSystemReader:
+    """A reader of the torch DCP directory at local ``path``; its ``.metadata`` is unpickled whole only when the
+    caller allows pickle, else checked here (:class:`CorruptSnapshotError` naming what it holds)."""
+    return FileSystemReader(path) if allow_pickle else _CheckedReader(path)

@@ -7,6 +7,7 @@ import json
 import posixpath
 from typing import Any
 
+from ppe_snapshot.cli.dcp_dirs import metadata_checked_reader
 from ppe_snapshot.cli.common import (
     Kind, Source, UsageError, classify, describe_value, flatten, open_source, read_state, size_of,
 )
@@ -226,10 +227,9 @@ def inspect_source(source: Source) -> dict[str, Any]:
 
 
 def _torch_dcp_entries(source: Source) -> list[dict[str, Any]]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(local_path(source.path) or source.path).read_metadata()
+    metadata = metadata_checked_reader(local_path(source.path) or source.path, allow_pickle=False).read_metadata()
     entries = []
     for key, item in sorted(metadata.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):

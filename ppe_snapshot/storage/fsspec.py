@@ -130,6 +130,9 @@ class FsspecStorage(Storage):
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self._abs(rel))
 
+    def is_file(self, rel: str) -> bool:
+        return self.fs.isfile(self._abs(rel))
+
     def size(self, rel: str) -> int:
         with naming_missing_base(self.url, rel):
             return self.fs.size(self._abs(rel))
