@@ -111,3 +111,23 @@ def test_a_file_is_no_snapshot_to_the_engine(tmp_path):
                                                                  "file, not a snapshot directory"):
         Snapshot(str(tmp_path / "file")).get_manifest()
 
+
+def test_a_model_of_another_dtype_is_a_mismatch_on_every_path(trained, tmp_path):
+    """One rule for load_snapshot, restore and autoload: a saved tensor is never cast into a target of another
+    dtype; StateMismatchError names the key and both dtypes, and nothing is loaded."""
+    snapshot, _, _ = trained
+    double = _model().double()
+    before = {k: v.clone() for k, v in double.state_dict().items()}
+    with pytest.raises(ppe_snapshot.StateMismatchError,
+                       match=r"other dtypes \(0\.bias: saved float32, model float64; 0\.weight: saved float32"):
+        ppe_snapshot.load_snapshot(str(snapshot), model=double)
+    assert_same(double.state_dict(), before)
+
+    manager = ppe.training.ExtensionsManager(double, torch.optim.Adam(double.parameters()), 10, iters_per_epoch=2,
+                                             out_dir=str(snapshot.parent))
+    manager.extend(ppe_snapshot.snapshot(autoload=True), trigger=(2, "iteration"))
+    with pytest.raises(ppe_snapshot.StateMismatchError, match=r"state/models/main/0\.weight: the snapshot holds a "
+                       r"tensor of shape \[3, 2\] and dtype float32, but the restore target has shape \[3, 2\] and "
+                       r"dtype float64"):
+        manager.start_extensions()
+    assert_same(double.state_dict(), before)

@@ -30,7 +30,8 @@ def load_snapshot(path: str, model: Any = None, optimizer: Any = None, *,
     ``model`` and ``optimizer`` take the manager's only model / optimizer, or the one named ``main`` (a dict
     ``{name: module}`` takes each by name); a snapshot of ``snapshot_object(model, ...)`` holds the model's
     state itself. Raises :class:`~ppe_snapshot.StateMismatchError` naming the missing and unexpected keys
-    and the shapes that differ when the model does not fit, before anything is loaded into it.
+    and the shapes and dtypes that differ when the model does not fit, before anything is loaded into it (the
+    rule of ``restore`` and autoload: a tensor is never cast to another dtype on the way in).
     """
     state = _read(str(path), storage_options, allow_pickle)
     if model is not None:
@@ -90,11 +91,19 @@ def _check_module(module: torch.nn.Module, saved: Any, what: str) -> None:
         raise StateMismatchError(f"the snapshot holds a {type(saved).__name__} where the {what}'s state dict was "
                                  "expected")
     missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-    shapes = [f"{k}: saved {list(saved[k].shape)}, {what} {list(own[k].shape)}" for k in sorted(set(own) & set(saved))
-              if isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        parts = ([f"missing keys {missing}"] if missing else []) + (
-            [f"unexpected keys {unexpected}"] if unexpected else []) + ([f"other shapes ({'; '.join(shapes)})"]
-                                                                      if shapes else [])
+    both = [k for k in sorted(set(own) & set(saved)) if isinstance(saved[k], torch.Tensor)]
+    shapes = [f"{k}: saved {list(saved[k].shape)}, {what} {list(own[k].shape)}" for k in both
+              if saved[k].shape != own[k].shape]
+    dtypes = [f"{k}: saved {_name(saved[k].dtype)}, {what} {_name(own[k].dtype)}" for k in both
+              if saved[k].dtype != own[k].dtype]
+    parts = ([f"missing keys {missing}"] if missing else []) + (
+        [f"unexpected keys {unexpected}"] if unexpected else []) + (
+        [f"other shapes ({'; '.join(shapes)})"] if shapes else []) + (
+        [f"other dtypes ({'; '.join(dtypes)}; load into the saved dtype, then convert the {what})"] if dtypes else [])
+    if parts:
         raise StateMismatchError(f"the {what} does not fit the snapshot (was it changed since the snapshot was "
                                  f"saved?): {', '.join(parts)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
