@@ -131,7 +131,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def is_file(self, rel: str) -> bool:
-        """Whether a file (not a directory) is at ``rel``; ``""``: whether the snapshot's own place is a file."""
+        """Whether a file (not a directory) is at ``rel``; ``""``: whether the snapshot's own place is a file.
+        False on object stores, where a key and keys under it (a snapshot's) live side by side."""
 
     @abc.abstractmethod
     def size(self, rel: str) -> int:

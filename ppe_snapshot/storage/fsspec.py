@@ -131,7 +131,8 @@ class FsspecStorage(Storage):
         return self.fs.exists(self._abs(rel))
 
     def is_file(self, rel: str) -> bool:
-        return self.fs.isfile(self._abs(rel))
+        # An object store's key does not stand in the way of keys under it: no requests to ask (a take's first).
+        return not self._is_object_store() and self.fs.isfile(self._abs(rel))
 
     def size(self, rel: str) -> int:
         with naming_missing_base(self.url, rel):
