@@ -2,6 +2,7 @@
 a DCP round trip that autoload resumes from, bit-exactly."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytorch_pfn_extras as ppe
@@ -42,7 +43,7 @@ def test_a_dcp_round_trip_keeps_what_autoload_needs(tmp_path, capsys):
     original = tmp_path / "run" / f"snapshot_iter_{ITERATIONS}"
     assert main(["convert", "--to", "dcp", str(original), str(tmp_path / "dcp")]) == 0
     assert main(["convert", "--to", "snapshot", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
-    assert "not written: rng" in capsys.readouterr().err  # the one thing DCP does not hold, named
+    assert "not written: 0/rng" in capsys.readouterr().err  # the one thing DCP does not hold, named
 
     back = ppe_snapshot.Snapshot(str(tmp_path / "back"))
     saved = ppe_snapshot.Snapshot(str(original)).read_object("0/state")
@@ -61,3 +62,56 @@ def test_a_dcp_round_trip_keeps_what_autoload_needs(tmp_path, capsys):
     assert_same(resumed[1].state_dict(), reference[1].state_dict(), "model")
     assert_same(resumed[2].state_dict(), reference[2].state_dict(), "optimizer")
     assert list(resumed[2].state_dict()["state"]) == [0, 1, 2, 3]
+
+
+#: A line naming an entry: ``  KEY: ...`` (inspect), ``differs:   KEY: ...``, ``only in B: KEY`` (diff).
+KEY_LINE = re.compile(r"^(?:  |differs:\s+|changed:\s+|only in [AB]:\s+)(\S+?)(?::\s|$)")
+
+
+def _printed_keys(capsys, *argv: str) -> list[str]:
+    """The keys a subcommand prints."""
+    main(list(argv))
+    return [m.group(1) for line in capsys.readouterr().out.splitlines() if (m := KEY_LINE.match(line))]
+
+
+def test_every_subcommand_spells_a_key_as_read_object_takes_it(tmp_path, capsys):
+    _run(tmp_path / "run")
+    run = tmp_path / "run"
+    older, newer = run / "snapshot_iter_2", run / f"snapshot_iter_{ITERATIONS}"
+    snap = ppe_snapshot.Snapshot(str(newer))
+    weight = "0/state/models/main/0.weight"
+    assert weight in _printed_keys(capsys, "inspect", str(newer))
+    differing = _printed_keys(capsys, "diff", "--ignore-rng", str(older), str(newer))
+    assert weight in differing and "0/state/_start_iteration" in differing
+    for key in differing:
+        snap.read_object(key)  # each one names an entry
+    assert main(["convert", "--to", "safetensors", str(newer), str(tmp_path / "all.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert "not written: 0/rng (RNG states" in err and ": 0/state/_start_iteration, " in err
+    assert snap.read_object("0/state/_start_iteration") == ITERATIONS
+    # other kinds are spelled as the snapshot that convert --to snapshot makes of them
+    for target, name in (("torch", "state.pt"), ("dcp", "state.dcp"), ("safetensors", "all.safetensors")):
+        if target != "safetensors":
+            assert main(["convert", "--to", target, str(newer), str(tmp_path / name)]) == 0
+        assert main(["convert", "--to", "snapshot", str(tmp_path / name), str(tmp_path / f"{name}.snap")]) == 0
+        capsys.readouterr()
+        copy = ppe_snapshot.Snapshot(str(tmp_path / f"{name}.snap"))
+        printed = _printed_keys(capsys, "inspect", str(tmp_path / name))
+        assert printed and set(printed) <= set(copy.get_manifest()), (target, printed)
+    assert main(["diff", str(tmp_path / "all.safetensors"), str(newer), "--ignore-rng"]) == 1
+    assert "only in B: 0/state/_start_iteration" in capsys.readouterr().out  # tensors lined up, equal
+
+
+def test_the_weights_of_one_model_export_as_its_state_dict(tmp_path, capsys):
+    _, model, _ = _run(tmp_path / "run")
+    snapshot = tmp_path / "run" / f"snapshot_iter_{ITERATIONS}"
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", "--to", "safetensors", "--model", "main", str(snapshot), str(out)]) == 0
+    assert capsys.readouterr().err == ""  # nothing left out that the model's state dict holds
+    from safetensors.torch import load_file
+
+    fresh = _model()
+    fresh.load_state_dict(load_file(str(out)))  # strict: exactly the model's keys
+    assert_same(fresh.state_dict(), model.state_dict())
+    assert main(["convert", "--to", "safetensors", "--model", "other", str(snapshot), str(tmp_path / "o")]) == 2
+    assert "no model named 'other' to convert (its models: main)" in capsys.readouterr().err
