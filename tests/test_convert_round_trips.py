@@ -1,10 +1,13 @@
 """Conversions of a real training run's snapshots with the command line, read back the way their users read them:
-a DCP round trip that autoload resumes from, bit-exactly."""
+a DCP round trip that autoload resumes from, bit-exactly; one spelling of a key in every subcommand; one model's
+weights exported for model.load_state_dict."""
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
 
+import pytest
 import pytorch_pfn_extras as ppe
 import torch
 
@@ -115,3 +118,19 @@ def test_the_weights_of_one_model_export_as_its_state_dict(tmp_path, capsys):
     assert_same(fresh.state_dict(), model.state_dict())
     assert main(["convert", "--to", "safetensors", "--model", "other", str(snapshot), str(tmp_path / "o")]) == 2
     assert "no model named 'other' to convert (its models: main)" in capsys.readouterr().err
+
+
+def test_a_crafted_record_in_a_dcp_checkpoint_is_corrupt(tmp_path, capsys):
+    """What convert records in planner_data is untrusted input too: a record that does not fit the state (here,
+    an index that would grow a list by 10^12 items) is refused, nothing allocated."""
+    from ppe_snapshot.cli.dcp_dirs import EXTRAS_KEY
+
+    ppe_snapshot.Snapshot.take(str(tmp_path / "s"), {"state": ppe_snapshot.StateDict(a=[torch.ones(2)], b={})})
+    assert main(["convert", "--to", "dcp", str(tmp_path / "s"), str(tmp_path / "d")]) == 0
+    metadata_file = tmp_path / "d" / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    assert metadata.planner_data[EXTRAS_KEY]["empty"] == [[["b"], {}, 1]]
+    metadata.planner_data[EXTRAS_KEY]["empty"] = [[["a", 10 ** 12], {}, 0]]
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ppe_snapshot.CorruptSnapshotError, match="index 1000000000000 beyond a list of 1"):
+        ppe_snapshot.load_snapshot(str(tmp_path / "d"))

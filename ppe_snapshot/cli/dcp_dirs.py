@@ -81,6 +81,8 @@ def _value_at(state: Any, path: list[Any]) -> Any:
 
 
 def _extend(node: list[Any], index: int) -> None:
+    if index > len(node):  # what save_dcp records extends a list by one at most: a crafted record, not memory
+        raise IndexError(f"index {index} beyond a list of {len(node)}")
     node.extend([None] * (index + 1 - len(node)))
 
 
@@ -107,14 +109,19 @@ def _set(state: dict[str, Any], path: list[Any], value: Any, place: int | None =
 
 def restore_structure(state: dict[str, Any], extras: Mapping[str, Any]) -> None:
     """Put back what :func:`structure` recorded: the empty containers in their places, then the dicts' own keys
-    (innermost first, so that every path is still spelled as stored when it is followed)."""
-    for path, skeleton, place in extras.get("empty", ()):  # outer ones first, in order: each place is right
-        _set(state, list(path), skeleton, place)
-    for path, pairs in sorted(extras.get("keys", ()), key=lambda record: -len(record[0])):
-        holder = _value_at(state, list(path))
-        rebuilt = {key: holder[stored] for stored, key in pairs if stored in holder}
-        holder.clear()
-        holder.update(rebuilt)
+    (innermost first, so that every path is still spelled as stored when it is followed). A record that does not
+    fit the state is a :class:`CorruptSnapshotError`."""
+    try:
+        for path, skeleton, place in extras.get("empty", ()):  # outer ones first, in order: each place is right
+            _set(state, list(path), skeleton, place)
+        for path, pairs in sorted(extras.get("keys", ()), key=lambda record: -len(record[0])):
+            holder = _value_at(state, list(path))
+            rebuilt = {key: holder[stored] for stored, key in pairs if stored in holder}
+            holder.clear()
+            holder.update(rebuilt)
+    except (AttributeError, IndexError, KeyError, StopIteration, TypeError, ValueError) as e:
+        raise CorruptSnapshotError(f"the checkpoint's record of what DCP does not keep (planner_data "
+                                   f"{EXTRAS_KEY!r}) does not fit its state: {type(e).__name__}: {e}") from e
 
 
 class _RecordingSavePlanner(DefaultSavePlanner):

@@ -7,11 +7,11 @@ import json
 import posixpath
 from typing import Any
 
-from ppe_snapshot.cli.dcp_dirs import metadata_checked_reader
 from ppe_snapshot.cli.common import (
     STATE_KEY, Kind, Source, UsageError, classify, describe_value, key_of, keyed, open_source, read_app_state,
     read_state, size_of,
 )
+from ppe_snapshot.cli.dcp_dirs import metadata_checked_reader
 from ppe_snapshot.engine import MANIFEST_NAME, read_manifest
 from ppe_snapshot.engine.codec import (
     BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
