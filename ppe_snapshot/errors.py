@@ -33,7 +33,8 @@ class MissingBaseError(CorruptSnapshotError):
 
 
 class UnsupportedFormatError(SnapshotError, ValueError):
-    """The manifest was written by a newer (or unknown) format version."""
+    """The manifest was written by a newer (or unknown) format version, or the path holds a file of no kind that
+    ppe-snapshot reads (neither a snapshot, a torch.save file, a DCP directory nor a safetensors file)."""
 
 
 class StateMismatchError(SnapshotError, ValueError):

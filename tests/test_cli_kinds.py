@@ -107,9 +107,9 @@ def test_inspect_every_kind(kinds, capsys):
     expected = {
         str(tmp / "run" / "snapshot_iter_10"): ("snapshot", "0/state/models/main/weight: tensor float32[3, 4] 48 B"),
         str(tmp / "adapter"): ("dcp-adapter", "0/model.weight: tensor float32[3, 4] 48 B"),
-        str(tmp / "torchdcp"): ("torch-dcp", "model.weight: tensor float32[3, 4] 48 B"),
-        str(tmp / "run" / "snapshot_iter_5"): ("ppe-file", "models.main.weight: tensor float32[3, 4] 48 B"),
-        str(tmp / "w.safetensors"): ("safetensors", "models.main.weight: tensor float32[3, 4] 48 B"),
+        str(tmp / "torchdcp"): ("torch-dcp", "0/state/model/weight: tensor float32[3, 4] 48 B"),
+        str(tmp / "run" / "snapshot_iter_5"): ("ppe-file", "0/state/models/main/weight: tensor float32[3, 4] 48 B"),
+        str(tmp / "w.safetensors"): ("safetensors", "0/state/models.main.weight: tensor float32[3, 4] 48 B"),
     }
     for path, (kind, line) in expected.items():
         assert main(["inspect", path]) == 0, path
@@ -156,10 +156,10 @@ def test_verify_names_every_damaged_entry_and_accepts_ppe_files(kinds, capsys):
 def test_diff_reports_keys_shapes_and_values(kinds, capsys):
     run = kinds / "run"
     assert main(["diff", str(run / "snapshot_iter_10"), str(run / "snapshot_iter_5")]) == 1
-    assert capsys.readouterr().out == "differs:   _start_iteration: 10 -> 5\n"
+    assert capsys.readouterr().out == "differs:   0/state/_start_iteration: 10 -> 5\n"
     assert main(["diff", "--json", str(run / "snapshot_iter_10"), str(run / "snapshot_iter_20")]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert {"key": "models.main.weight", "max_abs_diff": 0.5} in report["values"]
+    assert {"key": "0/state/models/main/weight", "max_abs_diff": 0.5} in report["values"]
     assert main(["diff", "--atol", "0.6", str(kinds / "adapter"), str(kinds / "torchdcp")]) == 0
     assert main(["diff", str(kinds / "adapter"), str(kinds / "torchdcp")]) == 0
     assert capsys.readouterr().out.startswith("equal: 2 entries")
@@ -167,15 +167,15 @@ def test_diff_reports_keys_shapes_and_values(kinds, capsys):
     Snapshot.take(str(other), {"state": StateDict({"models": {"main": {"weight": torch.zeros(4, 3)}}, "extra": 1})})
     assert main(["diff", str(run / "snapshot_iter_10"), str(other)]) == 1
     out = capsys.readouterr().out
-    assert "only in A: models.main.bias" in out and "only in B: extra" in out
-    assert "changed:   models.main.weight: float32[3, 4] -> float32[4, 3]" in out
+    assert "only in A: 0/state/models/main/bias" in out and "only in B: 0/state/extra" in out
+    assert "changed:   0/state/models/main/weight: float32[3, 4] -> float32[4, 3]" in out
 
 
 def test_convert_to_every_target_reads_back_and_names_what_is_left_out(kinds, capsys):
     src = str(kinds / "run" / "snapshot_iter_10")
     assert main(["convert", src, str(kinds / "out.safetensors")]) == 0
     err = capsys.readouterr().err
-    assert "not written: rng" in err and "not written (1 non-tensor values): _start_iteration" in err
+    assert "not written: 0/rng" in err and "not written (1 non-tensor values): 0/state/_start_iteration" in err
     from safetensors.torch import load_file
     tensors = load_file(str(kinds / "out.safetensors"))
     assert set(tensors) == {"models.main.weight", "models.main.bias"}
@@ -269,7 +269,7 @@ def test_s3_run_directory(kinds, s3_bucket, capsys):
     assert "0/state/models/main/weight: tensor float32[3, 4] 48 B" in capsys.readouterr().out
     assert main(["convert", _take_s3, f"{url}/w.safetensors", *flags]) == 0
     assert main(["diff", f"{url}/w.safetensors", str(kinds / "run" / "snapshot_iter_10"), *flags]) == 1
-    assert capsys.readouterr().out.endswith("only in B: _start_iteration\n")
+    assert capsys.readouterr().out.endswith("only in B: 0/state/_start_iteration\n")
     assert main(["inspect", f"{url}/nothing", *flags]) == 2
     assert f"{url}/nothing: no such file or directory" in capsys.readouterr().err
 
@@ -318,7 +318,7 @@ def test_convert_refuses_keys_that_collide_once_joined(tmp_path, capsys, target,
     assert main(["convert", "--to", target, str(src), str(dst)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "'model/a.b' and 'model.a/b' both become 'model.a.b'" in err[0]
+    assert "'0/model/a.b' and '0/model.a/b' both become 'model.a.b'" in err[0]
     assert not dst.exists()  # nothing written
     dst.write_bytes(b"keep")  # --force: the file already there stays as it was
     assert main(["convert", "--force", "--to", target, str(src), str(dst)]) == 2
@@ -333,13 +333,13 @@ def test_diff_and_inspect_keep_keys_that_collide_once_joined_apart(tmp_path, cap
     Snapshot.take(str(other), {"model": StateDict({"a.b": torch.ones(2) * 3}), "model.a": StateDict(b=torch.zeros(2))})
     assert main(["diff", "--json", str(src), str(other)]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["values"] == [{"key": "model/a.b", "max_abs_diff": 2.0}]
-    torch_file = tmp_path / "coll.pt"  # a torch.save file keeps the nesting; inspect flattens it
+    assert report["values"] == [{"key": "0/model/a.b", "max_abs_diff": 2.0}]
+    torch_file = tmp_path / "coll.pt"  # a torch.save file keeps the nesting; inspect shows it as a snapshot's state
     assert main(["convert", "--to", "torch", str(src), str(torch_file)]) == 0
     capsys.readouterr()
     assert main(["inspect", "--json", str(torch_file)]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
-    assert {"model/a.b", "model.a/b"} <= {entry["key"] for entry in entries}
+    assert {"0/state/model/a.b", "0/state/model.a/b"} <= {entry["key"] for entry in entries}
 
 
 def test_rng_states_are_recognised_by_what_was_saved(tmp_path, capsys):
@@ -348,7 +348,7 @@ def test_rng_states_are_recognised_by_what_was_saved(tmp_path, capsys):
     Snapshot.take(str(path), {"rng": StateDict(seed=1, w=torch.ones(2)), "gen": RNGState()})
     assert main(["convert", "--to", "torch", str(path), str(tmp_path / "s.pt")]) == 0
     err = capsys.readouterr().err
-    assert "not written: gen (RNG states" in err and "rng" not in err.replace("RNG", "")
+    assert "not written: 0/gen (RNG states" in err and "rng" not in err.replace("RNG", "")
     loaded = torch.load(tmp_path / "s.pt", weights_only=True)  # what was written loads without pickle's objects
     assert loaded["rng"]["seed"] == 1 and torch.equal(loaded["rng"]["w"], torch.ones(2)) and "gen" not in loaded
 
@@ -363,9 +363,9 @@ def test_diff_reports_rng_states_that_differ(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("equal: 1 entries, RNG states equal")
     assert main(["diff", str(a), str(b)]) == 1
     assert capsys.readouterr().out == ("equal: 1 entries, but the RNG states differ (--ignore-rng to leave them "
-                                       "out):\nRNG differs:   rng.torch\n")
+                                       "out):\nRNG differs:   0/rng/torch\n")
     assert main(["diff", "--json", str(a), str(b)]) == 1
-    assert json.loads(capsys.readouterr().out)["rng"]["values"] == [{"key": "rng.torch"}]
+    assert json.loads(capsys.readouterr().out)["rng"]["values"] == [{"key": "0/rng/torch"}]
     assert main(["diff", "--ignore-rng", str(a), str(b)]) == 0
 
 

@@ -412,5 +412,5 @@ def test_load_snapshot_outside_the_trainer(tmp_path):
                                                               r"\(0\.bias: saved \[3\], model \[4\]"):
         ppe_snapshot.load_snapshot(str(tmp_path / "snapshot_iter_2"), model=changed)
     assert all(torch.equal(changed.state_dict()[k], v) for k, v in before.items())
-    with pytest.raises(FileNotFoundError, match="no snapshot there"):
+    with pytest.raises(ppe_snapshot.SnapshotNotFoundError, match="nothing: no such file or directory"):
         ppe_snapshot.load_snapshot(str(tmp_path / "nothing"))

@@ -55,6 +55,14 @@ def test_quick_start_then_loading_outside_the_trainer(tmp_path):
     assert names["state"]["_start_iteration"] == 1000
     assert names["model"].state_dict().keys() == model.state_dict().keys()
 
+    from ppe_snapshot.cli import main  # the command line's export of the model alone, loaded as the README says
+    assert main(["convert", "--to", "safetensors", "--model", "main", "result/snapshot_iter_2000",
+                 "model.safetensors"]) == 0
+    exported, = python_blocks("### Command line")
+    names = _run(exported, build_model=_model)
+    for key, value in model.state_dict().items():
+        assert torch.equal(names["model"].state_dict()[key], value), key
+
 
 def test_keeping_snapshots(tmp_path):
     keeping = python_blocks("### Keeping snapshots")[0]

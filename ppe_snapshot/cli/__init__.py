@@ -16,6 +16,7 @@ import torch
 
 from ppe_snapshot.cli import convert, describe, diff, prune, verify
 from ppe_snapshot.cli.common import UsageError, parse_storage_options
+from ppe_snapshot.errors import UnsupportedFormatError
 
 DESCRIPTION = """\
 Look at, check, compare, convert and prune snapshots: engine snapshots, DCP directories,
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         message = " ".join(str(e).split()) or type(e).__name__
-        if not isinstance(e, (UsageError, OSError)) and type(e).__name__ not in message:
+        if not isinstance(e, (UsageError, OSError, UnsupportedFormatError)) and type(e).__name__ not in message:
             message = f"{type(e).__name__}: {message}"
         print(f"ppe-snapshot: {message}", file=sys.stderr)
         return 2

@@ -6,16 +6,21 @@ ppe files with ``torch.load(weights_only=True)``, safetensors files hold nothing
 from __future__ import annotations
 
 import json
+import pickle
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
+from urllib.parse import unquote
 
 import fsspec
+import numpy as np
 import torch
 
+from ppe_snapshot.cli.dcp_dirs import load_dcp, metadata_checked_reader
 from ppe_snapshot.dcp import DCP_KEY
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, RNGState, Snapshot
+from ppe_snapshot.engine.codec import escape
+from ppe_snapshot.errors import SnapshotNotFoundError, UnsupportedFormatError, UnsupportedValueError
 from ppe_snapshot.retention import filesystem
 from ppe_snapshot.run_dir import load_file
 from ppe_snapshot.storage import local_path, open_url
@@ -127,13 +132,17 @@ def is_retired(path: str, storage_options: dict[str, Any] | None) -> bool:
 
 
 def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_progress: bool = False) -> Source:
-    """What ``path`` holds; :class:`UsageError` (naming the path) when it is missing or not a snapshot."""
+    """What ``path`` holds. Raises, naming the path and the problem, :class:`SnapshotNotFoundError` when nothing
+    readable is there (nothing at all, a directory without a snapshot, an in-progress or retired one) and
+    :class:`UnsupportedFormatError` for a file of no kind that is read here."""
     fs, root = filesystem(path, storage_options)
     if not fs.exists(root):
-        raise UsageError(f"{path}: no such file or directory")
+        raise SnapshotNotFoundError(f"{path}: no such file or directory")
     kind, problem = classify(fs, root)
+    if kind is None and not fs.isdir(root):
+        raise UnsupportedFormatError(f"{path}: {problem}")
     if kind is None or kind == Kind.RETIRED or (kind == Kind.IN_PROGRESS and not allow_in_progress):
-        raise UsageError(f"{path}: {problem}")
+        raise SnapshotNotFoundError(f"{path}: {problem}")
     if kind == Kind.SNAPSHOT:
         try:
             metadata = Snapshot(path, pg=LOCAL, storage_options=storage_options).metadata
@@ -179,55 +188,69 @@ def is_rng_state(value: Any) -> bool:
     return RNGState.is_state(value)
 
 
-def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state a source holds as a nested dict, and the RNG states it holds beside it, by app state key.
-
-    An engine snapshot written by the extension gives its ``state``; any other engine snapshot all its app
-    state keys (those holding RNG states apart). DCP directories (torch's own or the adapter's) come back as
-    DCP's state dict.
-    """
+def read_app_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The app state a source holds (``{app state key: value}``, as ``Snapshot.take`` was given it), and apart
+    the values of it that are RNG states. A source of another kind holds the ``state`` that ``convert --to
+    snapshot`` makes of it: DCP directories (torch's own or the adapter's) DCP's state dict, ppe's files and
+    safetensors files what they hold."""
     if source.is_engine and source.kind != Kind.DCP_ADAPTER:
         snap = source.snapshot(allow_pickle)
-        values = {k: snap.read_object(f"0/{k}") for k in top_level_keys(snap)}
+        values = {unquote(k): snap.read_object(f"0/{k}") for k in top_level_keys(snap)}
         rng = {k: v for k, v in values.items() if is_rng_state(v)}
-        state = {k: v for k, v in values.items() if k not in rng}
-        if list(state) == [STATE_KEY]:
-            state = state[STATE_KEY] if isinstance(state[STATE_KEY], dict) else state
-        return state, rng
+        return {k: v for k, v in values.items() if k not in rng}, rng
+    return {STATE_KEY: _read_other(source, allow_pickle)}, {}
+
+
+def unwrap(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """An app state's ``state`` alone where that is all it holds (the extension's snapshots, every other kind),
+    else the whole app state; and the path it was found at (``("state",)`` or ``()``)."""
+    if list(values) == [STATE_KEY] and isinstance(values[STATE_KEY], dict):
+        return values[STATE_KEY], (STATE_KEY,)
+    return values, ()
+
+
+def read_state(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The values of :func:`read_app_state` as :func:`unwrap` gives them, and the RNG states."""
+    values, rng = read_app_state(source, allow_pickle)
+    return unwrap(values)[0], rng
+
+
+def _read_other(source: Source, allow_pickle: bool) -> Any:
     if source.kind in (Kind.DCP_ADAPTER, Kind.TORCH_DCP):
-        return read_dcp(source), {}
+        return read_dcp(source, allow_pickle)[0]
     if source.kind == Kind.PPE_FILE:
         if allow_pickle:  # the user trusts the file: objects beyond tensors and plain values are unpickled
             with open_url(source.path, "rb", source.storage_options) as f:
                 state = torch.load(f, map_location="cpu", weights_only=False)
         else:
-            state = load_file(source.path, source.storage_options)
-        return (state if isinstance(state, dict) else {"value": state}), {}
+            try:
+                state = load_file(source.path, source.storage_options)
+            except pickle.UnpicklingError as e:  # torch's message suggests weights_only=False: say what it means
+                raise UnsupportedValueError(
+                    f"{source.path}: holds objects beyond tensors and plain values, and unpickling them runs code "
+                    "chosen by whoever wrote the file; allow pickle (--allow-pickle, allow_pickle=True) to read it "
+                    "if you trust it") from e
+        return state
     if source.kind == Kind.SAFETENSORS:
-        return read_safetensors(source), {}
+        return read_safetensors(source)
     raise UsageError(f"{source.path}: a {source.kind} snapshot cannot be read")
 
 
-def read_dcp(source: Source) -> dict[str, Any]:
-    """A DCP checkpoint's whole state dict (DCP's own loader; non-tensor values as DCP deserializes them)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+def _dcp_reader(source: Source, allow_pickle: bool) -> Any:
     if source.kind == Kind.DCP_ADAPTER:
         from ppe_snapshot.dcp import SnapshotStorageReader
-        reader: Any = SnapshotStorageReader(source.path, storage_options=source.storage_options)
-    else:
-        local = local_path(source.path, source.storage_options)
-        if local is None:
-            raise UsageError(f"{source.path}: torch DCP directories are read from local paths only")
-        reader = dcp.FileSystemReader(local)
-    state: dict[str, Any] = {}
-    # dcp.load fills only the keys given; the empty planner (as torch's dcp_to_torch_save) loads them all
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state
+        return SnapshotStorageReader(source.path, storage_options=source.storage_options)
+    local = local_path(source.path, source.storage_options)
+    if local is None:
+        raise UnsupportedFormatError(f"{source.path}: torch DCP directories are read from local paths only")
+    return metadata_checked_reader(local, allow_pickle)
+
+
+def read_dcp(source: Source, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A DCP checkpoint's whole state dict (DCP's own loader; non-tensor values without pickle unless allowed),
+    with what ``convert`` recorded there (empty dicts, dict keys that are not strings), and the snapshot metadata
+    it recorded (None when it was not written by ``convert``)."""
+    return load_dcp(_dcp_reader(source, allow_pickle), allow_pickle)
 
 
 def read_safetensors(source: Source) -> dict[str, Any]:
@@ -237,37 +260,58 @@ def read_safetensors(source: Source) -> dict[str, Any]:
         return load_safetensors(f.read())
 
 
+def _plain(value: Any) -> bool:
+    """A value the engine stores inline, as one entry (its rule: nothing in it to descend into)."""
+    return not isinstance(value, (torch.Tensor, np.ndarray, dict)) and type(value) not in (list, tuple)
+
+
 def _leaves(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """The values of ``value`` that the engine stores as entries of their own, with their paths: dicts are
+    descended, lists and tuples unless all they hold is plain values."""
     if isinstance(value, dict) and value:
         for key, item in value.items():
             yield from _leaves(item, (*path, str(key)))
-    elif isinstance(value, (list, tuple)) and value and not hasattr(value, "_fields"):
+    elif type(value) in (list, tuple) and value and not all(_plain(item) for item in value):
         for i, item in enumerate(value):
             yield from _leaves(item, (*path, str(i)))
     else:
         yield path, value
 
 
-def flatten(value: Any, sep: str = ".", *, distinct: bool = False) -> dict[str, Any]:
-    """Nested dicts, lists and tuples as one level, keys joined with ``sep`` (``models.main.weight``).
+def key_of(*path: str) -> str:
+    """The key of the value at ``path`` (app state key first) as every subcommand prints it: its manifest path,
+    as ``Snapshot.read_object`` takes it (rank 0; each key escaped as in the manifest), e.g.
+    ``0/state/models/main/0.weight``."""
+    return "/".join(["0", *map(escape, path)])
 
-    Keys that join to the same string (``{"a.b": x}`` and ``{"a": {"b": y}}``) raise :class:`UsageError` naming
-    both paths; with ``distinct`` each of them is keyed by its path with ``/`` between keys instead (``a.b`` and
-    ``a/b``), so that every value keeps a key of its own.
-    """
-    leaves = list(_leaves(value, ()))
-    joined = [sep.join(path) for path, _ in leaves]
-    first: dict[str, tuple[str, ...]] = {}
-    clashing = set()
-    for key, (path, _) in zip(joined, leaves):
-        if key in first:
-            if not distinct:
-                raise UsageError(f"{'/'.join(first[key])!r} and {'/'.join(path)!r} both become {key!r} when their "
-                                 f"keys are joined with {sep!r}; this target cannot hold both (convert to a "
-                                 "snapshot or a torch file, or rename one)")
-            clashing.add(key)
-        first.setdefault(key, path)
-    return {("/".join(path) if key in clashing else key): item for key, (path, item) in zip(joined, leaves)}
+
+def keyed(value: dict[str, Any], within: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every value in ``value`` that the engine stores as an entry, by :func:`key_of` its path; ``value`` is an
+    app state (``{app state key: value}``), or the value at ``within`` in one."""
+    return {key_of(*within, *path): item for path, item in _leaves(value, ())}
+
+
+def flatten(value: Any, within: tuple[str, ...] = (), sep: str = ".") -> dict[str, Any]:
+    """Nested dicts, lists and tuples as one level, keys joined with ``sep`` (``models.main.weight``): the keys of
+    the flat targets (safetensors), from the value at ``within`` in an app state. Keys that join to the same
+    string (``{"a.b": x}`` and ``{"a": {"b": y}}``) raise :class:`UsageError` naming both (:func:`key_of`)."""
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    for path, item in _leaves(value, ()):
+        key = sep.join(path)
+        if key in flat:
+            raise UsageError(f"{key_of(*within, *paths[key])!r} and {key_of(*within, *path)!r} both become {key!r} "
+                             f"when their keys are joined with {sep!r}; this target cannot hold both (convert to a "
+                             "snapshot or a torch file, or rename one)")
+        flat[key], paths[key] = item, path
+    return flat
+
+
+def joined_names(values: dict[str, Any]) -> dict[str, str]:
+    """The key (:func:`key_of`) of each entry of the app state ``values`` by the name ``convert`` gives it in a
+    flat file (its path in the state :func:`unwrap` gives, joined with ``.``)."""
+    state, within = unwrap(values)
+    return {".".join(path): key_of(*within, *path) for path, _ in _leaves(state, ())}
 
 
 def describe_value(value: Any) -> dict[str, Any]:

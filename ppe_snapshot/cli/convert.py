@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ppe_snapshot.cli.common import Kind, UsageError, flatten, open_source, progress, read_state
+from ppe_snapshot.cli.common import (
+    STATE_KEY, Kind, Source, UsageError, flatten, key_of, keyed, open_source, progress, read_app_state, read_dcp,
+    unwrap,
+)
+from ppe_snapshot.cli.dcp_dirs import failure, save_dcp
 from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
 from ppe_snapshot.storage import local_path, open_storage, open_url
 from ppe_snapshot.retention import filesystem
@@ -54,20 +58,21 @@ def _move_aside(dst: str, storage_options: dict | None) -> str:
     return aside
 
 
-def _tensors_only(state: dict[str, Any], target: str) -> dict[str, torch.Tensor]:
-    flat = flatten(state)
-    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    dropped = [k for k in flat if k not in tensors]
+def _tensors_only(state: dict[str, Any], within: tuple[str, ...], target: str) -> dict[str, torch.Tensor]:
+    tensors = {k: v for k, v in flatten(state, within).items() if isinstance(v, torch.Tensor)}
+    dropped = [k for k, v in keyed(state, within).items() if not isinstance(v, torch.Tensor)]
     if dropped:
         shown = ", ".join(dropped[:8]) + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else "")
         _note(f"{target} holds tensors only; not written ({len(dropped)} non-tensor values): {shown}")
     return tensors
 
 
-def _write_safetensors(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
+def _write_safetensors(state: dict[str, Any], within: tuple[str, ...], dst: str, storage_options: dict | None
+                       ) -> None:
     from safetensors.torch import save as save_safetensors
 
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in _tensors_only(state, "safetensors").items()}
+    tensors = {k: v.detach().cpu().contiguous().clone()
+               for k, v in _tensors_only(state, within, "safetensors").items()}
     data = save_safetensors(tensors)
     with open_url(dst, "wb", storage_options) as f:
         f.write(data)
@@ -80,22 +85,49 @@ def _write_torch(state: dict[str, Any], dst: str, storage_options: dict | None) 
         f.write(buffer.getvalue())
 
 
-def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
+def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None,
+               metadata: dict[str, Any] | None) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     local = local_path(dst, storage_options)
     if local is None:
         raise UsageError(f"{dst}: torch DCP directories are written to local paths only")
-    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        save_dcp(state, dcp.FileSystemWriter(local), metadata)
+    except CheckpointException as e:  # a BaseException holding each rank's error and its traceback as text
+        cause = failure(e)
+        raise UsageError(f"{dst}: torch DCP could not write it: {type(cause).__name__}: {cause}") from e
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled...": one process, as meant
-        try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(local), no_dist=True)
-        except CheckpointException as e:  # a BaseException holding each rank's error and its traceback as text
-            cause = next(iter(e.failures.values()), e)
-            cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack)
-            raise UsageError(f"{dst}: torch DCP could not write it: {type(cause).__name__}: {cause}") from e
+
+@dataclass
+class _Read:
+    """What is converted: the source's state (as :func:`unwrap` gives it), where it is in the source's app state
+    (for the keys of notes and errors), its RNG states, and the metadata recorded with it (training position...)."""
+    state: dict[str, Any]
+    within: tuple[str, ...] = ()
+    rng: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] | None = None
+
+
+def _read(source: Source, allow_pickle: bool) -> _Read:
+    """An engine snapshot's metadata, or what ``convert`` recorded in a DCP checkpoint, comes along."""
+    if source.kind in (Kind.DCP_ADAPTER, Kind.TORCH_DCP):
+        state, metadata = read_dcp(source, allow_pickle)
+        return _Read(state, (STATE_KEY,), metadata=metadata)
+    values, rng = read_app_state(source, allow_pickle=allow_pickle)
+    metadata = source.snapshot().metadata if source.kind == Kind.SNAPSHOT else None
+    return _Read(*unwrap(values), rng, metadata)
+
+
+def _model_state(read: _Read, name: str, src: str) -> _Read:
+    """``--model NAME``: the state dict of the manager's model ``name`` alone, keyed as the model's own."""
+    models = read.state.get("models")
+    if isinstance(models, dict) and isinstance(models.get(name), dict):
+        return _Read(models[name], (*read.within, "models", name))
+    held = f"its models: {', '.join(map(str, models))}" if isinstance(models, dict) else (
+        "it holds no manager state (models/NAME); its keys: " + ", ".join(map(str, read.state)))
+    raise UsageError(f"{src}: no model named {name!r} to convert ({held})")
 
 
 def _self_contained_current(path: str, storage_options: dict | None) -> bool:
@@ -112,15 +144,17 @@ def convert(args: argparse.Namespace) -> str:
     """Convert; returns the target format written."""
     source = open_source(args.src, args.storage_options)
     target = args.to or _default_target(source.kind, args.dst)
-    upgrade = source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT
+    upgrade = source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT and not args.model
     if upgrade and _self_contained_current(args.src, args.storage_options):
         raise UsageError(f"{args.src}: already a self-contained snapshot of the current format; copy the directory "
                          "instead")
     existing = _check_destination(args.dst, args.storage_options, args.force)
     with progress(4, f"convert {args.src}", unit="step") as bar:
-        state, rng = ({}, {}) if upgrade else read_state(source, allow_pickle=args.allow_pickle)
+        read = _Read({}) if upgrade else _read(source, args.allow_pickle)
+        if args.model:
+            read = _model_state(read, args.model, args.src)
         if target in ("safetensors", "dcp"):
-            flatten(state)  # keys that collide once joined are refused here, before anything is written
+            flatten(read.state, read.within)  # keys that collide once joined are refused before anything is written
         bar.update(2)
         aside = _move_aside(args.dst, args.storage_options) if existing else None
         fs, root = filesystem(args.dst, args.storage_options)
@@ -129,7 +163,7 @@ def convert(args: argparse.Namespace) -> str:
                 upgrade_snapshot(open_storage(args.src, args.storage_options),
                                  open_storage(args.dst, args.storage_options))
             else:
-                _write(args, target, state, sorted(rng))
+                _write(args, target, read)
         except BaseException:
             _remove_partial(args.dst, args.storage_options)
             if aside is not None:  # the old DST comes back: a failed --force loses nothing
@@ -151,19 +185,20 @@ def _remove_partial(dst: str, storage_options: dict | None) -> None:
         pass
 
 
-def _write(args: argparse.Namespace, target: str, state: dict[str, Any], left_out: list[str]) -> None:
-    if left_out and target != "snapshot":
-        _note(f"{target} target holds the training state only; not written: {', '.join(left_out)} "
-              "(RNG states: convert to a snapshot to keep them)")
+def _write(args: argparse.Namespace, target: str, read: _Read) -> None:
+    if read.rng and target != "snapshot":
+        _note(f"{target} target holds the training state only; not written: "
+              f"{', '.join(key_of(k) for k in sorted(read.rng))} (RNG states: convert to a snapshot to keep them)")
     if target == "snapshot":
-        app_state: dict[str, Any] = {"state": StateDict(state)}
-        Snapshot.take(args.dst, app_state, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
+        app_state: dict[str, Any] = {"state": StateDict(read.state)}
+        Snapshot.take(args.dst, app_state, storage_options=args.storage_options, allow_pickle=args.allow_pickle,
+                      metadata=read.metadata)
     elif target == "torch":
-        _write_torch(state, args.dst, args.storage_options)
+        _write_torch(read.state, args.dst, args.storage_options)
     elif target == "dcp":
-        _write_dcp(state, args.dst, args.storage_options)
+        _write_dcp(read.state, args.dst, args.storage_options, read.metadata)
     else:
-        _write_safetensors(state, args.dst, args.storage_options)
+        _write_safetensors(read.state, read.within, args.dst, args.storage_options)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -191,6 +226,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("dst", metavar="DST")
     p.add_argument("--to", choices=TARGETS, help="the target format")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--model", metavar="NAME",
+                   help="write the weights of the manager's model NAME alone (the snapshot's 0/state/models/NAME), "
+                        "keyed as the model's own state_dict: model.load_state_dict(safetensors.torch.load_file(DST)) "
+                        "loads them")
     p.add_argument("--allow-pickle", "--unsafe-pickle", dest="allow_pickle", action="store_true",
                    help="unpickle what needs it: a snapshot's pickled entries, a torch.save file's objects beyond "
                         "tensors and plain values (runs code from SRC: only for files you trust)")

@@ -8,8 +8,10 @@ import posixpath
 from typing import Any
 
 from ppe_snapshot.cli.common import (
-    Kind, Source, UsageError, classify, describe_value, flatten, open_source, read_state, size_of,
+    STATE_KEY, Kind, Source, UsageError, classify, describe_value, key_of, keyed, open_source, read_app_state,
+    read_state, size_of,
 )
+from ppe_snapshot.cli.dcp_dirs import metadata_checked_reader
 from ppe_snapshot.engine import MANIFEST_NAME, read_manifest
 from ppe_snapshot.engine.codec import (
     BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
@@ -218,7 +220,7 @@ def inspect_source(source: Source) -> dict[str, Any]:
     elif source.kind == Kind.SAFETENSORS:
         entries = _safetensors_entries(source)
     else:
-        flat = flatten(read_state(source)[0], distinct=True)
+        flat = keyed(read_app_state(source)[0])
         entries = [{"key": key, **describe_value(value)} for key, value in flat.items()]
     tensors = [e for e in entries if "dtype" in e and "bytes" in e]
     return {"path": source.path, "kind": source.kind, "metadata": metadata, **written, "entries": entries,
@@ -226,12 +228,13 @@ def inspect_source(source: Source) -> dict[str, Any]:
 
 
 def _torch_dcp_entries(source: Source) -> list[dict[str, Any]]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(local_path(source.path) or source.path).read_metadata()
+    metadata = metadata_checked_reader(local_path(source.path) or source.path, allow_pickle=False).read_metadata()
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     entries = []
-    for key, item in sorted(metadata.state_dict_metadata.items()):
+    for fqn, item in sorted(metadata.state_dict_metadata.items()):
+        key = key_of(STATE_KEY, *map(str, paths.get(fqn, (fqn,))))
         if isinstance(item, TensorStorageMetadata):
             dtype = item.properties.dtype
             shape = list(item.size)
@@ -242,12 +245,13 @@ def _torch_dcp_entries(source: Source) -> list[dict[str, Any]]:
                             "bytes": numel * dtype.itemsize})
         else:
             entries.append({"key": key, "kind": "bytes"})
-    return entries
+    return sorted(entries, key=lambda e: e["key"])
 
 
 def _safetensors_entries(source: Source) -> list[dict[str, Any]]:
     from ppe_snapshot.cli.common import read_safetensors
-    return [{"key": key, **describe_value(value)} for key, value in sorted(read_safetensors(source).items())]
+    return [{"key": key_of(STATE_KEY, name), **describe_value(value)}
+            for name, value in sorted(read_safetensors(source).items())]
 
 
 #: A value nested deeper is not printed (as deep as the engine's readers decode). An explicit bound: whether

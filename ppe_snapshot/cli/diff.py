@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppe_snapshot.cli.common import flatten, open_source, progress, read_state
+from ppe_snapshot.cli.common import (
+    STATE_KEY, Kind, joined_names, key_of, keyed, open_source, progress, read_app_state,
+)
 
 #: About how many characters of a value that differs are shown.
 SHOWN = 60
@@ -78,8 +80,12 @@ def compare(a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    loaded = [read_state(open_source(path, args.storage_options)) for path in (args.a, args.b)]
-    states = [flatten(state, distinct=True) for state, _ in loaded]
+    sources = [open_source(path, args.storage_options) for path in (args.a, args.b)]
+    loaded = [read_app_state(source) for source in sources]
+    states = [keyed(values) for values, _ in loaded]
+    for this, other in ((0, 1), (1, 0)):
+        if sources[this].kind == Kind.SAFETENSORS and sources[other].kind != Kind.SAFETENSORS:
+            states[this] = _lined_up(loaded[this][0][STATE_KEY], loaded[other][0])
     report = compare(states[0], states[1], args.atol)
     rngs = [_generators(rng) for _, rng in loaded]
     if not args.ignore_rng and rngs[0] and rngs[1]:  # both hold RNG states: the generators must match exactly
@@ -100,14 +106,22 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1
 
 
+def _lined_up(tensors: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """A safetensors file's tensors by the keys of the entries of ``other`` (an app state) whose names ``convert``
+    would write them under (``models.main.0.weight`` -> ``0/state/models/main/0.weight``); the others by their
+    own key."""
+    keys = joined_names(other)
+    return {keys.get(name, key_of(STATE_KEY, name)): value for name, value in tensors.items()}
+
+
 def _generators(rng: dict[str, Any]) -> dict[str, Any]:
-    """Every generator's state by its key (``rng.0.torch``, ``gen.numpy``) from the RNG states of a snapshot."""
+    """Every generator's state by its key (``0/rng/0/torch``, ``0/gen/numpy``) from the RNG states of a snapshot."""
     out: dict[str, Any] = {}
     for key, state in rng.items():
         by_rank = state if all(isinstance(v, dict) for v in state.values()) else {None: state}
         for rank, generators in by_rank.items():
             for name, value in generators.items():
-                out[".".join(str(part) for part in (key, rank, name) if part is not None)] = value
+                out[key_of(*(str(part) for part in (key, rank, name) if part is not None))] = value
     return out
 
 
@@ -150,8 +164,8 @@ def _print_report(report: dict[str, Any], section: str = "") -> None:
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("diff", parents=[common], help="compare two snapshots; exit 1 if they differ",
-                       description="Compare the state of two snapshots (any supported kinds; nested keys joined "
-                                   "with '.'): keys only in A or only in B, dtype or shape changes, tensors whose "
+                       description="Compare the state of two snapshots (any supported kinds; keys as inspect "
+                                   "prints them and read_object takes them, 0/state/models/main/0.weight): keys only in A or only in B, dtype or shape changes, tensors whose "
                                    "values differ (with the max abs difference) and other values that differ (long "
                                    "ones shown around their first difference); RNG states (recognised by what was "
                                    "saved) in a section of their own. Exit status: 0 equal, 1 different, 2 usage "

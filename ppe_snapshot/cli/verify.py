@@ -8,7 +8,7 @@ from typing import Any
 from ppe_snapshot.cli.common import Kind, Source, UsageError, is_retired, open_source, progress, read_state
 from ppe_snapshot.engine import read_manifest
 from ppe_snapshot.engine.codec import ShardedTensorEntry, read_into
-from ppe_snapshot.errors import CorruptSnapshotError
+from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, UnsupportedFormatError
 from ppe_snapshot.storage import open_storage
 from ppe_snapshot.stored_snapshot import inspect
 
@@ -48,7 +48,8 @@ def damaged_entries(source: Source) -> list[str]:
 
 
 def check(path: str, storage_options: dict | None, quick: bool) -> list[str]:
-    """The problems found in the snapshot at ``path`` (empty: it is good). :class:`UsageError` if it is none."""
+    """The problems found in the snapshot at ``path`` (empty: it is good). Raises as :func:`open_source` when it
+    is none."""
     source = open_source(path, storage_options, allow_in_progress=True)
     if source.kind == Kind.IN_PROGRESS:
         return ["it has no manifest.json: still being written, or its save crashed"]
@@ -72,7 +73,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for path in args.paths:
         try:
             problems = check(path, args.storage_options, args.quick)
-        except UsageError as e:
+        except (UsageError, SnapshotNotFoundError, UnsupportedFormatError) as e:
             if is_retired(path, args.storage_options):  # e.g. verify RUN/*: no snapshot, nothing wrong
                 print(f"RETIRED {path}: no snapshot; its data files are checked with the snapshots that read them")
                 continue

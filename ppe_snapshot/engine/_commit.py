@@ -181,7 +181,11 @@ def check_sizes(storage: Storage, files: dict[str, int]) -> None:
 
 
 def refuse_overwrite(storage: Storage) -> None:
-    """Raise :class:`SnapshotExistsError` when a committed snapshot is at ``storage`` (a take never writes over one)."""
+    """Raise :class:`SnapshotExistsError` when a committed snapshot, or a file, is at ``storage`` (a take never
+    writes over one)."""
+    if storage.is_file(""):
+        raise SnapshotExistsError(f"{storage.url} is a file; a snapshot is a directory: choose a new path or remove "
+                                  "the file first")
     if storage.exists(MANIFEST_NAME):
         raise SnapshotExistsError(f"a snapshot already exists at {storage.url}; choose a new path or remove it first")
     if storage.exists(RETIRED_NAME):

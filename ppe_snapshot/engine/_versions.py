@@ -95,7 +95,11 @@ def read_manifest(storage: Storage) -> Manifest:
     """
     try:
         data = storage.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a file on the way
+        if storage.is_file(""):
+            raise SnapshotNotFoundError(f"no snapshot at {storage.url}: it is a file, not a snapshot directory "
+                                        "(ppe's single-file snapshots are read by load_snapshot or torch.load)"
+                                        ) from None
         raise SnapshotNotFoundError(f"no snapshot at {storage.url}: {MANIFEST_NAME} is missing (never taken, still "
                                     "being written, or its save crashed before the commit)") from None
     where = f"{storage.url}/{MANIFEST_NAME}"

@@ -1,8 +1,10 @@
 """``load_snapshot``: a snapshot of the extension, read outside the trainer (an inference script, a notebook).
 
-An engine snapshot (a directory) is read through the engine, ppe's single file with ``torch.load(...,
-weights_only=True)``. A model or optimizer given is checked against what was saved first, so that a changed model
-is reported as such (missing and unexpected keys, shapes), never as a damaged snapshot.
+It reads what the command line reads, the same way and with the same errors (``ppe_snapshot.cli.common``): an
+engine snapshot (a directory) through the engine, ppe's single file with ``torch.load(..., weights_only=True)``,
+a DCP directory (torch's own, or the DCP adapter's), a safetensors file. A model or optimizer given is checked
+against what was saved first, so that a changed model is reported as such (missing and unexpected keys, shapes),
+never as a damaged snapshot.
 """
 from __future__ import annotations
 
@@ -10,11 +12,7 @@ from typing import Any
 
 import torch
 
-from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot
 from ppe_snapshot.errors import StateMismatchError
-from ppe_snapshot.extension.saved_state import STATE_KEY
-from ppe_snapshot.run_dir import filesystem, load_file
-from ppe_snapshot.storage import join
 
 
 def load_snapshot(path: str, model: Any = None, optimizer: Any = None, *,
@@ -23,10 +21,17 @@ def load_snapshot(path: str, model: Any = None, optimizer: Any = None, *,
     tensors on the CPU; with ``model`` / ``optimizer`` also loaded into them.
 
     ``path`` is the snapshot (``out/snapshot_iter_100``, a directory, or ppe's single file; a local path or an
-    fsspec URL). ``model`` and ``optimizer`` take the manager's only model / optimizer, or the one named ``main``
-    (a dict ``{name: module}`` takes each by name); a snapshot of ``snapshot_object(model, ...)`` holds the
-    model's state itself. Raises :class:`~ppe_snapshot.StateMismatchError` naming the missing and unexpected keys
-    and the shapes that differ when the model does not fit, before anything is loaded into it.
+    fsspec URL), or what ``ppe-snapshot convert`` wrote of one: a DCP directory, a safetensors file (of
+    a model's state dict: ``convert --to safetensors --model NAME``). Raises :class:`~ppe_snapshot.SnapshotNotFoundError` when
+    nothing readable is there (nothing at all, a directory without a snapshot, a save in progress),
+    :class:`~ppe_snapshot.UnsupportedFormatError` for a file of another kind, and
+    :class:`~ppe_snapshot.UnsupportedValueError` when reading it needs pickle and ``allow_pickle`` is not set.
+
+    ``model`` and ``optimizer`` take the manager's only model / optimizer, or the one named ``main`` (a dict
+    ``{name: module}`` takes each by name); a snapshot of ``snapshot_object(model, ...)`` holds the model's
+    state itself. Raises :class:`~ppe_snapshot.StateMismatchError` naming the missing and unexpected keys
+    and the shapes and dtypes that differ when the model does not fit, before anything is loaded into it (the
+    rule of ``restore`` and autoload: a tensor is never cast to another dtype on the way in).
     """
     state = _read(str(path), storage_options, allow_pickle)
     if model is not None:
@@ -37,14 +42,9 @@ def load_snapshot(path: str, model: Any = None, optimizer: Any = None, *,
 
 
 def _read(path: str, storage_options: dict[str, Any] | None, allow_pickle: bool) -> Any:
-    fs, root = filesystem(path, storage_options)
-    if fs.isfile(root):
-        return load_file(path, storage_options)
-    if not fs.exists(join(root, MANIFEST_NAME)):
-        raise FileNotFoundError(f"{path}: no snapshot there (a snapshot directory has a {MANIFEST_NAME}; "
-                                "ppe's single-file snapshots are files)")
-    return Snapshot(path, pg=LOCAL, storage_options=storage_options, allow_pickle=allow_pickle).read_object(
-        f"0/{STATE_KEY}")
+    from ppe_snapshot.cli.common import open_source, read_state  # the command line's readers, loaded when used
+
+    return read_state(open_source(path, storage_options), allow_pickle)[0]
 
 
 def _part(state: Any, section: str) -> Any:
@@ -91,11 +91,19 @@ def _check_module(module: torch.nn.Module, saved: Any, what: str) -> None:
         raise StateMismatchError(f"the snapshot holds a {type(saved).__name__} where the {what}'s state dict was "
                                  "expected")
     missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-    shapes = [f"{k}: saved {list(saved[k].shape)}, {what} {list(own[k].shape)}" for k in sorted(set(own) & set(saved))
-              if isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        parts = ([f"missing keys {missing}"] if missing else []) + (
-            [f"unexpected keys {unexpected}"] if unexpected else []) + ([f"other shapes ({'; '.join(shapes)})"]
-                                                                      if shapes else [])
+    both = [k for k in sorted(set(own) & set(saved)) if isinstance(saved[k], torch.Tensor)]
+    shapes = [f"{k}: saved {list(saved[k].shape)}, {what} {list(own[k].shape)}" for k in both
+              if saved[k].shape != own[k].shape]
+    dtypes = [f"{k}: saved {_name(saved[k].dtype)}, {what} {_name(own[k].dtype)}" for k in both
+              if saved[k].dtype != own[k].dtype]
+    parts = ([f"missing keys {missing}"] if missing else []) + (
+        [f"unexpected keys {unexpected}"] if unexpected else []) + (
+        [f"other shapes ({'; '.join(shapes)})"] if shapes else []) + (
+        [f"other dtypes ({'; '.join(dtypes)}; load into the saved dtype, then convert the {what})"] if dtypes else [])
+    if parts:
         raise StateMismatchError(f"the {what} does not fit the snapshot (was it changed since the snapshot was "
                                  f"saved?): {', '.join(parts)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -130,6 +130,11 @@ class Storage(abc.ABC):
         """Whether a file exists at ``rel``."""
 
     @abc.abstractmethod
+    def is_file(self, rel: str) -> bool:
+        """Whether a file (not a directory) is at ``rel``; ``""``: whether the snapshot's own place is a file.
+        False on object stores, where a key and keys under it (a snapshot's) live side by side."""
+
+    @abc.abstractmethod
     def size(self, rel: str) -> int:
         """Size of the file at ``rel`` in bytes."""
 

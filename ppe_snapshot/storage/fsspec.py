@@ -130,6 +130,10 @@ class FsspecStorage(Storage):
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self._abs(rel))
 
+    def is_file(self, rel: str) -> bool:
+        # An object store's key does not stand in the way of keys under it: no requests to ask (a take's first).
+        return not self._is_object_store() and self.fs.isfile(self._abs(rel))
+
     def size(self, rel: str) -> int:
         with naming_missing_base(self.url, rel):
             return self.fs.size(self._abs(rel))

@@ -13,9 +13,7 @@ import numpy as np
 
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage.base import (
-    BlobWriter, Storage, is_readable_name, naming_missing_base, split_reference,
-)
+from ppe_snapshot.storage.base import BlobWriter, Storage, is_readable_name, naming_missing_base, split_reference
 
 # preadv takes at most this many buffers per call (IOV_MAX on Linux).
 _IOV_MAX = 1024
@@ -378,6 +376,9 @@ class LocalStorage(Storage):
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(self._abs(rel))
+
+    def is_file(self, rel: str) -> bool:
+        return os.path.isfile(self._abs(rel))
 
     def size(self, rel: str) -> int:
         path = self._data_path(rel)
