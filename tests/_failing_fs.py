@@ -60,14 +60,14 @@ class KillingFileSystem(LocalFileSystem):
 
 
 class SlowFileSystem(LocalFileSystem):
-    """Each file opened for writing first sleeps ``slow_s`` seconds (a slow disk or link)."""
+    """Each data file of a snapshot opened for writing first sleeps ``slow_s`` seconds (a slow disk or link)."""
 
     def __init__(self, *args, slow_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.slow_s = slow_s
 
     def _open(self, path, mode="rb", **kwargs):
-        if "r" not in mode:
+        if "r" not in mode and "/data/" in path:
             time.sleep(self.slow_s)
         return super()._open(path, mode, **kwargs)
 

@@ -15,7 +15,7 @@ that save starts; ``"after_manifest"`` kills rank 0 just after it wrote the mani
 write into ``save<spec["save"]>``.
 ``spec["failing_rank"]`` gets a storage whose every write raises ``OSError`` (an fsspec file system);
 ``spec["slow_rank"]`` one that sleeps ``spec["slow_s"]`` per data write of a multi-rank take,
-``spec["slow_write_rank"]`` one (an fsspec file system) that sleeps that long per file written.
+``spec["slow_write_rank"]`` one (an fsspec file system) that sleeps that long per data file written.
 """
 from __future__ import annotations
 
