@@ -1,16 +1,21 @@
 """One rank of a multi-rank save in which one rank dies (SIGKILL) or its storage fails: run as a script.
 
 ``python tests/_rank_kill.py RANK WORLD PORT SPEC_JSON`` joins a gloo group on 127.0.0.1:PORT and saves
-``spec["saves"]`` times with ``spec["kind"]`` (``take``, ``async_take``, ``simple``, ``thread``, ``process``, or
-``dcp``: torch.distributed.checkpoint's own save, for comparison), each save to ``<dir>/save<i>``. It writes
+``spec["saves"]`` times with ``spec["kind"]`` (``take``, ``async_take``, ``simple``, ``thread``, ``process``,
+``distributed``: the snapshot extension in DISTRIBUTED mode with the writer ``spec["writer"]``, or ``dcp``:
+torch.distributed.checkpoint's own save, for comparison), each save to ``<dir>/save<i>`` (``distributed``:
+``save<i + 1>``, the iteration). It writes
 ``<dir>/rank<r>.json``: per save its start and end times, and the exception that ended it (type, message, time).
 
 The victim (``spec["victim"]``) kills itself with SIGKILL, recording the time in ``<dir>/killed.json`` first:
 ``spec["when"]`` = ``"delay"`` kills ``spec["delay"]`` seconds into save ``spec["save"]`` (scaled by the second
 save's duration when ``spec["scaled"]``; at the latest when that save returns); ``"before_save"`` just before
-that save starts; ``"after_manifest"`` kills rank 0 just after it wrote the manifest of that save.
+that save starts; ``"after_manifest"`` kills rank 0 just after it wrote the manifest of that save;
+``"during_write"`` kills it from its storage (``tests/_failing_fs.py``) ``spec["delay"]`` seconds into the first
+write into ``save<spec["save"]>``.
 ``spec["failing_rank"]`` gets a storage whose every write raises ``OSError`` (an fsspec file system);
-``spec["slow_rank"]`` one that sleeps ``spec["slow_s"]`` per data write.
+``spec["slow_rank"]`` one that sleeps ``spec["slow_s"]`` per data write of a multi-rank take,
+``spec["slow_write_rank"]`` one (an fsspec file system) that sleeps that long per data file written.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import _failing_fs  # noqa: E402
+
 KINDS = ("take", "async_take", "simple", "thread", "process")  # and "distributed", "dcp"
 
 
@@ -35,23 +42,6 @@ def _die(out: str, rank: int, how: str) -> None:
     with open(os.path.join(out, "killed.json"), "w") as f:
         json.dump({"rank": rank, "time": time.time(), "how": how}, f)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _failing_filesystem() -> None:
-    """This process's local fsspec file system fails every write (its storage is gone)."""
-    import fsspec
-    from fsspec.implementations.local import LocalFileSystem
-
-    class FailingFileSystem(LocalFileSystem):
-        def _open(self, path, mode="rb", **kwargs):
-            if "r" not in mode:
-                raise OSError(28, "No space left on device (every write fails on this rank)", path)
-            return super()._open(path, mode, **kwargs)
-
-        def pipe_file(self, path, value, **kwargs):
-            raise OSError(28, "No space left on device (every write fails on this rank)", path)
-
-    fsspec.register_implementation("file", FailingFileSystem, clobber=True)
 
 
 def _slow_storage(seconds: float) -> None:
@@ -81,15 +71,17 @@ def _kill_after_manifest(out: str, rank: int, save: int, counter: list[int]) -> 
     versions.merge_and_commit = merge_then_die
 
 
-def _distributed_saver():
-    """Each save is one iteration of a ppe manager whose DISTRIBUTED snapshot extension (rank 0 writes, with a
-    ThreadWriter) saves ``<dir>/save<iteration>`` (iterations count from 1) at every iteration."""
+def _distributed_saver(spec: dict, storage_options: dict | None):
+    """Each save is one iteration of a ppe manager whose DISTRIBUTED snapshot extension (rank 0 writes, with
+    ``spec["writer"]``, a ThreadWriter by default) saves ``<dir>/save<iteration>`` (iterations count from 1) at
+    every iteration; the manager stops (and finalizes the extension) at the end of the last save."""
     import pytorch_pfn_extras as ppe
 
     import ppe_snapshot
     from ppe_snapshot import writing
 
-    manager, writer = None, writing.ThreadWriter()
+    manager = None
+    writer = getattr(writing, spec.get("writer", "ThreadWriter"))(storage_options=storage_options)
 
     def save(path, state):
         nonlocal manager
@@ -97,7 +89,8 @@ def _distributed_saver():
             model = torch.nn.Module()
             model.w = torch.nn.Parameter(state["m"].state_dict()["w"])
             manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 100,
-                                                     iters_per_epoch=1000, out_dir=os.path.dirname(path))
+                                                     iters_per_epoch=1000, out_dir=os.path.dirname(path),
+                                                     stop_trigger=(spec["saves"], "iteration"))
             manager.extend(ppe_snapshot.snapshot(writer=writer, filename="save{.iteration}",
                                                  snapshot_mode=ppe_snapshot.SnapshotMode.DISTRIBUTED, saver_rank=0),
                            trigger=(1, "iteration"))
@@ -106,7 +99,7 @@ def _distributed_saver():
     return save, writer.wait
 
 
-def _saver(kind: str, storage_options: dict | None):
+def _saver(kind: str, spec: dict, storage_options: dict | None):
     """A function ``save(path, state)`` that returns when the save is handed off, and ``finish()``."""
     from ppe_snapshot import Snapshot, writing
 
@@ -124,7 +117,7 @@ def _saver(kind: str, storage_options: dict | None):
         return (lambda path, state: dcp.save({f"w{dist.get_rank()}": state["m"].state_dict()["w"]}, checkpoint_id=path),
                 lambda: None)
     if kind == "distributed":
-        return _distributed_saver()
+        return _distributed_saver(spec, storage_options)
     cls = {"simple": writing.SimpleWriter, "thread": writing.ThreadWriter, "process": writing.ProcessWriter}[kind]
     writer = cls(storage_options=storage_options)
 
@@ -143,9 +136,16 @@ def main(rank: int, world_size: int, port: int, spec: dict) -> None:
 
     storage_options = None
     if spec.get("failing_rank") == rank:
-        _failing_filesystem()
-    if spec.get("failing_rank") is not None:
+        _failing_fs.register(_failing_fs.FailingFileSystem)
+    if spec.get("failing_rank") is not None or spec.get("when") == "during_write":
         storage_options = {"auto_mkdir": True}  # every rank through fsspec's local file system
+    if spec.get("slow_write_rank") == rank:
+        _failing_fs.register(_failing_fs.SlowFileSystem)
+        storage_options = {"auto_mkdir": True, "slow_s": spec["slow_s"]}
+    if spec.get("victim") == rank and spec.get("when") == "during_write":
+        _failing_fs.register(_failing_fs.KillingFileSystem)
+        storage_options.update(kill_pid=os.getpid(), record=os.path.join(out, "killed.json"), rank=rank,
+                               marker=f"/save{spec['save']}/", delay_s=spec.get("delay", 0.0))
     if spec.get("slow_rank") == rank:
         _slow_storage(spec["slow_s"])
     counter = [-1]
@@ -154,7 +154,7 @@ def main(rank: int, world_size: int, port: int, spec: dict) -> None:
         _kill_after_manifest(out, rank, spec["save"], counter)
     generator = torch.Generator().manual_seed(rank)
     state = {"m": StateDict(w=torch.randn(spec["mib"] << 18, generator=generator))}
-    save, finish = _saver(spec["kind"], storage_options)
+    save, finish = _saver(spec["kind"], spec, storage_options)
     record: dict = {"rank": rank, "pid": os.getpid(), "saves": []}
     steady = None
     try:

@@ -165,6 +165,7 @@ def test_snapshot_restores_bit_exact(kind, make_writer, tmp_path):
     assert stats["path"] == path
     assert stats["bytes"] == os.path.getsize(tmp_path / "snap" / "data" / "rank0.bin")
     assert stats["blocking_s"] >= 0 and stats["write_s"] >= 0
+    assert writer.last_save.done() and writer.last_save.exception() is None  # the save's end, for other threads
 
 
 def test_constructor_out_dir_takes_precedence(make_writer, tmp_path):
@@ -300,6 +301,7 @@ def test_disk_full_is_raised_at_wait_and_leaves_no_manifest(kind, make_writer, t
     os.symlink("/dev/full", data / "rank0.bin")  # every write there fails with ENOSPC
     writer = make_writer(kind)
     writer("snap", str(tmp_path), {"x": torch.ones(1000)})
+    assert writer.last_save.exception(timeout=60).errno == errno.ENOSPC  # another thread may wait on it
     with pytest.raises(BackgroundSaveError) as raised:
         writer.wait()
     assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.ENOSPC

@@ -16,7 +16,8 @@ Taking and restoring
     ``group_rank(pg)`` is (rank, world size). ``gc_paused()`` pauses Python's cyclic collector around a take
     the caller waits for (as ``Snapshot.take`` does).
 Between ranks, naming a rank that died
-    ``side_group(pg)`` (the gloo group beside ``pg`` that takes use), ``exchange(group, doc, tag, decide,
+    ``side_group(pg)`` (the gloo group beside ``pg`` that takes use; its ``send`` / ``receive`` carry one small
+    document from one rank to another), ``exchange(group, doc, tag, decide,
     root=)`` (every rank's document through one rank), ``agree_max(group, value, tag)``.
 State objects
     :class:`Stateful`, :class:`StateDict`, :class:`RNGState`, :class:`OptimizerState`.

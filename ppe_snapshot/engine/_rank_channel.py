@@ -50,9 +50,28 @@ class SideGroup:
         self._exchanges = 0
 
     def next_tag(self) -> int:
-        """The tag of the next :func:`exchange` (every rank makes the same exchanges in the same order)."""
+        """The tag of the next :func:`exchange` or :meth:`send` (every rank allots tags in the same order)."""
         self._exchanges += 1
         return _EXCHANGE_TAGS + self._exchanges % _EXCHANGE_TAGS
+
+    def send(self, doc: dict[str, Any], peer: int, tag: int) -> None:
+        """Send ``doc`` (a JSON object of at most :data:`MESSAGE_BYTES`; a longer ``"reason"`` is cut) to ``peer``,
+        which receives it with :meth:`receive` and the same ``tag``. Returns once ``peer`` received it; raises
+        :class:`~ppe_snapshot.errors.SnapshotAbortedError` naming ``peer`` when it died."""
+        try:
+            self.group.send([_encode(doc)], peer, tag).wait()
+        except RuntimeError as e:
+            raise SnapshotAbortedError(_peer_lost(peer, e)) from e
+
+    def receive(self, peer: int, tag: int) -> dict[str, Any]:
+        """The document ``peer`` sends with :meth:`send` and ``tag``; raises
+        :class:`~ppe_snapshot.errors.SnapshotAbortedError` naming ``peer`` as soon as its process dies."""
+        message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        try:
+            self.group.recv([message], peer, tag).wait(_RECEIVE_WAIT)
+        except RuntimeError as e:
+            raise SnapshotAbortedError(_peer_lost(peer, e)) from e
+        return _decode(message)
 
 
 _groups: dict[tuple[int, ...], tuple[Any, SideGroup]] = {}

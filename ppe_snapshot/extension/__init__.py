@@ -14,7 +14,8 @@ numbers (dropout, shuffling) resumes bit-exactly. Single-file snapshots
 put ``ppe_snapshot.RNGState()`` in the manager's ``state_objects``.
 
 The modules: ``ppe_extension`` (ppe's Extension protocol, one process),
-``rank_agreement`` (DISTRIBUTED and SHARDED modes), ``saved_state`` (what a
+``rank_agreement`` (DISTRIBUTED and SHARDED modes), ``save_outcomes``
+(DISTRIBUTED: how the saver's saves ended, told to every rank), ``saved_state`` (what a
 snapshot holds and restoring it), ``ppe_compat`` (ppe's arguments and
 writers), ``loading`` (``load_snapshot``: a snapshot read outside the
 trainer), ``epoch_batches`` (the loop that resumes mid-epoch). Listing,

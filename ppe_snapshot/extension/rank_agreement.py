@@ -1,7 +1,9 @@
 """The snapshot extension across ranks: how the ranks agree in SnapshotMode.DISTRIBUTED and SHARDED.
 
 DISTRIBUTED: every rank gives its state, ``saver_rank`` writes it (and
-every rank's RNG state) and tells the others whether it saved. SHARDED:
+every rank's RNG state) and tells the others whether it saved: at the
+meeting of each save what failed so far, then how the save ended
+(:mod:`.save_outcomes`). SHARDED:
 every rank writes its part of one snapshot. At autoload every rank restores
 the same snapshot at the same time and falls back together; the ranks
 agree on the candidates before trying any.
@@ -15,11 +17,13 @@ import torch.distributed as dist
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
 from ppe_snapshot.engine import LOCAL, RNGState, exchange, side_group
-from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.extension.ppe_extension import _Snapshot
 from ppe_snapshot.extension.preemption import Preemption
+from ppe_snapshot.extension.save_outcomes import SaveOutcomes, summary
 from ppe_snapshot.extension.saved_state import state_of
 from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh, target_changed
+from ppe_snapshot.writing import BackgroundAbortError, BackgroundSaveError
 
 logger = logging.getLogger(__name__)
 
@@ -98,23 +102,37 @@ class _DistributedExtension:
 class DistributedSnapshot(_DistributedExtension, _Snapshot):
     """Every rank gives its state; ``saver_rank`` writes it; every rank can restore it."""
 
+    def __init__(self, *, saver_rank: int, **options: Any) -> None:
+        super().__init__(saver_rank=saver_rank, **options)
+        self._outcomes = SaveOutcomes(self._rank, self._saver_rank, self._size)
+
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         # The ranks meet through the saver, point to point on the side gloo group of the engine's takes: a rank
-        # that dies meanwhile is named on every other rank (a collective could leave some waiting for it).
+        # that dies meanwhile is named on every other rank (a collective could leave some waiting for it). How a
+        # save handed to a background writer ends, the saver tells the others later (save_outcomes).
         name = self._format_name(manager)
         state = state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
         rng = self._gather_rng_states() if self._engine_writer is not None else None
-        failure = None
+        failure, ended = None, None
         if self._is_saver:
             try:
                 self._save(manager, name, state, LOCAL, rng)
             except Exception as e:
-                failure = f"{type(e).__name__}: {e}"
-                self._meet(failure)
+                self._meet({"reason": summary(e), "background": isinstance(e, BackgroundSaveError)})
                 raise
+            ended = getattr(self.writer, "last_save", None)
         failure = self._meet(failure)  # also the barrier: every rank returns once the save is handed off
         if failure is not None:
-            raise SnapshotError(f"snapshot {name} failed on saver rank {self._saver_rank}: {failure}")
+            kind = BackgroundAbortError if failure["background"] else SnapshotAbortedError
+            raise kind(f"snapshot {name}: saver rank {self._saver_rank} failed: {failure['reason']}")
+        self._outcomes.met(name, ended)
+
+    def finalize(self, manager: ExtensionsManagerProtocol) -> None:
+        """Also every rank learns how the saver's last saves ended (:meth:`SaveOutcomes.finish`)."""
+        try:
+            super().finalize(manager)
+        finally:
+            self._outcomes.finish()
 
     def _meet(self, doc: Any, decide: Any = None) -> Any:
         """What the saver rank decides from every rank's ``doc`` (by default: its own), naming a rank that died."""

@@ -7,7 +7,8 @@ or in the background. A background executor has ``depth`` slots, each with its o
 once and grown only when a snapshot needs more: a save takes a free slot (waiting for the oldest save in flight
 when none is free), is staged into the slot's buffer in the caller (the buffer is handed to the engine), and is
 handed to the executor; when it ends, the core records its stats or its failure, runs the post-save hooks and
-frees the slot. A failure is raised at the next save, :meth:`WriterCore.wait` or :meth:`WriterCore.finalize`.
+frees the slot. A failure is raised at the next save, :meth:`WriterCore.wait` or :meth:`WriterCore.finalize`;
+:attr:`WriterCore.last_save` tells another thread when the last save ended and how.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -82,6 +84,9 @@ class WriterCore:
         self._name = name  # the writer's class, as messages name it
         #: ``blocking_s``, ``write_s`` (None until the write ends), ``bytes`` and ``path`` of the last save.
         self.last_stats: dict[str, Any] = {}
+        #: The end of the last save: done once it was committed and its hooks ran, its exception the failure
+        #: (None before the first save).
+        self.last_save: Future[None] | None = None
         self._slots = [_Slot() for _ in range(executor.depth)]
         self._failures: deque[BaseException] = deque()
         self._cond = threading.Condition()
@@ -142,7 +147,9 @@ class WriterCore:
             job.stage(buffer)
             stats = self._new_stats(path, start, job.layout.size)
             stats["staging_s"] = time.perf_counter() - began
-            self.executor.submit_take(Ticket(slot, stats, take=True), job, step, self._finish)
+            ticket = Ticket(slot, stats, take=True)
+            self.executor.submit_take(ticket, job, step, self._finish)
+            self.last_save = ticket.ended
         except BaseException:
             self._release(slot)
             raise
@@ -168,8 +175,9 @@ class WriterCore:
             staged = StagedObject(target)
             buffer = self._buffer(slot, staged.size, staged.on_cuda)
             skeleton = staged.copy_into(buffer)
-            self.executor.submit_file(Ticket(slot, self._new_stats(save.dest, start, None)), save, skeleton, buffer,
-                                      self._finish)
+            ticket = Ticket(slot, self._new_stats(save.dest, start, None))
+            self.executor.submit_file(ticket, save, skeleton, buffer, self._finish)
+            self.last_save = ticket.ended
         except BaseException:
             self._release(slot)
             raise
@@ -179,6 +187,8 @@ class WriterCore:
         stats["write_s"] = time.perf_counter() - began
         _log_done(stats)
         self._after_save()
+        self.last_save = Future()
+        self.last_save.set_result(None)
 
     def _new_stats(self, path: str, start: float, nbytes: int | None) -> dict[str, Any]:
         stats = {"path": path, "bytes": nbytes, "blocking_s": time.perf_counter() - start, "write_s": None}
@@ -274,6 +284,10 @@ class WriterCore:
                 self._failures.append(error)
             self._slots[ticket.slot].busy, self._slots[ticket.slot].path = False, None
             self._cond.notify_all()
+        if error is None:
+            ticket.ended.set_result(None)
+        else:
+            ticket.ended.set_exception(error)
 
     # -- waiting and shutting down --------------------------------------------------------
     def wait(self) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,6 +28,8 @@ class Ticket:
     handoff: float = 0.0
     #: An engine snapshot (else a single file written by a savefun).
     take: bool = False
+    #: Done once the save ended (committed and its hooks run), with its failure as the exception.
+    ended: "Future[None]" = field(default_factory=Future)
 
 
 #: What an executor calls once a save ended: ``finish(ticket, error or None, bytes written or None)``.

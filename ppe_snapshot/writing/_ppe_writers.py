@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from pytorch_pfn_extras.writing import QueueWriter, StandardWriter, Writer
@@ -141,6 +142,12 @@ class _PpeWriter(Writer, SnapshotWriter):
     def last_stats(self) -> dict[str, Any]:  # type: ignore[override]
         """``path``, ``bytes``, ``blocking_s``, ``write_s`` (None until the write ends) of the last save."""
         return self._core.last_stats
+
+    @property
+    def last_save(self) -> Future[None] | None:
+        """The end of the last save (None before the first): a ``Future`` done once it was committed and its
+        post-save hooks ran, whose ``exception()`` is its failure; another thread may wait on it."""
+        return self._core.last_save
 
     @property
     def staging_buffers(self) -> tuple[Any, ...]:

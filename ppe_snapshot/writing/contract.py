@@ -16,7 +16,9 @@ passed in (keywords)      ``metadata``: stored in the manifest (the extension's 
                           ``allow_pickle``: True to let this save hold values only pickle can store,
                           None to keep the writer's setting
 read back                 ``last_stats`` (see :class:`SaveStats`), ``storage_options``, ``out_dir``,
-                          ``allow_pickle``
+                          ``allow_pickle``; ``last_save`` where the writer has it (a ``Future`` done once
+                          the last save ended, its exception the failure: the DISTRIBUTED saver rank tells
+                          the other ranks from it; without it, a save is taken as ended when the call returns)
 called                    ``wait()`` before a snapshot on error; ``finalize()`` at the end;
                           ppe's cleanup hooks (``pytorch_pfn_extras.writing.Writer``'s): each runs
                           after a committed save (retention prunes there)
