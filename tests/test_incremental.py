@@ -76,9 +76,7 @@ def test_only_changed_blocks_are_written_and_each_snapshot_restores(tmp_path):
         take(tmp_path / f"s{i}", values, base=tmp_path / f"s{i - 1}")
         history.append({k: v.clone() if isinstance(v, torch.Tensor) else np.copy(v) if isinstance(v, np.ndarray)
                         else v for k, v in values.items()})
-        changed = 3 * BLOCK  # the adapter's block and two of the table's
-        if i == 2:  # s1 is a plain snapshot: the table's one chunk of 1 MiB changed, rewritten in blocks
-            changed = BLOCK + (1 << 20)
+        changed = 3 * BLOCK  # the adapter's block and two of the table's, after the plain s1 too (its blocks)
         assert changed <= data_size(tmp_path / f"s{i}") <= changed + 4 * 64, i
         doc = json.loads((tmp_path / f"s{i}" / "manifest.json").read_text())
         assert doc["version"] == 3
@@ -129,6 +127,68 @@ def test_async_take_and_a_full_base_of_large_chunks(tmp_path):
     assert (1 << 20) <= written < (1 << 20) + BLOCK
     take(tmp_path / "inc2", expected, base=tmp_path / "inc")
     assert data_size(tmp_path / "inc2") == 0
+
+
+def test_a_plain_take_is_a_base_of_blocks(tmp_path):
+    """Issue 32: a take without base= records its blocks, so the first incremental take after it writes about the
+    changed block, not the changed tensor (4M floats, one bit flipped: 1 MiB, not 16 MiB)."""
+    a = torch.randn(4 << 20)
+    Snapshot.take(str(tmp_path / "s0"), {"m": StateDict(a=a)})
+    assert data_size(tmp_path / "s0") == 16 << 20
+    a.view(torch.int32)[3_000_000] ^= 1
+    Snapshot.take(str(tmp_path / "s1"), {"m": StateDict(a=a)}, base=str(tmp_path / "s0"))
+    assert data_size(tmp_path / "s1") == 1 << 20  # one block of the default PPE_SNAPSHOT_BLOCK_KB
+    assert torch.equal(Snapshot(str(tmp_path / "s1")).read_object("0/m/a"), a)
+
+
+@pytest.mark.parametrize("first,then,written", [(BLOCK, None, BLOCK), (BLOCK, 1 << 20, BLOCK),
+                                                (None, BLOCK, 1 << 20)],
+                         ids=["plain-take-blocks", "base-blocks-smaller", "base-blocks-larger"])
+def test_block_bytes_of_a_plain_take_are_the_blocks_compared(tmp_path, first, then, written):
+    """block_bytes= on a take without base= sets its blocks; a take whose base has other blocks compares in the
+    base's and writes a changed one in its own: the next take writes its own blocks."""
+    table = torch.randn(1024, 256)  # 1 MiB of 1 KiB rows
+    Snapshot.take(str(tmp_path / "s0"), {"m": StateDict(table=table)}, block_bytes=first)
+    table[700] += 1
+    Snapshot.take(str(tmp_path / "s1"), {"m": StateDict(table=table)}, base=str(tmp_path / "s0"), block_bytes=then)
+    assert data_size(tmp_path / "s1") == written
+    table[701] += 1  # in the same 4 KiB block as row 700
+    Snapshot.take(str(tmp_path / "s2"), {"m": StateDict(table=table)}, base=str(tmp_path / "s1"), block_bytes=then)
+    assert data_size(tmp_path / "s2") == (then or 1 << 20) if first is None else BLOCK
+    assert torch.equal(Snapshot(str(tmp_path / "s2")).read_object("0/m/table"), table)
+
+
+@pytest.mark.parametrize("block_bytes", [100, 0, 128 << 20, 4096.0])
+def test_a_bad_block_size_is_refused_with_or_without_a_base(tmp_path, block_bytes):
+    with pytest.raises(ValueError, match=r"block_bytes \(PPE_SNAPSHOT_BLOCK_KB in KiB\) must be a multiple of 64"):
+        Snapshot.take(str(tmp_path / "s0"), {"m": StateDict(a=torch.ones(4))}, block_bytes=block_bytes)
+    assert not (tmp_path / "s0").exists()
+
+
+def test_extension_first_incremental_save_after_the_plain_one_is_small(tmp_path, monkeypatch):
+    """Issue 32: snapshot(incremental=True) with PPE_SNAPSHOT_BLOCK_KB=4 and one embedding row (1 KiB) changed
+    per iteration: the second snapshot holds a block, not a copy of the 4 MiB table."""
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+    from ppe_snapshot.settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "block_bytes", 4096)  # what PPE_SNAPSHOT_BLOCK_KB=4 sets
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(4096, 256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ppe.training.ExtensionsManager(model, optimizer, 3, iters_per_epoch=1, out_dir=str(tmp_path))
+    manager.extend(ppe_snapshot.snapshot(incremental=True, writer=SimpleWriter()), trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            with torch.no_grad():
+                model.weight[17 * manager.iteration] += 1
+    assert data_size(tmp_path / "snapshot_iter_1") > 4 << 20
+    for name in ("snapshot_iter_2", "snapshot_iter_3"):
+        assert data_size(tmp_path / name) < 64 << 10, name
+        assert "snapshot_iter_1" in Snapshot(str(tmp_path / name)).references
+    saved = Snapshot(str(tmp_path / "snapshot_iter_3")).read_object("0/state/models/main/weight")
+    assert torch.equal(saved, model.weight.detach())
 
 
 def test_a_snapshot_without_its_base_names_it(tmp_path):
@@ -285,9 +345,9 @@ def test_ranks_reference_their_own_blocks(dist_run, tmp_path):
     for rank, result in enumerate(results):
         assert torch.equal(result["frozen"], workers.FROZEN)
         assert torch.equal(result["own"], workers.own_values(rank, 3)) and result["step"] == 3
-        assert result["written"] == workers.BLOCK  # the changed block of "own"
+        assert result["written"] == [workers.BLOCK] * 2  # the changed block of "own", after the plain take too
     snapshot = Snapshot(str(tmp_path / "s3"))
-    assert snapshot.references == ("s1", "s2")
+    assert snapshot.references == ("s1",)  # the block s2 wrote changed again
     assert torch.equal(snapshot.read_object("0/m/frozen"), workers.FROZEN)  # resharded: one process reads it all
     snapshot.verify()
 

@@ -20,7 +20,8 @@ Bytes
     host copy), ``is_direct``, ``tensor_bytes``, ``read_into`` (verified reads of chunks).
 Incremental writes
     ``write_pieces(storage, file, pieces, base, storage_options)``: a data file whose pieces unchanged since
-    snapshot ``base`` are referenced, not written (``base=`` of the DCP writer).
+    snapshot ``base`` are referenced, not written (``base=`` of the DCP writer); ``block_size(block_bytes)``: the
+    block size a write uses (its chunks' largest size; None: the settings').
 Committing
     ``new_take_id()``, ``refuse_overwrite(storage)``, ``commit_manifest(storage, manifest)`` (checks it restores,
     then writes it in the format version takes write, the manifest last).
@@ -28,7 +29,7 @@ Committing
 from ppe_snapshot.engine._commit import refuse_overwrite
 from ppe_snapshot.engine._flatten import Payload, child_path, escape, inflate
 from ppe_snapshot.engine._format import Container, Raw, data_file, new_take_id
-from ppe_snapshot.engine._incremental import write_pieces
+from ppe_snapshot.engine._incremental import block_size, write_pieces
 from ppe_snapshot.engine._loading import leaf_loader
 from ppe_snapshot.engine._manifest import (
     BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
@@ -52,5 +53,5 @@ __all__ = [
     # committing
     "commit_manifest", "new_take_id", "refuse_overwrite",
     # incremental writes
-    "write_pieces",
+    "block_size", "write_pieces",
 ]
