@@ -191,6 +191,57 @@ def test_extension_first_incremental_save_after_the_plain_one_is_small(tmp_path,
     assert torch.equal(saved, model.weight.detach())
 
 
+def test_a_small_unchanged_entry_does_not_keep_a_large_file(tmp_path):
+    """Issue 32: what a take keeps of a base file it would reference for less than half the file's bytes is
+    copied into its own file, so the base's file is not kept alive by it."""
+    values = {"weights": torch.randn(64, 1024), "rng": np.arange(300, dtype=np.int64)}  # 256 KiB, 2.4 KB
+    take(tmp_path / "s0", values)
+    values["weights"] += 1  # every weight changes, the small entry does not
+    take(tmp_path / "s1", values, base=tmp_path / "s0")
+    assert Snapshot(str(tmp_path / "s1")).references == ()
+    assert data_size(tmp_path / "s1") == data_size(tmp_path / "s0")
+    shutil.rmtree(tmp_path / "s0")
+    assert_same(restored(tmp_path / "s1", values), values)
+    values["weights"][0] += 1  # one block changes: the rest of s1's file is referenced
+    take(tmp_path / "s2", values, base=tmp_path / "s1")
+    assert Snapshot(str(tmp_path / "s2")).references == ("s1",) and data_size(tmp_path / "s2") == BLOCK
+
+
+def _fine_tune(out: Path, incremental: bool, iterations: int) -> int:
+    """A full fine-tune through the extension (every weight changes at every step, the RNG states do not),
+    a save per iteration, n_retains=3: the bytes the output directory holds at its fullest."""
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+    optimizer = torch.optim.Adam(model.parameters())
+    manager = ppe.training.ExtensionsManager(model, optimizer, iterations, iters_per_epoch=1, out_dir=str(out))
+    manager.extend(ppe_snapshot.snapshot(writer=SimpleWriter(), n_retains=3, incremental=incremental),
+                   trigger=(1, "iteration"))
+    inputs, most = torch.randn(8, 256), 0
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            loss = model(inputs).square().sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        most = max(most, sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+    return most
+
+
+def test_a_full_fine_tune_uses_the_disk_of_full_saves(tmp_path):
+    """Issue 32: incremental=True on a run where every weight changes keeps no old snapshot's file alive: the
+    directory holds the 3 kept snapshots only, about the bytes of the same run without it."""
+    incremental = _fine_tune(tmp_path / "incremental", True, 8)
+    full = _fine_tune(tmp_path / "full", False, 8)
+    assert sorted(os.listdir(tmp_path / "incremental")) == ["snapshot_iter_6", "snapshot_iter_7", "snapshot_iter_8"]
+    for name in ("snapshot_iter_6", "snapshot_iter_7", "snapshot_iter_8"):
+        assert Snapshot(str(tmp_path / "incremental" / name)).references == ()
+    assert incremental <= 1.05 * full
+
+
 def test_a_snapshot_without_its_base_names_it(tmp_path):
     values = state()
     take(tmp_path / "run" / "s1", values)

@@ -7,8 +7,10 @@ of ``block_bytes``) and every block is hashed (xxh3_64). A block whose size and 
 written: the new snapshot's chunk names the file and offset where the base holds those bytes,
 ``../<base name>/data/rank<r>.bin``, or where the base itself referenced them (references never chain). Every
 other block is appended to this rank's data file (a changed base chunk larger than ``block_bytes`` cut into
-blocks of ``block_bytes``). Readers check every chunk's checksum, referenced or not, so a block taken as
-unchanged by a hash collision (about 2^-64 per block compared) is the only way to a wrong byte.
+blocks of ``block_bytes``), and so are the blocks kept of a base file that would be referenced for less than
+half its bytes (:mod:`~ppe_snapshot.engine._pinning`). Readers check every chunk's checksum, referenced or not,
+so a block taken as unchanged by a hash collision (about 2^-64 per block compared) is the only way to a wrong
+byte.
 
 The base must be a snapshot beside the new one (the same run directory): references are relative and never
 leave it (``docs/format.md``, section 12).
@@ -34,6 +36,7 @@ from ppe_snapshot.engine._manifest import Chunk, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._packing import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
+from ppe_snapshot.engine._pinning import copy_sparse_references
 from ppe_snapshot.engine._sharded import ShardPlan
 from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
@@ -341,6 +344,7 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
                     else:
                         chunks += _written(appender, row.view[start:start + n], checksum, block_bytes)
                 add(chunks)
+        referenced -= copy_sparse_references(storage, appender, result.chunks, layout.file, base.sizes)
         size = align(appender.position)
         appender.finish(size)
         writer.close()

@@ -193,6 +193,21 @@ def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
             raise _mismatch(storage, chunk, what)
 
 
+def coalesced(spans: Sequence[tuple[int, int]], max_run: int = 4 << 20) -> list[tuple[int, int]]:
+    """The ranges ``(first, stop)`` of ``spans`` (``(offset, nbytes)`` in one file, by offset) that one read each
+    covers: neighbours at most ``ReadBatch.MAX_GAP`` apart, at most ``max_run`` bytes (or one span)."""
+    ranges: list[tuple[int, int]] = []
+    for i, (offset, n) in enumerate(spans):
+        if ranges:
+            first, _ = ranges[-1]
+            end = spans[i - 1][0] + spans[i - 1][1]
+            if 0 <= offset - end <= ReadBatch.MAX_GAP and offset + n - spans[first][0] <= max_run:
+                ranges[-1] = (first, i + 1)
+                continue
+        ranges.append((i, i + 1))
+    return ranges
+
+
 def fill(reads: ReadBatch | None, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
     """Read into a final destination: through ``reads`` when given, else now."""
     if reads is None:
