@@ -276,6 +276,43 @@ def test_convert_writes_a_self_contained_copy(tmp_path, capsys):
     assert "s1" in capsys.readouterr().out
 
 
+def _referencing_pair(root: Path) -> dict:
+    """s1 (plain) holds 1 MiB that never changes and 512 KiB that s2 (incremental) rewrites whole: s2 reads
+    1 MiB of s1's 1.5 MiB data file."""
+    values = {"frozen": torch.randn(256, 1024), "changing": torch.randn(128, 1024)}
+    take(root / "s1", values)
+    values["changing"] += 1
+    take(root / "s2", values, base=root / "s1")
+    assert data_size(root / "s1") == 3 << 19 and data_size(root / "s2") == 1 << 19
+    return values
+
+
+def test_ls_and_inspect_show_the_bytes_read_of_referenced_files(tmp_path, capsys):
+    """Issue 32: the referenced bytes are those of the chunks a snapshot reads, not the referenced files'."""
+    _referencing_pair(tmp_path)
+    capsys.readouterr()
+    assert cli_main(["inspect", "--json", str(tmp_path / "s2")]) == 0
+    assert json.loads(capsys.readouterr().out)["referenced_bytes"] == 1 << 20
+    assert cli_main(["inspect", str(tmp_path / "s2")]) == 0
+    assert "incremental: reads 1.0 MiB of data files of s1" in capsys.readouterr().out
+    assert cli_main(["ls", "--json", str(tmp_path)]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["s2"]["referenced_bytes"] == 1 << 20 and rows["s1"]["referenced_bytes"] == 0
+
+
+def test_a_self_contained_copy_holds_only_the_referenced_blocks(tmp_path, capsys):
+    """Issue 32: convert --to snapshot copies the blocks the snapshot reads of other snapshots' files, not the
+    whole files."""
+    values = _referencing_pair(tmp_path)
+    assert cli_main(["convert", "--to", "snapshot", str(tmp_path / "s2"), str(tmp_path / "copy")]) == 0
+    shutil.rmtree(tmp_path / "s1")
+    copied = sum(f.stat().st_size for f in (tmp_path / "copy").rglob("*.bin"))
+    assert copied == (1 << 19) + (1 << 20)  # its own file, and the 1 MiB it read of s1's
+    assert Snapshot(str(tmp_path / "copy")).references == ()
+    Snapshot(str(tmp_path / "copy")).verify()
+    assert_same(restored(tmp_path / "copy", values), values)
+
+
 def test_base_must_be_beside_the_new_snapshot(tmp_path):
     take(tmp_path / "a" / "s1", state())
     with pytest.raises(ValueError, match="same directory"):
