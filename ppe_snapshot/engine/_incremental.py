@@ -36,7 +36,7 @@ from ppe_snapshot.engine._manifest import Chunk, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._packing import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
-from ppe_snapshot.engine._pinning import copy_sparse_references
+from ppe_snapshot.engine._pinning import Kept, copy_sparse_references
 from ppe_snapshot.engine._sharded import ShardPlan
 from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
@@ -326,7 +326,7 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
     writer = storage.open_writer(layout.file)
     appender = PayloadAppender(writer, layout.file)
     result = IncrementalWrite([], {})
-    referenced: set[str] = set()
+    kept: dict[str, Kept] = {}  # per base file: the offsets and sizes of the chunks referenced there
     add, by_content = result.chunks.append, base.by_content
     try:
         while (batch := rows.get()) is not None:
@@ -340,11 +340,13 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
                         same = by_content.get((n, checksum))
                     if same is not None and n:
                         chunks.append(same)
-                        referenced.add(same.file)
+                        offsets, sizes = kept.get(same.file) or kept.setdefault(same.file, ([], []))
+                        offsets.append(same.offset)
+                        sizes.append(n)
                     else:
                         chunks += _written(appender, row.view[start:start + n], checksum, block_bytes)
                 add(chunks)
-        referenced -= copy_sparse_references(storage, appender, result.chunks, layout.file, base.sizes)
+        referenced = set(kept) - copy_sparse_references(storage, appender, result.chunks, kept, base.sizes)
         size = align(appender.position)
         appender.finish(size)
         writer.close()

@@ -10,6 +10,8 @@ blocks copied are then referenced from the new file by later takes.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ppe_snapshot.engine._manifest import Chunk
 from ppe_snapshot.engine._packing import PayloadAppender
 from ppe_snapshot.engine._reads import checksum, coalesced, mismatch_error, read_file_into
@@ -17,29 +19,34 @@ from ppe_snapshot.storage import Storage
 
 #: A base file an incremental take would reference for less than this share of its bytes is not referenced.
 MIN_REFERENCED_SHARE = 0.5
+#: The chunks an incremental take references in one base file: their offsets and sizes (a chunk may repeat).
+Kept = tuple[list[int], list[int]]
 
 
-def referenced_share(chunks: dict[int, Chunk], size: int) -> float:
-    """The share of a data file of ``size`` bytes that its distinct chunks ``chunks`` (by offset) cover."""
-    return sum(c.nbytes for c in chunks.values()) / size if size else 1.0
+def referenced_share(kept: Kept, size: int) -> float:
+    """The share of a data file of ``size`` bytes that the chunks ``kept`` cover (each distinct chunk once)."""
+    if not size:
+        return 1.0
+    _, first = np.unique(np.asarray(kept[0], dtype=np.int64), return_index=True)
+    return float(np.asarray(kept[1], dtype=np.int64)[first].sum()) / size
 
 
-def copy_sparse_references(storage: Storage, appender: PayloadAppender, rows: list[list[Chunk]], own: str,
-                           sizes: dict[str, int]) -> set[str]:
-    """Copy into this take's file (``own``, being appended to by ``appender``) the chunks ``rows`` reference in
-    each file of ``sizes`` that they cover less than :data:`MIN_REFERENCED_SHARE` of, and name the copies in
-    ``rows`` instead; the files no longer referenced."""
-    kept: dict[str, dict[int, Chunk]] = {}
-    for chunks in rows:
-        for chunk in chunks:
-            if chunk.file != own:
-                kept.setdefault(chunk.file, {})[chunk.offset] = chunk
+def copy_sparse_references(storage: Storage, appender: PayloadAppender, rows: list[list[Chunk]],
+                           kept: dict[str, Kept], sizes: dict[str, int]) -> set[str]:
+    """Copy into this take's file (being appended to by ``appender``) the chunks that ``rows`` reference in each
+    file of ``kept`` whose ``sizes`` they cover less than :data:`MIN_REFERENCED_SHARE` of, and name the copies
+    in ``rows`` instead; the files no longer referenced."""
     sparse = {name for name, chunks in kept.items() if referenced_share(chunks, sizes[name]) < MIN_REFERENCED_SHARE}
     if not sparse:
         return sparse
+    blocks_of: dict[str, dict[int, Chunk]] = {name: {} for name in sparse}
+    for chunks in rows:
+        for chunk in chunks:
+            if chunk.file in blocks_of:
+                blocks_of[chunk.file][chunk.offset] = chunk
     copies: dict[tuple[str, int], Chunk] = {}
     for name in sorted(sparse):
-        blocks = sorted(kept[name].values(), key=lambda c: c.offset)
+        blocks = sorted(blocks_of[name].values(), key=lambda c: c.offset)
         for first, stop in coalesced([(c.offset, c.nbytes) for c in blocks]):
             run, start = blocks[first:stop], blocks[first].offset
             data = memoryview(bytearray(run[-1].offset + run[-1].nbytes - start))
