@@ -14,8 +14,12 @@ restore      the adapter state's 10th incremental snapshot (its bytes in 10 snap
              snapshot of the same state: restore time, cold (page cache dropped) and warm.
 retention    100 saves of the adapter case through the extension with ``KeepLatest(3)``: disk use against one
              base plus 3 x the changed bytes.
+fine-tune    100 saves of a full fine-tune (a 64 MiB model in 16 Linear layers and its Adam state, every weight
+             changed at every step, SimpleWriter) through the extension with ``KeepLatest(3)``, incremental and
+             not: the most disk either run used (after each save) and at its end.
 
-    python benchmarks/bench_incremental.py [--rounds 5] [--scale 1.0] [--saves 100] [--report FILE]
+    python benchmarks/bench_incremental.py [--rounds 5] [--scale 1.0] [--saves 100] [--cases adapter,...]
+        [--report FILE]
 """
 from __future__ import annotations
 
@@ -245,6 +249,32 @@ def case_retention(root: str, saves: int, scale: float) -> dict[str, float]:
             "names": len(os.listdir(out))}
 
 
+def case_fine_tune(root: str, saves: int, scale: float, incremental: bool) -> dict[str, float]:
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+    from ppe_snapshot.retention import KeepLatest
+    from ppe_snapshot.writing import SimpleWriter
+
+    torch.manual_seed(0)
+    width = max(8, int(1024 * scale))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(16)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    out = os.path.join(root, "fine-tune-" + ("incremental" if incremental else "full"))
+    manager = ppe.training.ExtensionsManager(model, optimizer, saves, iters_per_epoch=1, out_dir=out)
+    manager.extend(ppe_snapshot.snapshot(writer=SimpleWriter(), incremental=incremental, keep=KeepLatest(3)),
+                   trigger=(1, "iteration"))
+    inputs, most, start = torch.randn(4, width), 0, time.perf_counter()
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            optimizer.zero_grad()
+            model(inputs).square().sum().backward()
+            optimizer.step()
+        most = max(most, tree_bytes(out))
+    return {"most": most, "end": tree_bytes(out), "names": len(os.listdir(out)),
+            "elapsed": time.perf_counter() - start}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -307,6 +337,17 @@ def main() -> None:
                       "", f"disk use {mib(facts['disk'])} in {facts['names']} names; one base + 3 x changed = "
                       f"{mib(bound)}; ratio {facts['disk'] / bound:.3f} (target <= 1.1); "
                       f"{args.saves} iterations in {facts['elapsed']:.1f} s", ""]
+        if "fine-tune" in cases:
+            runs = {incremental: case_fine_tune(root, args.saves, args.scale, incremental)
+                    for incremental in (False, True)}
+            lines += [f"## fine-tune: {args.saves} saves, KeepLatest(3), every weight changes (extension, "
+                      "SimpleWriter)", "", "| method | most disk use | at the end | names at the end | run |",
+                      "|---|---|---|---|---|"]
+            for incremental, facts in runs.items():
+                lines.append(f"| {INCREMENTAL if incremental else FULL} | {mib(facts['most'])} | "
+                             f"{mib(facts['end'])} | {facts['names']} | {facts['elapsed']:.1f} s |")
+            lines += ["", f"most disk use incremental / full: {runs[True]['most'] / runs[False]['most']:.3f} "
+                      "(target <= 1.05)", ""]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     emit("\n".join(lines), args.report)
