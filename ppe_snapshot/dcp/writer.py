@@ -21,8 +21,8 @@ from ppe_snapshot.dcp.layout import ADAPTER_VERSION, DCP_KEY, location, properti
 from ppe_snapshot.engine import align
 from ppe_snapshot.engine.codec import (
     BytesEntry, Chunk, Entry, Manifest, Payload, PayloadAppender, Raw, Shard, ShardedTensorEntry, TensorEntry,
-    block_size, can_store_raw, commit_manifest, data_file, dtype_name, encode_value, escape, host_copy_buffer, needs_bounce,
-    new_take_id, refuse_overwrite, write_pieces,
+    block_size, can_store_raw, commit_manifest, data_file, dtype_name, encode_value, escape, host_copy_buffer,
+    needs_bounce, new_take_id, refuse_overwrite, write_pieces,
 )
 from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
