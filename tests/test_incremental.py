@@ -129,13 +129,17 @@ def test_async_take_and_a_full_base_of_large_chunks(tmp_path):
     assert data_size(tmp_path / "inc2") == 0
 
 
-def test_a_plain_take_is_a_base_of_blocks(tmp_path):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])  # transposed: written through a host copy
+def test_a_plain_take_is_a_base_of_blocks(tmp_path, layout):
     """Issue 32: a take without base= records its blocks, so the first incremental take after it writes about the
     changed block, not the changed tensor (4M floats, one bit flipped: 1 MiB, not 16 MiB)."""
-    a = torch.randn(4 << 20)
+    a = torch.randn(4 << 20) if layout == "contiguous" else torch.randn(1024, 4096).t()
     Snapshot.take(str(tmp_path / "s0"), {"m": StateDict(a=a)})
     assert data_size(tmp_path / "s0") == 16 << 20
-    a.view(torch.int32)[3_000_000] ^= 1
+    if layout == "contiguous":
+        a.view(torch.int32)[3_000_000] ^= 1
+    else:
+        a[1234, 567] = -a[1234, 567]
     Snapshot.take(str(tmp_path / "s1"), {"m": StateDict(a=a)}, base=str(tmp_path / "s0"))
     assert data_size(tmp_path / "s1") == 1 << 20  # one block of the default PPE_SNAPSHOT_BLOCK_KB
     assert torch.equal(Snapshot(str(tmp_path / "s1")).read_object("0/m/a"), a)
