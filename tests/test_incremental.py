@@ -317,6 +317,16 @@ def test_a_self_contained_copy_holds_only_the_referenced_blocks(tmp_path, capsys
     assert_same(restored(tmp_path / "copy", values), values)
 
 
+def test_a_self_contained_copy_of_a_snapshot_that_wrote_nothing(tmp_path):
+    values = state()
+    take(tmp_path / "s1", values)
+    take(tmp_path / "s2", values, base=tmp_path / "s1")  # nothing changed: its own data file is empty
+    assert data_size(tmp_path / "s2") == 0
+    assert cli_main(["convert", "--to", "snapshot", str(tmp_path / "s2"), str(tmp_path / "copy")]) == 0
+    shutil.rmtree(tmp_path / "s1")
+    assert_same(restored(tmp_path / "copy", values), values)
+
+
 def test_base_must_be_beside_the_new_snapshot(tmp_path):
     take(tmp_path / "a" / "s1", state())
     with pytest.raises(ValueError, match="same directory"):

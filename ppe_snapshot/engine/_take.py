@@ -160,10 +160,11 @@ class TakeJob:
             with gc_paused():
                 self.incremental = write_incremental(storage, self.layout, self.staged, base, self.block_bytes)
             return list(self.incremental.chunks)
+        block_bytes = block_size(self.block_bytes)
         if self.staged is not None:
-            return write_staged(storage, self.layout, self.staged, self.block_bytes)
+            return write_staged(storage, self.layout, self.staged, block_bytes)
         with gc_paused():  # from the live tensors: the caller waits for this take anyway
-            return write_from_sources(storage, self.layout, self.block_bytes)
+            return write_from_sources(storage, self.layout, block_bytes)
 
     @gc_paused()
     def _part(self, written: Written) -> commit_protocol.RankPart:

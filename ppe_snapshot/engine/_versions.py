@@ -173,7 +173,7 @@ def upgrade(source: Storage, dest: Storage) -> None:
 
 def _copy_file(source: Storage, name: str, size: int, dest: Storage) -> None:
     """Data file ``name`` of ``source`` (``size`` bytes) copied to ``dest`` as it is."""
-    block = bytearray(min(size, 64 << 20))
+    block = bytearray(max(1, min(size, 64 << 20)))
     writer = dest.open_writer(name, size)
     try:
         for start in range(0, size, len(block)):
