@@ -5,8 +5,8 @@ changes every weight, but a few small entries (the numpy RNG state, 2.5 KB) stay
 snapshot would reference them in the first snapshot's file and keep that whole file, a full copy of the state,
 forever. So once an incremental take knows what it keeps of each base file, the blocks it keeps of a file it would
 reference for less than :data:`MIN_REFERENCED_SHARE` of the file's bytes are copied from that file into its own
-(checksum-verified), and the file is not referenced. The copy costs at most that share of the file, once: the
-blocks copied are then referenced from the new file by later takes.
+(checksum-verified), and the file is not referenced. A copy costs at most that share of the file; later takes
+reference the copied blocks in the new file (until that file too falls below the share).
 """
 from __future__ import annotations
 
