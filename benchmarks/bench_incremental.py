@@ -14,8 +14,15 @@ restore      the adapter state's 10th incremental snapshot (its bytes in 10 snap
              snapshot of the same state: restore time, cold (page cache dropped) and warm.
 retention    100 saves of the adapter case through the extension with ``KeepLatest(3)``: disk use against one
              base plus 3 x the changed bytes.
+fine-tune    100 saves of a full fine-tune (a 64 MiB model in 16 Linear layers and its Adam state, every weight
+             changed at every step, SimpleWriter) through the extension with ``KeepLatest(3)``, incremental and
+             not: the most disk either run used (after each save) and at its end.
 
-    python benchmarks/bench_incremental.py [--rounds 5] [--scale 1.0] [--saves 100] [--report FILE]
+embedding-run  100 saves of a 16 MiB table of 1 KiB rows (1 % of the rows changed per save, 4 KiB blocks,
+             ``KeepLatest(3)``, incremental, SimpleWriter): bytes written over the run, the most disk used.
+
+    python benchmarks/bench_incremental.py [--rounds 5] [--scale 1.0] [--saves 100] [--cases adapter,...]
+        [--report FILE]
 """
 from __future__ import annotations
 
@@ -245,6 +252,59 @@ def case_retention(root: str, saves: int, scale: float) -> dict[str, float]:
             "names": len(os.listdir(out))}
 
 
+def case_fine_tune(root: str, saves: int, scale: float, incremental: bool) -> dict[str, float]:
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+    from ppe_snapshot.retention import KeepLatest
+    from ppe_snapshot.writing import SimpleWriter
+
+    torch.manual_seed(0)
+    width = max(8, int(1024 * scale))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(16)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    out = os.path.join(root, "fine-tune-" + ("incremental" if incremental else "full"))
+    manager = ppe.training.ExtensionsManager(model, optimizer, saves, iters_per_epoch=1, out_dir=out)
+    manager.extend(ppe_snapshot.snapshot(writer=SimpleWriter(), incremental=incremental, keep=KeepLatest(3)),
+                   trigger=(1, "iteration"))
+    inputs, most, start = torch.randn(4, width), 0, time.perf_counter()
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            optimizer.zero_grad()
+            model(inputs).square().sum().backward()
+            optimizer.step()
+        most = max(most, tree_bytes(out))
+    return {"most": most, "end": tree_bytes(out), "names": len(os.listdir(out)),
+            "elapsed": time.perf_counter() - start}
+
+
+def case_embedding_run(root: str, saves: int, scale: float, block_kb: int) -> dict[str, float]:
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+    from ppe_snapshot.retention import KeepLatest
+    from ppe_snapshot.settings import SETTINGS
+    from ppe_snapshot.writing import SimpleWriter
+
+    SETTINGS.block_bytes = block_kb << 10
+    torch.manual_seed(0)
+    rows = max(100, int(16384 * scale))
+    model = torch.nn.Embedding(rows, 256)
+    out = os.path.join(root, "embedding-run")
+    manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), saves,
+                                             iters_per_epoch=1, out_dir=out)
+    manager.extend(ppe_snapshot.snapshot(writer=SimpleWriter(), incremental=True, keep=KeepLatest(3)),
+                   trigger=(1, "iteration"))
+    g, most, total = torch.Generator().manual_seed(1), 0, 0
+    while not manager.stop_trigger:
+        with manager.run_iteration(), torch.no_grad():
+            model.weight[torch.randint(0, rows, (rows // 100,), generator=g)] += 1
+        total += written(os.path.join(out, f"snapshot_iter_{manager.iteration}"))
+        most = max(most, tree_bytes(out))
+    return {"table": rows * 1024, "written": total, "most": most, "end": tree_bytes(out),
+            "names": len(os.listdir(out))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -307,6 +367,24 @@ def main() -> None:
                       "", f"disk use {mib(facts['disk'])} in {facts['names']} names; one base + 3 x changed = "
                       f"{mib(bound)}; ratio {facts['disk'] / bound:.3f} (target <= 1.1); "
                       f"{args.saves} iterations in {facts['elapsed']:.1f} s", ""]
+        if "embedding-run" in cases:
+            facts = case_embedding_run(root, args.saves, args.scale, args.embedding_block_kb)
+            lines += [f"## embedding-run: {args.saves} saves of a {mib(facts['table'])} table, 1 % of the rows "
+                      f"changed per save, {args.embedding_block_kb} KiB blocks, KeepLatest(3), incremental", "",
+                      f"written over the run {mib(facts['written'])} ({facts['written'] / facts['table']:.2f} x the "
+                      f"table); most disk use {mib(facts['most'])} ({facts['most'] / facts['table']:.2f} x); at the "
+                      f"end {mib(facts['end'])} in {facts['names']} names", ""]
+        if "fine-tune" in cases:
+            runs = {incremental: case_fine_tune(root, args.saves, args.scale, incremental)
+                    for incremental in (False, True)}
+            lines += [f"## fine-tune: {args.saves} saves, KeepLatest(3), every weight changes (extension, "
+                      "SimpleWriter)", "", "| method | most disk use | at the end | names at the end | run |",
+                      "|---|---|---|---|---|"]
+            for incremental, facts in runs.items():
+                lines.append(f"| {INCREMENTAL if incremental else FULL} | {mib(facts['most'])} | "
+                             f"{mib(facts['end'])} | {facts['names']} | {facts['elapsed']:.1f} s |")
+            lines += ["", f"most disk use incremental / full: {runs[True]['most'] / runs[False]['most']:.3f} "
+                      "(target <= 1.05)", ""]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     emit("\n".join(lines), args.report)

@@ -31,9 +31,10 @@ variable                              default  meaning
                                                manifest) or ``2`` (a small manifest and index files);
                                                unset: the engine's ``DEFAULT_VERSION``, which also
                                                checks the value. Incremental takes write ``3``
-``PPE_SNAPSHOT_BLOCK_KB``             ``1024`` incremental takes: size in KiB of the blocks compared
-                                               with the base (a changed byte rewrites its block;
-                                               smaller blocks for sparse row updates, e.g. 4 for an
+``PPE_SNAPSHOT_BLOCK_KB``             ``1024`` size in KiB of the checksummed blocks every take
+                                               writes its data in, which the next incremental take
+                                               compares (a changed byte rewrites its block; smaller
+                                               blocks for sparse row updates, e.g. 4 for an
                                                embedding table of 1 KiB rows)
 ====================================  =======  ====================================================
 """

@@ -173,7 +173,8 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
     SHARDED: every rank trains its own model and saves its part of one snapshot.
     ``flip``: a file of the newest snapshot, relative to it, whose bytes rank 0 damages before resuming.
     ``own_rng``: no RNGState in the manager; each rank draws from its own seed, and only the
-    extension's own RNG capture can bring each rank's generators back. ``incremental``: incremental snapshots.
+    extension's own RNG capture can bring each rank's generators back. ``incremental``: incremental snapshots,
+    with a frozen table (256 KiB, most of the state) that later snapshots reference.
     """
     rank, sharded = dist.get_rank(), mode == "SHARDED"
     straight = Run(os.path.join(out_dir, f"straight{rank}"), iterations, None, seed=rank if sharded else 0,
@@ -185,8 +186,9 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
     logs = os.path.join(out_dir, f"logs{rank}")  # each rank's LogReport writes its own
     kwargs = _snapshot_kwargs(mode, writer=make_writer("ThreadWriter", out_dir=out_dir), autoload=True, n_retains=2,
                               incremental=incremental)
+    frozen = {"frozen": ppe_snapshot.StateDict(table=torch.arange(1 << 16, dtype=torch.float32))} if incremental else {}
     first = Run(logs, iterations, kwargs, seed=rank if sharded else 0, sync=not sharded,
-                state_objects={"collective": collective}, rng_in_state=not own_rng)
+                state_objects={"collective": collective, **frozen}, rng_in_state=not own_rng)
     if own_rng:
         torch.manual_seed(1000 + rank)
     try:
@@ -205,7 +207,7 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
 
     kwargs["writer"] = make_writer("ThreadWriter", out_dir=out_dir)
     resumed = Run(logs, iterations, kwargs, seed=100 + rank, sync=not sharded,
-                  state_objects={"collective": CollectiveState()}, rng_in_state=not own_rng)
+                  state_objects={"collective": CollectiveState(), **frozen}, rng_in_state=not own_rng)
     resumed.manager.start_extensions()
     resumed_at = resumed.manager.iteration
     resumed.train(rank=rank)

@@ -24,9 +24,9 @@ def own_values(rank: int, step: int) -> torch.Tensor:
 
 
 def incremental_takes(root: str) -> dict[str, Any]:
-    """A full take, then two incremental ones, each after changing one block of each rank's own tensor; both
-    ranks restore the last. Returns what this rank wrote to its data file in the last take and what it
-    restored. (The first incremental take rewrites the own tensor whole: the full take stored it as one chunk.)"""
+    """A plain take (in blocks of ``BLOCK``), then two incremental ones, each after changing one block of each
+    rank's own tensor; both ranks restore the last. Returns what this rank wrote to its data file in each
+    incremental take and what it restored."""
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     # per-rank state under its own key: beside sharded tensors, values count as replicated (SPMD state)
@@ -39,7 +39,8 @@ def incremental_takes(root: str) -> dict[str, Any]:
     target = StateDict(frozen=distribute_tensor(torch.zeros(256, 256), mesh, [Shard(0)]), step=0)
     own_target = StateDict(own=torch.zeros(4096))
     Snapshot(f"{root}/s3").restore({"m": target, "rank": own_target})
-    return {"written": os.path.getsize(f"{root}/s3/data/rank{rank}.bin"), "frozen": target["frozen"].full_tensor(),
+    return {"written": [os.path.getsize(f"{root}/s{step}/data/rank{rank}.bin") for step in (2, 3)],
+            "frozen": target["frozen"].full_tensor(),
             "own": own_target["own"], "step": target["step"]}
 
 

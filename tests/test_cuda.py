@@ -77,7 +77,7 @@ def test_cuda_async_take_holds_the_values_of_the_call(tmp_path):
 def test_cuda_incremental_take_writes_only_the_changed_block(tmp_path):
     weights = torch.randn(4 << 20, device="cuda")  # 16 MiB
     Snapshot.take(str(tmp_path / "s1"), {"m": StateDict(w=weights)})
-    for name, base in (("s2", "s1"), ("s3", "s2")):  # s2 cuts the plain base's one chunk in blocks; s3 reuses them
+    for name, base in (("s2", "s1"), ("s3", "s2")):  # the plain s1 wrote blocks of 1 MiB too
         weights[5] += 1.0
         Snapshot.take(str(tmp_path / name), {"m": StateDict(w=weights)}, base=str(tmp_path / base),
                       block_bytes=1 << 20)

@@ -140,11 +140,12 @@ def test_the_garbage_collector_is_paused_only_inside_engine_calls(tmp_path):
 
 
 def test_strided_read_across_chunks_is_verified(tmp_path):
-    """An 80 MiB tensor is two chunks (64 + 16 MiB); a 24 MiB budget makes one read straddle them."""
+    """An 80 MiB tensor in blocks of 64 MiB is two chunks (64 + 16 MiB); a 24 MiB budget makes one read straddle
+    them."""
     rows, cols = 5120, 4096
     bits = torch.arange(rows * cols, dtype=torch.int32)
     path = str(tmp_path / "s")
-    Snapshot.take(path, {"s": StateDict(big=bits.view(torch.float32).reshape(rows, cols))})
+    Snapshot.take(path, {"s": StateDict(big=bits.view(torch.float32).reshape(rows, cols))}, block_bytes=64 * MiB)
     entry = Snapshot(path).get_manifest()["0/s/big"]
     assert [c.nbytes for c in entry.chunks] == [64 * MiB, 16 * MiB]
 

@@ -76,9 +76,7 @@ def test_only_changed_blocks_are_written_and_each_snapshot_restores(tmp_path):
         take(tmp_path / f"s{i}", values, base=tmp_path / f"s{i - 1}")
         history.append({k: v.clone() if isinstance(v, torch.Tensor) else np.copy(v) if isinstance(v, np.ndarray)
                         else v for k, v in values.items()})
-        changed = 3 * BLOCK  # the adapter's block and two of the table's
-        if i == 2:  # s1 is a plain snapshot: the table's one chunk of 1 MiB changed, rewritten in blocks
-            changed = BLOCK + (1 << 20)
+        changed = 3 * BLOCK  # the adapter's block and two of the table's, after the plain s1 too (its blocks)
         assert changed <= data_size(tmp_path / f"s{i}") <= changed + 4 * 64, i
         doc = json.loads((tmp_path / f"s{i}" / "manifest.json").read_text())
         assert doc["version"] == 3
@@ -131,6 +129,123 @@ def test_async_take_and_a_full_base_of_large_chunks(tmp_path):
     assert data_size(tmp_path / "inc2") == 0
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])  # transposed: written through a host copy
+def test_a_plain_take_is_a_base_of_blocks(tmp_path, layout):
+    """Issue 32: a take without base= records its blocks, so the first incremental take after it writes about the
+    changed block, not the changed tensor (4M floats, one bit flipped: 1 MiB, not 16 MiB)."""
+    a = torch.randn(4 << 20) if layout == "contiguous" else torch.randn(1024, 4096).t()
+    Snapshot.take(str(tmp_path / "s0"), {"m": StateDict(a=a)})
+    assert data_size(tmp_path / "s0") == 16 << 20
+    if layout == "contiguous":
+        a.view(torch.int32)[3_000_000] ^= 1
+    else:
+        a[1234, 567] = -a[1234, 567]
+    Snapshot.take(str(tmp_path / "s1"), {"m": StateDict(a=a)}, base=str(tmp_path / "s0"))
+    assert data_size(tmp_path / "s1") == 1 << 20  # one block of the default PPE_SNAPSHOT_BLOCK_KB
+    assert torch.equal(Snapshot(str(tmp_path / "s1")).read_object("0/m/a"), a)
+
+
+@pytest.mark.parametrize("first,then,written", [(BLOCK, None, BLOCK), (BLOCK, 1 << 20, BLOCK),
+                                                (None, BLOCK, 1 << 20)],
+                         ids=["plain-take-blocks", "base-blocks-smaller", "base-blocks-larger"])
+def test_block_bytes_of_a_plain_take_are_the_blocks_compared(tmp_path, first, then, written):
+    """block_bytes= on a take without base= sets its blocks; a take whose base has other blocks compares in the
+    base's and writes a changed one in its own: the next take writes its own blocks."""
+    table = torch.randn(1024, 256)  # 1 MiB of 1 KiB rows
+    Snapshot.take(str(tmp_path / "s0"), {"m": StateDict(table=table)}, block_bytes=first)
+    table[700] += 1
+    Snapshot.take(str(tmp_path / "s1"), {"m": StateDict(table=table)}, base=str(tmp_path / "s0"), block_bytes=then)
+    assert data_size(tmp_path / "s1") == written
+    table[701] += 1  # in the same 4 KiB block as row 700
+    Snapshot.take(str(tmp_path / "s2"), {"m": StateDict(table=table)}, base=str(tmp_path / "s1"), block_bytes=then)
+    assert data_size(tmp_path / "s2") == (then or 1 << 20) if first is None else BLOCK
+    assert torch.equal(Snapshot(str(tmp_path / "s2")).read_object("0/m/table"), table)
+
+
+@pytest.mark.parametrize("block_bytes", [100, 0, 128 << 20, 4096.0])
+def test_a_bad_block_size_is_refused_with_or_without_a_base(tmp_path, block_bytes):
+    with pytest.raises(ValueError, match=r"block_bytes \(PPE_SNAPSHOT_BLOCK_KB in KiB\) must be a multiple of 64"):
+        Snapshot.take(str(tmp_path / "s0"), {"m": StateDict(a=torch.ones(4))}, block_bytes=block_bytes)
+    assert not (tmp_path / "s0").exists()
+
+
+def test_extension_first_incremental_save_after_the_plain_one_is_small(tmp_path, monkeypatch):
+    """Issue 32: snapshot(incremental=True) with PPE_SNAPSHOT_BLOCK_KB=4 and one embedding row (1 KiB) changed
+    per iteration: the second snapshot holds a block, not a copy of the 4 MiB table."""
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+    from ppe_snapshot.settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "block_bytes", 4096)  # what PPE_SNAPSHOT_BLOCK_KB=4 sets
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(4096, 256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ppe.training.ExtensionsManager(model, optimizer, 3, iters_per_epoch=1, out_dir=str(tmp_path))
+    manager.extend(ppe_snapshot.snapshot(incremental=True, writer=SimpleWriter()), trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            with torch.no_grad():
+                model.weight[17 * manager.iteration] += 1
+    assert data_size(tmp_path / "snapshot_iter_1") > 4 << 20
+    for name in ("snapshot_iter_2", "snapshot_iter_3"):
+        assert data_size(tmp_path / name) < 64 << 10, name
+        assert "snapshot_iter_1" in Snapshot(str(tmp_path / name)).references
+    saved = Snapshot(str(tmp_path / "snapshot_iter_3")).read_object("0/state/models/main/weight")
+    assert torch.equal(saved, model.weight.detach())
+
+
+def test_a_small_unchanged_entry_does_not_keep_a_large_file(tmp_path):
+    """Issue 32: what a take keeps of a base file it would reference for less than half the file's bytes is
+    copied into its own file, so the base's file is not kept alive by it."""
+    values = {"weights": torch.randn(64, 1024), "rng": np.arange(300, dtype=np.int64)}  # 256 KiB, 2.4 KB
+    take(tmp_path / "s0", values)
+    values["weights"] += 1  # every weight changes, the small entry does not
+    take(tmp_path / "s1", values, base=tmp_path / "s0")
+    assert Snapshot(str(tmp_path / "s1")).references == ()
+    assert data_size(tmp_path / "s1") == data_size(tmp_path / "s0")
+    shutil.rmtree(tmp_path / "s0")
+    assert_same(restored(tmp_path / "s1", values), values)
+    values["weights"][0] += 1  # one block changes: the rest of s1's file is referenced
+    take(tmp_path / "s2", values, base=tmp_path / "s1")
+    assert Snapshot(str(tmp_path / "s2")).references == ("s1",) and data_size(tmp_path / "s2") == BLOCK
+
+
+def _fine_tune(out: Path, incremental: bool, iterations: int) -> int:
+    """A full fine-tune through the extension (every weight changes at every step, the RNG states do not),
+    a save per iteration, n_retains=3: the bytes the output directory holds at its fullest."""
+    import pytorch_pfn_extras as ppe
+
+    import ppe_snapshot
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+    optimizer = torch.optim.Adam(model.parameters())
+    manager = ppe.training.ExtensionsManager(model, optimizer, iterations, iters_per_epoch=1, out_dir=str(out))
+    manager.extend(ppe_snapshot.snapshot(writer=SimpleWriter(), n_retains=3, incremental=incremental),
+                   trigger=(1, "iteration"))
+    inputs, most = torch.randn(8, 256), 0
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            loss = model(inputs).square().sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        most = max(most, sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+    return most
+
+
+def test_a_full_fine_tune_uses_the_disk_of_full_saves(tmp_path):
+    """Issue 32: incremental=True on a run where every weight changes keeps no old snapshot's file alive: the
+    directory holds the 3 kept snapshots only, about the bytes of the same run without it."""
+    incremental = _fine_tune(tmp_path / "incremental", True, 8)
+    full = _fine_tune(tmp_path / "full", False, 8)
+    assert sorted(os.listdir(tmp_path / "incremental")) == ["snapshot_iter_6", "snapshot_iter_7", "snapshot_iter_8"]
+    for name in ("snapshot_iter_6", "snapshot_iter_7", "snapshot_iter_8"):
+        assert Snapshot(str(tmp_path / "incremental" / name)).references == ()
+    assert incremental <= 1.05 * full
+
+
 def test_a_snapshot_without_its_base_names_it(tmp_path):
     values = state()
     take(tmp_path / "run" / "s1", values)
@@ -163,6 +278,53 @@ def test_convert_writes_a_self_contained_copy(tmp_path, capsys):
     assert_same(restored(tmp_path / "copy", values), values)
     assert cli_main(["verify", str(tmp_path / "s2")]) != 0
     assert "s1" in capsys.readouterr().out
+
+
+def _referencing_pair(root: Path) -> dict:
+    """s1 (plain) holds 1 MiB that never changes and 512 KiB that s2 (incremental) rewrites whole: s2 reads
+    1 MiB of s1's 1.5 MiB data file."""
+    values = {"frozen": torch.randn(256, 1024), "changing": torch.randn(128, 1024)}
+    take(root / "s1", values)
+    values["changing"] += 1
+    take(root / "s2", values, base=root / "s1")
+    assert data_size(root / "s1") == 3 << 19 and data_size(root / "s2") == 1 << 19
+    return values
+
+
+def test_ls_and_inspect_show_the_bytes_read_of_referenced_files(tmp_path, capsys):
+    """Issue 32: the referenced bytes are those of the chunks a snapshot reads, not the referenced files'."""
+    _referencing_pair(tmp_path)
+    capsys.readouterr()
+    assert cli_main(["inspect", "--json", str(tmp_path / "s2")]) == 0
+    assert json.loads(capsys.readouterr().out)["referenced_bytes"] == 1 << 20
+    assert cli_main(["inspect", str(tmp_path / "s2")]) == 0
+    assert "incremental: reads 1.0 MiB of data files of s1" in capsys.readouterr().out
+    assert cli_main(["ls", "--json", str(tmp_path)]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["s2"]["referenced_bytes"] == 1 << 20 and rows["s1"]["referenced_bytes"] == 0
+
+
+def test_a_self_contained_copy_holds_only_the_referenced_blocks(tmp_path, capsys):
+    """Issue 32: convert --to snapshot copies the blocks the snapshot reads of other snapshots' files, not the
+    whole files."""
+    values = _referencing_pair(tmp_path)
+    assert cli_main(["convert", "--to", "snapshot", str(tmp_path / "s2"), str(tmp_path / "copy")]) == 0
+    shutil.rmtree(tmp_path / "s1")
+    copied = sum(f.stat().st_size for f in (tmp_path / "copy").rglob("*.bin"))
+    assert copied == (1 << 19) + (1 << 20)  # its own file, and the 1 MiB it read of s1's
+    assert Snapshot(str(tmp_path / "copy")).references == ()
+    Snapshot(str(tmp_path / "copy")).verify()
+    assert_same(restored(tmp_path / "copy", values), values)
+
+
+def test_a_self_contained_copy_of_a_snapshot_that_wrote_nothing(tmp_path):
+    values = state()
+    take(tmp_path / "s1", values)
+    take(tmp_path / "s2", values, base=tmp_path / "s1")  # nothing changed: its own data file is empty
+    assert data_size(tmp_path / "s2") == 0
+    assert cli_main(["convert", "--to", "snapshot", str(tmp_path / "s2"), str(tmp_path / "copy")]) == 0
+    shutil.rmtree(tmp_path / "s1")
+    assert_same(restored(tmp_path / "copy", values), values)
 
 
 def test_base_must_be_beside_the_new_snapshot(tmp_path):
@@ -285,9 +447,9 @@ def test_ranks_reference_their_own_blocks(dist_run, tmp_path):
     for rank, result in enumerate(results):
         assert torch.equal(result["frozen"], workers.FROZEN)
         assert torch.equal(result["own"], workers.own_values(rank, 3)) and result["step"] == 3
-        assert result["written"] == workers.BLOCK  # the changed block of "own"
+        assert result["written"] == [workers.BLOCK] * 2  # the changed block of "own", after the plain take too
     snapshot = Snapshot(str(tmp_path / "s3"))
-    assert snapshot.references == ("s1", "s2")
+    assert snapshot.references == ("s1",)  # the block s2 wrote changed again
     assert torch.equal(snapshot.read_object("0/m/frozen"), workers.FROZEN)  # resharded: one process reads it all
     snapshot.verify()
 

@@ -159,7 +159,7 @@ def convert(args: argparse.Namespace) -> str:
         aside = _move_aside(args.dst, args.storage_options) if existing else None
         fs, root = filesystem(args.dst, args.storage_options)
         try:
-            if upgrade:  # version 1 or incremental -> self-contained version 2: the data files copied as they are
+            if upgrade:  # version 1 or incremental -> self-contained version 2 (see upgrade_snapshot)
                 upgrade_snapshot(open_storage(args.src, args.storage_options),
                                  open_storage(args.dst, args.storage_options))
             else:
@@ -216,8 +216,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "format), torch (a torch.save file, as ppe writes), dcp (torch's own DCP format, "
                                    "read by plain dcp.load), safetensors (tensors only, nested keys joined with "
                                    "'.'). A snapshot of format version 1, or an incremental snapshot, converted to "
-                                   "a snapshot becomes a self-contained snapshot of version 2 (its data files, and "
-                                   "those of the snapshots it references, copied as they are). Default: from DST's "
+                                   "a snapshot becomes a self-contained snapshot of version 2 (its data files copied "
+                                   "as they are, and of the snapshots it references the blocks it reads). Default: "
+                                   "from DST's "
                                    "suffix "
                                    "(.pt/.pth: torch, .safetensors), else a "
                                    "snapshot becomes a torch file and anything else a snapshot. What the target "

@@ -15,9 +15,10 @@ from ppe_snapshot.cli.dcp_dirs import metadata_checked_reader
 from ppe_snapshot.engine import MANIFEST_NAME, read_manifest
 from ppe_snapshot.engine.codec import (
     BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
+    referenced_bytes,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
-from ppe_snapshot.storage import forget_listings, local_path, open_storage, split_reference
+from ppe_snapshot.storage import forget_listings, local_path, open_storage
 from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
@@ -128,13 +129,6 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     for row in rows:  # what "complete" rests on: the quick check (manifest, sizes) or every checksum
         row["checked"] = "deep" if deep else "quick"
     return rows
-
-
-def referenced_bytes(manifest: Any) -> int:
-    """The bytes of other snapshots' data files an incremental snapshot reads (0 for a self-contained one)."""
-    if not manifest.references:
-        return 0
-    return sum(size for name, size in manifest.files.items() if split_reference(name) is not None)
 
 
 def _human(n: int) -> str:

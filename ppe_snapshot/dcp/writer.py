@@ -21,8 +21,8 @@ from ppe_snapshot.dcp.layout import ADAPTER_VERSION, DCP_KEY, location, properti
 from ppe_snapshot.engine import align
 from ppe_snapshot.engine.codec import (
     BytesEntry, Chunk, Entry, Manifest, Payload, PayloadAppender, Raw, Shard, ShardedTensorEntry, TensorEntry,
-    can_store_raw, commit_manifest, data_file, dtype_name, encode_value, escape, host_copy_buffer, needs_bounce,
-    new_take_id, refuse_overwrite, write_pieces,
+    block_size, can_store_raw, commit_manifest, data_file, dtype_name, encode_value, escape, host_copy_buffer,
+    needs_bounce, new_take_id, refuse_overwrite, write_pieces,
 )
 from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
@@ -61,13 +61,15 @@ def _resolve(item: WriteItem, planner: SavePlanner) -> Payload:
     return Payload(Raw.TENSOR, tensor)
 
 
-def _write_file(storage: Storage, file: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-    """Write one rank's items into ``file``, resolving each only when its turn comes."""
+def _write_file(storage: Storage, file: str, items: Sequence[WriteItem], planner: SavePlanner, block_bytes: int
+                ) -> list[WriteResult]:
+    """Write one rank's items into ``file`` in chunks of at most ``block_bytes``, resolving each only when its turn
+    comes."""
     written: list[tuple[WriteItem, int, str | None, list[Chunk]]] = []
     bounce: torch.Tensor | None = None
     writer = storage.open_writer(file)
     try:
-        appender = PayloadAppender(writer, file)
+        appender = PayloadAppender(writer, file, block_bytes)
         for item in items:
             payload = _resolve(item, planner)
             appender.pad_to(align(appender.position))
@@ -154,8 +156,9 @@ class SnapshotStorageWriter(StorageWriter):
 
     ``path`` is a local directory or any fsspec URL (``storage_options`` go to fsspec). Like
     ``Snapshot.take``, it refuses to write over a committed snapshot. See :mod:`ppe_snapshot.dcp.layout`
-    for the layout. ``base``: an earlier snapshot beside ``path`` whose unchanged blocks (of ``block_bytes``)
-    the new one references rather than writes, as ``Snapshot.take(base=)`` does.
+    for the layout. ``base``: an earlier snapshot beside ``path`` whose unchanged blocks the new one references
+    rather than writes, as ``Snapshot.take(base=)`` does. ``block_bytes`` (default ``PPE_SNAPSHOT_BLOCK_KB``): the
+    size of the chunks written, the blocks the next incremental save compares.
     """
 
     def __init__(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
@@ -164,7 +167,7 @@ class SnapshotStorageWriter(StorageWriter):
         self.path = location(path)
         self.storage_options = storage_options
         self.base = None if base is None else location(base)
-        self.block_bytes = block_bytes
+        self.block_bytes = block_size(block_bytes)
         self.save_id = new_take_id()
         self.is_coordinator = True
         self._storage: Storage | None = None
@@ -208,7 +211,7 @@ class SnapshotStorageWriter(StorageWriter):
                 raise ValueError("the save plan carries no data file name; SnapshotStorageWriter.prepare_global_plan "
                                  "must run on the coordinator's plans before write_data")
             if self.base is None:
-                results = _write_file(self._opened(), plan.storage_data, plan.items, planner)
+                results = _write_file(self._opened(), plan.storage_data, plan.items, planner, self.block_bytes)
             else:
                 results = _write_file_incremental(self._opened(), plan.storage_data, plan.items, planner, self.base,
                                                   self.storage_options, self.block_bytes)

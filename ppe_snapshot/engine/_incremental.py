@@ -1,13 +1,16 @@
 """Incremental takes: only the blocks that changed since a base snapshot are written.
 
-Each payload of a rank is cut into blocks (the cut its path had in the base, when the sizes agree: a base
-written without ``base=`` has 64 MiB chunks; else blocks of ``block_bytes``) and every block is hashed
-(xxh3_64). A block whose size and hash equal those of a base chunk (the same path's chunk at the same place
-first, else any chunk of the base with that size and hash) is not written: the new snapshot's chunk names the
-file and offset where the base holds those bytes, ``../<base name>/data/rank<r>.bin``, or where the base itself
-referenced them (references never chain). Every other block is appended to this rank's data file. Readers
-check every chunk's checksum, referenced or not, so a block taken as unchanged by a hash collision (about
-2^-64 per block compared) is the only way to a wrong byte.
+Each payload of a rank is cut into blocks (the cut its path had in the base, when the sizes agree: every take,
+incremental or not, writes its payloads in chunks of its block size, so these are the base's blocks; else blocks
+of ``block_bytes``) and every block is hashed (xxh3_64). A block whose size and hash equal those of a base chunk
+(the same path's chunk at the same place first, else any chunk of the base with that size and hash) is not
+written: the new snapshot's chunk names the file and offset where the base holds those bytes,
+``../<base name>/data/rank<r>.bin``, or where the base itself referenced them (references never chain). Every
+other block is appended to this rank's data file (a changed base chunk larger than ``block_bytes`` cut into
+blocks of ``block_bytes``), and so are the blocks kept of a base file that would be referenced for less than
+half its bytes (:mod:`~ppe_snapshot.engine._pinning`). Readers check every chunk's checksum, referenced or not,
+so a block taken as unchanged by a hash collision (about 2^-64 per block compared) is the only way to a wrong
+byte.
 
 The base must be a snapshot beside the new one (the same run directory): references are relative and never
 leave it (``docs/format.md``, section 12).
@@ -33,6 +36,7 @@ from ppe_snapshot.engine._manifest import Chunk, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._packing import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
+from ppe_snapshot.engine._pinning import Kept, copy_sparse_references
 from ppe_snapshot.engine._sharded import ShardPlan
 from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
@@ -50,9 +54,15 @@ def check_block_bytes(block_bytes: Any) -> int:
     """``block_bytes`` if it is a valid block size (a positive multiple of 64), else a ValueError saying so."""
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < ALIGNMENT \
             or block_bytes % ALIGNMENT or block_bytes > CHUNK_BYTES:
-        raise ValueError(f"block_bytes must be a multiple of {ALIGNMENT} from {ALIGNMENT} to {CHUNK_BYTES} (the "
-                         f"bytes an incremental take compares at once), got {block_bytes!r}")
+        raise ValueError(f"block_bytes (PPE_SNAPSHOT_BLOCK_KB in KiB) must be a multiple of {ALIGNMENT} from "
+                         f"{ALIGNMENT} to {CHUNK_BYTES} (the size of the blocks a take writes and an incremental "
+                         f"take compares), got {block_bytes!r}")
     return block_bytes
+
+
+def block_size(block_bytes: Any) -> int:
+    """The block size of a take given ``block_bytes`` (None: ``PPE_SNAPSHOT_BLOCK_KB``), checked."""
+    return check_block_bytes(SETTINGS.block_bytes if block_bytes is None else block_bytes)
 
 
 def check_version(version: int, base: Any) -> None:
@@ -308,7 +318,7 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
                       block_bytes: int | None = None) -> IncrementalWrite:
     """Write rank's payloads (from the staged image, or from the live payloads when ``staged`` is None), each
     block that ``base`` holds unchanged referenced rather than written (see the module's docstring)."""
-    block_bytes = check_block_bytes(block_bytes if block_bytes is not None else SETTINGS.block_bytes)
+    block_bytes = block_size(block_bytes)
     rows: queue.Queue[list[_Row] | BaseException | None] = queue.Queue(maxsize=4)
     hasher = threading.Thread(target=_hash_rows, args=(layout, staged, base, block_bytes, rows),
                               name="ppe-snapshot-block-hashes", daemon=True)
@@ -316,7 +326,7 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
     writer = storage.open_writer(layout.file)
     appender = PayloadAppender(writer, layout.file)
     result = IncrementalWrite([], {})
-    referenced: set[str] = set()
+    kept: dict[str, Kept] = {}  # per base file: the offsets and sizes of the chunks referenced there
     add, by_content = result.chunks.append, base.by_content
     try:
         while (batch := rows.get()) is not None:
@@ -330,10 +340,13 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
                         same = by_content.get((n, checksum))
                     if same is not None and n:
                         chunks.append(same)
-                        referenced.add(same.file)
+                        offsets, sizes = kept.get(same.file) or kept.setdefault(same.file, ([], []))
+                        offsets.append(same.offset)
+                        sizes.append(n)
                     else:
                         chunks += _written(appender, row.view[start:start + n], checksum, block_bytes)
                 add(chunks)
+        referenced = set(kept) - copy_sparse_references(storage, appender, result.chunks, kept, base.sizes)
         size = align(appender.position)
         appender.finish(size)
         writer.close()
@@ -347,8 +360,8 @@ def write_incremental(storage: Storage, layout: FileLayout, staged: torch.Tensor
 
 
 def _written(appender: PayloadAppender, view: memoryview, checksum: str, block_bytes: int) -> list[Chunk]:
-    """A changed block appended; one of a base's larger chunks (a base written without ``base=``) is cut into
-    blocks of ``block_bytes``, so that the next take compares it finely."""
+    """A changed block appended; one of a base's larger chunks (a base of larger blocks) is cut into blocks of
+    ``block_bytes``, so that the next take compares it finely."""
     if view.nbytes <= block_bytes:
         return [appender.append_hashed(view, checksum)]
     digest = xxhash.xxh3_64_hexdigest

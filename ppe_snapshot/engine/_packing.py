@@ -1,8 +1,10 @@
 """Packing payloads into a rank's data file, and writing it.
 
 Each rank writes one file. Payloads sit at offsets aligned to
-``ALIGNMENT``; each is cut into chunks of at most ``CHUNK_BYTES`` with an
-xxh3_64 checksum each. The same layout serves both ways of writing:
+``ALIGNMENT``; each is cut into chunks of at most the take's block size
+(:func:`chunk_limit`) with an xxh3_64 checksum each: the chunks are the blocks a
+later incremental take compares, whatever take this one is. The same layout
+serves both ways of writing:
 
 * straight from the live tensors (sync take: no copy of the state), here, and
 * from a staging buffer that is the exact image of the file (async take:
@@ -43,6 +45,11 @@ _PAD = memoryview(bytes(ALIGNMENT))
 
 def checksum(data: memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def chunk_limit(block_bytes: int | None) -> int:
+    """The largest chunk a take of blocks of ``block_bytes`` writes (``CHUNK_BYTES`` read now: tests shrink it)."""
+    return CHUNK_BYTES if block_bytes is None else min(CHUNK_BYTES, block_bytes)
 
 
 def align(n: int) -> int:
@@ -181,11 +188,14 @@ def needs_bounce(payload: Payload) -> bool:
     return payload.kind == Raw.TENSOR and not is_direct(payload.data)
 
 
-def _payload_views(payload: Payload, bounce: torch.Tensor | None, bounced: bool) -> Iterator[memoryview]:
-    """The payload's bytes in pieces of at most CHUNK_BYTES; a piece is valid until the next one.
+def _payload_views(payload: Payload, bounce: torch.Tensor | None, bounced: bool, most: int
+                   ) -> Iterator[memoryview]:
+    """The payload's bytes in pieces of at most ``most`` bytes; a piece is valid until the next one.
     ``bounced``: a tensor that is copied to host through ``bounce`` first (see :func:`is_direct`)."""
     if bounced:
-        yield from _bounced_views(payload.data, bounce)
+        for view in _bounced_views(payload.data, bounce):
+            for start in range(0, view.nbytes, most):
+                yield view[start:start + most]
         return
     if payload.kind == Raw.TENSOR:
         data = tensor_bytes(payload.data)
@@ -193,8 +203,8 @@ def _payload_views(payload: Payload, bounce: torch.Tensor | None, bounced: bool)
         data = memoryview(np.ascontiguousarray(payload.data).reshape(-1).view(np.uint8))
     else:  # pickled or raw bytes
         data = memoryview(payload.data)
-    for start in range(0, data.nbytes, CHUNK_BYTES):
-        yield data[start:start + CHUNK_BYTES]
+    for start in range(0, data.nbytes, most):
+        yield data[start:start + most]
 
 
 def row_major_blocks(tensor: torch.Tensor, max_elements: int) -> Iterator[torch.Tensor]:
@@ -250,8 +260,8 @@ class PayloadAppender:
     whole: 10^5 small tensors make a few writes, not 10^5 pieces.
     """
 
-    def __init__(self, writer: BlobWriter, file: str) -> None:
-        self._writer, self._file = writer, file
+    def __init__(self, writer: BlobWriter, file: str, block_bytes: int | None = None) -> None:
+        self._writer, self._file, self._most = writer, file, chunk_limit(block_bytes)  # the largest chunk
         self._batch: list[memoryview] = []
         self.position = self._handed_over = 0
         self._gather: memoryview | None = None
@@ -309,7 +319,7 @@ class PayloadAppender:
         """
         written: Written = []
         add, digest, memory, tensor = written.append, xxhash.xxh3_64_intdigest, MEMORY, Raw.TENSOR
-        small = min(GATHER_BYTES, CHUNK_BYTES)  # CHUNK_BYTES read at call time: tests shrink it
+        small = min(GATHER_BYTES, self._most)
         gather, gather_start, gather_end = memoryview(b""), 0, -1  # no gathering buffer yet
         for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
             if n <= small and kind == tensor and type(data) in PLAIN_TENSOR_TYPES and data.is_cpu \
@@ -334,7 +344,7 @@ class PayloadAppender:
 
     def _append(self, payload: Payload) -> "int | list[Chunk]":
         data = payload.data
-        if payload.kind == Raw.TENSOR and data.nbytes <= min(GATHER_BYTES, CHUNK_BYTES) and is_copyable_raw(data):
+        if payload.kind == Raw.TENSOR and data.nbytes <= min(GATHER_BYTES, self._most) and is_copyable_raw(data):
             if self._gather is None or self.position + data.nbytes - self._gather_start > self._gather.nbytes:
                 self._new_gather()
             at, source, n = self.position - self._gather_start, data.data_ptr(), data.nbytes
@@ -343,7 +353,7 @@ class PayloadAppender:
             return xxhash.xxh3_64_intdigest(self._gather[at:at + n])
         self._end_gather()
         bounced, chunks = needs_bounce(payload), []
-        for view in _payload_views(payload, self._bounce, bounced):
+        for view in _payload_views(payload, self._bounce, bounced, self._most):
             chunks.append(Chunk(self._file, self.position, view.nbytes, checksum(view)))
             self._batch.append(view)
             self.position += view.nbytes
@@ -378,11 +388,11 @@ class PayloadAppender:
         self._gathered = []
 
 
-def write_from_sources(storage: Storage, layout: FileLayout) -> Written:
-    """Write the file straight from the payloads' memory (see :data:`Written`)."""
+def write_from_sources(storage: Storage, layout: FileLayout, block_bytes: int | None = None) -> Written:
+    """Write the file straight from the payloads' memory, in chunks of ``block_bytes`` (see :data:`Written`)."""
     writer = storage.open_writer(layout.file, layout.size)
     try:
-        written = PayloadAppender(writer, layout.file).append_layout(layout)
+        written = PayloadAppender(writer, layout.file, block_bytes).append_layout(layout)
         writer.close()
     except BaseException:
         writer.abort()

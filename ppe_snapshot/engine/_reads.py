@@ -81,15 +81,30 @@ def mismatch_error(storage: Storage, file: str, offset: int, nbytes: int, what: 
         "is damaged")
 
 
+def _run_end(chunks: Sequence[Chunk], start: int, limit: int) -> int:
+    """Where the run of ``chunks`` from ``start`` ends that lie one after another in one file, of at most
+    ``limit`` bytes (at least one chunk): one read covers it. A payload's blocks are such a run."""
+    end, total = start + 1, chunks[start].nbytes
+    while end < len(chunks):
+        last, chunk = chunks[end - 1], chunks[end]
+        if chunk.file != last.file or chunk.offset != last.offset + last.nbytes or total + chunk.nbytes > limit:
+            break
+        total, end = total + chunk.nbytes, end + 1
+    return end
+
+
 def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
-    """Fill ``out`` with the chunks' bytes, verifying each chunk."""
-    position = 0
-    for chunk in chunks:
-        view = out[position:position + chunk.nbytes]
-        _read(storage, chunk, 0, view)
-        if checksum(view) != chunk.checksum:
-            raise _mismatch(storage, chunk, what)
-        position += chunk.nbytes
+    """Fill ``out`` with the chunks' bytes, verifying each chunk (neighbouring ones read at once)."""
+    position, start = 0, 0
+    while start < len(chunks):
+        end = _run_end(chunks, start, CHUNK_BYTES)
+        n = sum(chunk.nbytes for chunk in chunks[start:end])
+        read_file_into(storage, chunks[start].file, chunks[start].offset, out[position:position + n])
+        for chunk in chunks[start:end]:
+            if checksum(out[position:position + chunk.nbytes]) != chunk.checksum:
+                raise _mismatch(storage, chunk, what)
+            position += chunk.nbytes
+        start = end
 
 
 class ReadBatch:
@@ -193,6 +208,21 @@ def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
             raise _mismatch(storage, chunk, what)
 
 
+def coalesced(spans: Sequence[tuple[int, int]], max_run: int = 4 << 20) -> list[tuple[int, int]]:
+    """The ranges ``(first, stop)`` of ``spans`` (``(offset, nbytes)`` in one file, by offset) that one read each
+    covers: neighbours at most ``ReadBatch.MAX_GAP`` apart, at most ``max_run`` bytes (or one span)."""
+    ranges: list[tuple[int, int]] = []
+    for i, (offset, n) in enumerate(spans):
+        if ranges:
+            first, _ = ranges[-1]
+            end = spans[i - 1][0] + spans[i - 1][1]
+            if 0 <= offset - end <= ReadBatch.MAX_GAP and offset + n - spans[first][0] <= max_run:
+                ranges[-1] = (first, i + 1)
+                continue
+        ranges.append((i, i + 1))
+    return ranges
+
+
 def fill(reads: ReadBatch | None, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
     """Read into a final destination: through ``reads`` when given, else now."""
     if reads is None:
@@ -211,17 +241,21 @@ class ChunkReader:
 
     def read(self, out: memoryview) -> None:
         filled = 0
-        while filled < out.nbytes:
-            chunk = self._chunks[self._index]
-            n = min(out.nbytes - filled, chunk.nbytes - self._done)
-            view = out[filled:filled + n]
-            _read(self._storage, chunk, self._done, view)
-            self._digest.update(view)
-            filled, self._done = filled + n, self._done + n
-            if self._done == chunk.nbytes:
-                if self._digest.hexdigest() != chunk.checksum:
-                    raise _mismatch(self._storage, chunk, self._what)
-                self._index, self._done, self._digest = self._index + 1, 0, xxhash.xxh3_64()
+        while filled < out.nbytes:  # one read per run of neighbouring chunks, then each chunk's part hashed
+            first = self._chunks[self._index]
+            end = _run_end(self._chunks, self._index, self._done + out.nbytes - filled)
+            n = min(out.nbytes - filled, sum(c.nbytes for c in self._chunks[self._index:end]) - self._done)
+            read_file_into(self._storage, first.file, first.offset + self._done, out[filled:filled + n])
+            stop = filled + n
+            while filled < stop:
+                chunk = self._chunks[self._index]
+                part = min(stop - filled, chunk.nbytes - self._done)
+                self._digest.update(out[filled:filled + part])
+                filled, self._done = filled + part, self._done + part
+                if self._done == chunk.nbytes:
+                    if self._digest.hexdigest() != chunk.checksum:
+                        raise _mismatch(self._storage, chunk, self._what)
+                    self._index, self._done, self._digest = self._index + 1, 0, xxhash.xxh3_64()
 
 
 def read_through_host(storage: Storage, chunks: list[Chunk], target: torch.Tensor, what: str,
@@ -247,17 +281,23 @@ def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTE
     # Each section once, not each rank's view of them: a manifest of many ranks would make that quadratic.
     for table in (*manifest.ranks, manifest.replicated, manifest.sharded):
         for path, entry in table.items():
-            for chunk in _chunks_of(entry):
-                if chunk in seen:
+            chunks = [chunk for chunk in _chunks_of(entry) if chunk not in seen]
+            seen.update(chunks)
+            start = 0
+            while start < len(chunks):  # neighbouring chunks that fit the buffer: one read
+                end = _run_end(chunks, start, budget)
+                if chunks[start].nbytes <= budget:
+                    read_into(storage, chunks[start:end], memoryview(buffer), path)
+                    start = end
                     continue
-                seen.add(chunk)
-                digest = xxhash.xxh3_64()
-                for start in range(0, chunk.nbytes, budget):
-                    view = memoryview(buffer)[: min(budget, chunk.nbytes - start)]
-                    _read(storage, chunk, start, view)
+                chunk, digest = chunks[start], xxhash.xxh3_64()
+                for offset in range(0, chunk.nbytes, budget):
+                    view = memoryview(buffer)[: min(budget, chunk.nbytes - offset)]
+                    _read(storage, chunk, offset, view)
                     digest.update(view)
                 if digest.hexdigest() != chunk.checksum:
                     raise _mismatch(storage, chunk, path)
+                start += 1
 
 
 def _chunks_of(entry: Entry) -> list[Chunk]:

@@ -71,12 +71,15 @@ class Snapshot:
         values that have no pickle-free encoding be pickled; ``metadata`` is a
         small JSON-able dict stored in the manifest (see :attr:`metadata`).
 
+        Every take writes its data in checksummed blocks of ``block_bytes``
+        (default ``PPE_SNAPSHOT_BLOCK_KB``, 1 MiB; a multiple of 64 up to
+        64 MiB), so that any snapshot can be the base of an incremental take.
         ``base``: the path of an earlier snapshot in the same directory. The
-        take is *incremental*: every block of ``block_bytes`` (default
-        ``PPE_SNAPSHOT_BLOCK_KB``, 1 MiB) whose bytes the base holds is not
-        written again; the new snapshot reads it from the base's files. It
-        restores on its own as long as the snapshots it references stay
-        beside it (:attr:`references`; retention keeps them).
+        take is *incremental*: every block whose bytes the base holds is not
+        written again (compared in the base's blocks); the new snapshot reads
+        it from the base's files. It restores on its own as long as the
+        snapshots it references stay beside it (:attr:`references`; retention
+        keeps them).
         """
         job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
                            allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func,

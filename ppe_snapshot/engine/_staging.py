@@ -100,8 +100,10 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
         torch.cuda.synchronize()
 
 
-def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> Written:
-    """Write the staged file image in one sequential pass (see :data:`Written`).
+def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor, block_bytes: int | None = None
+                 ) -> Written:
+    """Write the staged file image in one sequential pass, its payloads in chunks of at most ``block_bytes`` (see
+    :data:`Written`).
 
     The checksums are computed in a second thread while the image is written:
     both only read the buffer, and the hashing hides behind the disk (which
@@ -111,7 +113,7 @@ def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor) -> 
     written: Written = []
 
     def hash_image() -> None:
-        add, digest, most = written.append, xxhash.xxh3_64_intdigest, packing.CHUNK_BYTES  # now: tests shrink it
+        add, digest, most = written.append, xxhash.xxh3_64_intdigest, packing.chunk_limit(block_bytes)
         for offset, n in zip(layout.offsets, layout.sizes):
             if n <= most:
                 add(digest(image[offset:offset + n]))

@@ -14,7 +14,7 @@ from ppe_snapshot.engine._flatten import Payload, PlainTensors, flatten, mark_re
 from ppe_snapshot.engine._format import Raw, data_file, new_take_id
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._incremental import (
-    IncrementalWrite, check_base, check_block_bytes, check_version, open_base, write_incremental,
+    IncrementalWrite, block_size, check_base, check_version, open_base, write_incremental,
 )
 from ppe_snapshot.engine._manifest import Chunk, Entry, PickleEntry, TensorEntry
 from ppe_snapshot.engine._packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
@@ -63,10 +63,12 @@ class TakeJob:
     channel: TakeChannel | None = None
     #: Where :meth:`write_part` runs in another process: tells it the take failed elsewhere (its parent's channel).
     stopped: Callable[[], str | None] | None = None
-    #: An incremental take: the snapshot (beside this one) whose unchanged blocks it references, the
-    #: ``storage_options`` to read it, and the block size (None: the settings').
+    #: An incremental take: the snapshot (beside this one) whose unchanged blocks it references, and the
+    #: ``storage_options`` to read it.
     base: str | None = None
     base_options: dict[str, Any] | None = None
+    #: The block size: every take writes its payloads in chunks of at most this size, the blocks the next
+    #: incremental take compares (None: the settings').
     block_bytes: int | None = None
     #: An incremental take, once written: what it wrote and referenced.
     incremental: IncrementalWrite | None = None
@@ -158,10 +160,11 @@ class TakeJob:
             with gc_paused():
                 self.incremental = write_incremental(storage, self.layout, self.staged, base, self.block_bytes)
             return list(self.incremental.chunks)
+        block_bytes = block_size(self.block_bytes)
         if self.staged is not None:
-            return write_staged(storage, self.layout, self.staged)
+            return write_staged(storage, self.layout, self.staged, block_bytes)
         with gc_paused():  # from the live tensors: the caller waits for this take anyway
-            return write_from_sources(storage, self.layout)
+            return write_from_sources(storage, self.layout, block_bytes)
 
     @gc_paused()
     def _part(self, written: Written) -> commit_protocol.RankPart:
@@ -325,8 +328,9 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     of theirs); ``pg=LOCAL`` for a take by this process alone. ``tensor_prepare(path, tensor, tracing)``
     may replace each plain tensor by the one to store (the seed's
     ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot. ``base``: an incremental
-    take, referencing the blocks of snapshot ``base`` (beside ``path``) that did not change, compared in
-    blocks of ``block_bytes`` (see :mod:`~ppe_snapshot.engine._incremental`).
+    take, referencing the blocks of snapshot ``base`` (beside ``path``) that did not change (see
+    :mod:`~ppe_snapshot.engine._incremental`). ``block_bytes`` (default ``PPE_SNAPSHOT_BLOCK_KB``): every take
+    writes its payloads in chunks of at most this size, which the next incremental take compares.
     """
     rank, world_size = group_rank(pg)
     side = side_group(pg) if world_size > 1 else None  # the first take on these ranks makes it: as early as can be
@@ -334,10 +338,9 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     try:
         _check_metadata(metadata)
         version = versions.write_version()
+        block_bytes = block_size(block_bytes)
         if base is not None:
             check_base(base, str(path))
-            if block_bytes is not None:
-                check_block_bytes(block_bytes)
             check_version(version, base)
         globs = _globs(replicated)
         items, plain = _flatten_all(app_state, allow_pickle, tensor_prepare)

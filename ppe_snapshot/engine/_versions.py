@@ -19,6 +19,7 @@ from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._manifest import Chunk, Manifest, Shard, ShardedTensorEntry, parse_document
 from ppe_snapshot.engine._manifest_v2 import read as read_v2
 from ppe_snapshot.engine._manifest_v2 import write_manifest as write_v2
+from ppe_snapshot.engine._referenced import copy_spans, referenced_spans
 from ppe_snapshot.engine._validation import document_problem, document_v2_problem, document_v3_problem
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, SnapshotNotFoundError
 from ppe_snapshot.settings import SETTINGS
@@ -149,30 +150,44 @@ def clean_parts(storage: Storage, take_id: str, world_size: int, version: int) -
 
 def upgrade(source: Storage, dest: Storage) -> None:
     """Write the version-1 or incremental (version-3) snapshot at ``source`` as a self-contained version-2
-    snapshot at ``dest`` (where nothing is): its data files copied byte for byte (each file of another snapshot
-    it references to ``refs/<that snapshot>/<file>``, its chunks renamed), then its index files and the
-    manifest, last. The source is checked first (every entry, every file's size)."""
+    snapshot at ``dest`` (where nothing is): its own data files copied byte for byte, and of each file of another
+    snapshot it references only the chunks it reads, one after another, to ``refs/<that snapshot>/<file>``
+    (its chunks renamed); then its index files and the manifest, last. The source is checked first (every
+    entry, every file's size)."""
     manifest = read_manifest(source)
     if manifest.version == DEFAULT_VERSION:
         raise ValueError(f"{source.url} is already a self-contained version-{manifest.version} snapshot")
     manifest.check_entries()
     v1.refuse_overwrite(dest)
-    inside = {name: _inside(name) for name in manifest.files}
-    block = bytearray(64 << 20)
+    spans = referenced_spans(manifest)
+    moves: dict[str, tuple[str, dict[int, int] | None]] = {}
+    files: dict[str, int] = {}
     for name, size in manifest.files.items():
-        writer = dest.open_writer(inside[name], size)
-        try:
-            for start in range(0, size, len(block)):
-                view = memoryview(block)[: min(len(block), size - start)]
-                source.read_into(name, start, view)
-                writer.write([view])
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+        inside = _inside(name)
+        if name in spans:
+            moved, files[inside] = copy_spans(source, name, spans[name], dest, inside)
+            moves[name] = (inside, moved)
+        else:
+            _copy_file(source, name, size, dest)
+            moves[name], files[inside] = (inside, None), size
     if manifest.references:
-        manifest = _renamed(manifest, inside)
+        manifest = _renamed(manifest, moves, files)
     commit(dest, manifest, version=2)
+
+
+def _copy_file(source: Storage, name: str, size: int, dest: Storage) -> None:
+    """Data file ``name`` of ``source`` (``size`` bytes) copied to ``dest`` as it is."""
+    block = bytearray(max(1, min(size, 64 << 20)))
+    writer = dest.open_writer(name, size)
+    try:
+        for start in range(0, size, len(block)):
+            view = memoryview(block)[: min(len(block), size - start)]
+            source.read_into(name, start, view)
+            writer.write([view])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _inside(name: str) -> str:
@@ -181,23 +196,31 @@ def _inside(name: str) -> str:
     return name if reference is None else f"refs/{reference[0]}/{reference[1]}"
 
 
-def _renamed(manifest: Manifest, names: dict[str, str]) -> Manifest:
-    """``manifest`` with every chunk's file renamed as ``names`` says (a built manifest: every entry in memory)."""
+#: Per data file of the source: its name in the copy, and where its chunks went (None: where they were).
+_Moves = dict[str, tuple[str, "dict[int, int] | None"]]
+
+
+def _renamed(manifest: Manifest, moves: _Moves, files: dict[str, int]) -> Manifest:
+    """``manifest`` with every chunk moved as ``moves`` says and data files ``files`` (a built manifest: every
+    entry in memory)."""
     def chunks(entry: Any) -> Any:
         if isinstance(entry, ShardedTensorEntry):
-            return ShardedTensorEntry(entry.dtype, entry.shape, [Shard(s.offsets, s.sizes, _moved(s.chunks, names))
+            return ShardedTensorEntry(entry.dtype, entry.shape, [Shard(s.offsets, s.sizes, _moved(s.chunks, moves))
                                                                  for s in entry.shards], entry.replicated)
         if getattr(entry, "chunks", None) is None:
             return entry
-        return dataclasses.replace(entry, chunks=_moved(entry.chunks, names))
+        return dataclasses.replace(entry, chunks=_moved(entry.chunks, moves))
 
     def table(entries: Any) -> dict[str, Any]:
         return {path: chunks(entry) for path, entry in entries.items()}
 
     return Manifest(manifest.world_size, [table(rank) for rank in manifest.ranks], table(manifest.replicated),
-                    {names[name]: size for name, size in manifest.files.items()}, manifest.take_id,
-                    dict(manifest.metadata), table(manifest.sharded))
+                    files, manifest.take_id, dict(manifest.metadata), table(manifest.sharded))
 
 
-def _moved(chunks: list[Chunk], names: dict[str, str]) -> list[Chunk]:
-    return [chunk._replace(file=names[chunk.file]) for chunk in chunks]
+def _moved(chunks: list[Chunk], moves: _Moves) -> list[Chunk]:
+    out = []
+    for chunk in chunks:
+        name, offsets = moves[chunk.file]
+        out.append(chunk._replace(file=name, offset=chunk.offset if offsets is None else offsets[chunk.offset]))
+    return out

@@ -20,7 +20,9 @@ Bytes
     host copy), ``is_direct``, ``tensor_bytes``, ``read_into`` (verified reads of chunks).
 Incremental writes
     ``write_pieces(storage, file, pieces, base, storage_options)``: a data file whose pieces unchanged since
-    snapshot ``base`` are referenced, not written (``base=`` of the DCP writer).
+    snapshot ``base`` are referenced, not written (``base=`` of the DCP writer); ``block_size(block_bytes)``: the
+    block size a write uses (its chunks' largest size; None: the settings'); ``referenced_bytes(manifest)``: the
+    bytes of other snapshots' data files a snapshot reads (``ls``, ``inspect``).
 Committing
     ``new_take_id()``, ``refuse_overwrite(storage)``, ``commit_manifest(storage, manifest)`` (checks it restores,
     then writes it in the format version takes write, the manifest last).
@@ -28,7 +30,7 @@ Committing
 from ppe_snapshot.engine._commit import refuse_overwrite
 from ppe_snapshot.engine._flatten import Payload, child_path, escape, inflate
 from ppe_snapshot.engine._format import Container, Raw, data_file, new_take_id
-from ppe_snapshot.engine._incremental import write_pieces
+from ppe_snapshot.engine._incremental import block_size, write_pieces
 from ppe_snapshot.engine._loading import leaf_loader
 from ppe_snapshot.engine._manifest import (
     BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
@@ -36,6 +38,7 @@ from ppe_snapshot.engine._manifest import (
 )
 from ppe_snapshot.engine._packing import PayloadAppender, host_copy_buffer, is_direct, needs_bounce, tensor_bytes
 from ppe_snapshot.engine._reads import read_into
+from ppe_snapshot.engine._referenced import referenced_bytes
 from ppe_snapshot.engine._serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
 from ppe_snapshot.engine._versions import commit as commit_manifest
 
@@ -52,5 +55,5 @@ __all__ = [
     # committing
     "commit_manifest", "new_take_id", "refuse_overwrite",
     # incremental writes
-    "write_pieces",
+    "block_size", "referenced_bytes", "write_pieces",
 ]
