@@ -8,7 +8,7 @@ written: the new snapshot's chunk names the file and offset where the base holds
 ``../<base name>/data/rank<r>.bin``, or where the base itself referenced them (references never chain). Every
 other block is appended to this rank's data file (a changed base chunk larger than ``block_bytes`` cut into
 blocks of ``block_bytes``), and so are the blocks kept of a base file that would be referenced for less than
-half its bytes (:mod:`~ppe_snapshot.engine._pinning`). Readers check every chunk's checksum, referenced or not,
+half its bytes (:mod:`~ppe_snapshot.engine._sparse_references`). Readers check every chunk's checksum, referenced or not,
 so a block taken as unchanged by a hash collision (about 2^-64 per block compared) is the only way to a wrong
 byte.
 
@@ -36,7 +36,7 @@ from ppe_snapshot.engine._manifest import Chunk, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._packing import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
-from ppe_snapshot.engine._pinning import Kept, copy_sparse_references
+from ppe_snapshot.engine._sparse_references import Kept, copy_sparse_references
 from ppe_snapshot.engine._sharded import ShardPlan
 from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
