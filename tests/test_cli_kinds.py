@@ -188,7 +188,7 @@ def test_convert_to_every_target_reads_back_and_names_what_is_left_out(kinds, ca
         dcp.load(restored, checkpoint_id=str(kinds / "outdcp"), no_dist=True)  # plain DCP, no ppe_snapshot reader
     assert torch.equal(restored["models"]["main"]["weight"], WEIGHT) and restored["_start_iteration"] == 10
 
-    assert main(["convert", str(kinds / "out.safetensors"), str(kinds / "from_st")]) == 0
+    assert main(["convert", "--to", "snapshot", str(kinds / "out.safetensors"), str(kinds / "from_st")]) == 0
     assert main(["diff", str(kinds / "from_st"), str(kinds / "out.safetensors")]) == 0
     assert main(["convert", str(kinds / "torchdcp"), str(kinds / "from_dcp.pt")]) == 0
     assert torch.equal(torch.load(kinds / "from_dcp.pt", weights_only=True)["model"]["weight"], WEIGHT)

@@ -19,6 +19,8 @@ from ppe_snapshot.storage import forget_listings, local_path, open_storage, spli
 from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
+#: What ``ls`` given one snapshot lists alone (anything else is taken for a run directory).
+LONE_KINDS = (Kind.SNAPSHOT, Kind.TORCH_DCP, Kind.PPE_FILE, Kind.SAFETENSORS)
 
 
 # -- ls ---------------------------------------------------------------------------------------------------
@@ -112,6 +114,10 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     fs, root = filesystem(run, storage_options)
     if not fs.exists(root):
         raise UsageError(f"{run}: no such directory")
+    if is_one_snapshot(fs, root):  # listed alone, as ls lists a file
+        parent, _, _ = run.rstrip("/").rpartition("/")
+        lone = _row(fs, root, parent or ".", fs.info(root), storage_options, deep, {})
+        return [] if lone is None else [{**lone, "checked": "deep" if deep else "quick"}]
     if not fs.isdir(root):
         raise UsageError(f"{run}: not a directory (ls lists a run directory; use 'inspect' for one snapshot)")
     positions = {c.name: c for c in list_snapshots(run, filename, storage_options)}
@@ -126,6 +132,14 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     for row in rows:  # what "complete" rests on: the quick check (manifest, sizes) or every checksum
         row["checked"] = "deep" if deep else "quick"
     return rows
+
+
+def is_one_snapshot(fs: Any, fs_path: str) -> bool:
+    """Whether ``fs_path`` is itself a snapshot (a committed one, a DCP directory, a file), not a run directory."""
+    try:
+        return classify(fs, fs_path)[0] in LONE_KINDS
+    except OSError:
+        return False
 
 
 def referenced_bytes(manifest: Any) -> int:
@@ -149,6 +163,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    fs, root = filesystem(args.run, args.storage_options)
+    if is_one_snapshot(fs, root):
+        print(f"{args.run} is one snapshot, not a run directory: listed alone ('ppe-snapshot inspect "
+              f"{args.run}' shows its entries; 'ppe-snapshot ls DIR' lists the snapshots in DIR)")
     if not rows:
         print(f"no snapshots in {args.run}")
         return 0
