@@ -86,7 +86,8 @@ def test_ls_lists_every_kind_by_position_and_marks_the_resume_candidate(kinds, c
     rows = json.loads(capsys.readouterr().out)
     assert [(r["name"], r["kind"], r["status"], r["iteration"]) for r in rows] == [
         ("snapshot_iter_5", "ppe-file", "complete", 5), ("snapshot_iter_10", "snapshot", "complete", 10),
-        ("snapshot_iter_20", "snapshot", "complete", 20), ("snapshot_iter_30", "in-progress", "in-progress", 30)]
+        ("snapshot_iter_20", "snapshot", "complete", 20), ("snapshot_iter_30", "in-progress",
+         "in-progress? (unknown: no writer recorded; written by an older version, or killed as it started)", 30)]
     assert [r["name"] for r in rows if r["resume"]] == ["snapshot_iter_20"]
     assert all(r["bytes"] > 0 for r in rows[:3]) and rows[1]["time"].endswith("Z")
 

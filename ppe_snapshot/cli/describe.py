@@ -15,6 +15,7 @@ from ppe_snapshot.engine.codec import (
     BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
+from ppe_snapshot.run_dir import leftover
 from ppe_snapshot.storage import forget_listings, local_path, open_storage, split_reference
 from ppe_snapshot.stored_snapshot import inspect
 
@@ -76,7 +77,9 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
         row["iteration"], row["epoch"] = candidate.iteration, candidate.epoch_detail
         if candidate.problem and kind != Kind.IN_PROGRESS:
             problem = candidate.problem
-    if kind in (Kind.IN_PROGRESS, Kind.RETIRED):
+    if kind == Kind.IN_PROGRESS:
+        row["status"] = leftover_status(fs, fs_path)
+    elif kind == Kind.RETIRED:
         row["status"] = kind
     elif kind == Kind.SNAPSHOT:
         stored = inspect(url, storage_options)
@@ -107,6 +110,17 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
         row["status"] = f"damaged: {problem}"
     row["time"] = row["time"] or _mtime(fs, fs_path)
     return row
+
+
+def leftover_status(fs: Any, fs_path: str) -> str:
+    """A directory without manifest: ``in-progress`` (its writer lives), ``crashed (...)`` (its writers are
+    provably gone) or ``in-progress? (unknown: ...)`` (where that cannot be known here)."""
+    writers = leftover(fs, fs_path)
+    if writers.alive:
+        return Kind.IN_PROGRESS
+    if writers.gone:
+        return f"crashed ({writers.detail})"
+    return f"{Kind.IN_PROGRESS}? ({writers.detail})"
 
 
 def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) -> list[dict[str, Any]]:

@@ -100,8 +100,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("prune", parents=[common], help="remove old snapshots, as the extension's retention does",
                        description="Remove old snapshots of a run directory with the extension's retention. What "
                                    "any --keep-* flag keeps is kept (flags may repeat); never removed: the newest "
-                                   "complete snapshot and anything newer. Leftovers of crashed saves older than "
-                                   "it are removed.")
+                                   "complete snapshot and anything newer, except leftovers whose writers are "
+                                   "provably gone (checked on the host that wrote them). Leftovers of crashed "
+                                   "saves older than it are removed.")
     p.add_argument("run", metavar="RUN")
     p.add_argument("--keep-latest", type=int, action="append", metavar="N",
                    help="keep the N newest complete snapshots")
