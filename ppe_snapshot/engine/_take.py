@@ -158,13 +158,15 @@ class TakeJob:
             self.staged = None
 
     def _write(self) -> Written:
+        base = None
+        if self.layout.paths and self.base is not None:  # a missing base is refused before anything is written
+            base = open_base(self.base, self.storage.url, self.rank, self.sharded, self.base_options)
         # before the first byte: a listing tells this take in progress from the leftover of a dead one
         record_writer(self.storage, self.take_id, self.rank, self.world_size, self.preparer)
         if not self.layout.paths:
             return []
         storage: Any = self.storage if self.world_size == 1 else Watched(self.storage, self.failure)
-        if self.base is not None:
-            base = open_base(self.base, self.storage.url, self.rank, self.sharded, self.base_options)
+        if base is not None:
             with gc_paused():
                 self.incremental = write_incremental(storage, self.layout, self.staged, base, self.block_bytes)
             return list(self.incremental.chunks)
