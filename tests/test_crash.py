@@ -312,7 +312,7 @@ def test_a_multi_rank_leftover_is_not_gone_while_any_rank_lives(tmp_path):
         rank0, rank1 = procs
         try:
             _wait_until((path / "data" / "rank1.bin").exists, "rank 1 to start writing", procs)
-            _wait_until(lambda: len([n for n in os.listdir(path / ".parts") if ".writer-" in n]) == 2,
+            _wait_until(lambda: len(list((path / ".parts").glob("*.writer-rank*.json"))) == 2,
                         "both ranks to record their writers", procs)  # each rank records itself as it starts
             for process in (rank1, rank0):
                 os.kill(process.pid, signal.SIGSTOP)
