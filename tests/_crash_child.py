@@ -5,6 +5,8 @@ Run as a script (not from the test pool, so it can be killed on its own):
 ``python _crash_child.py loop <root> <mib>``
     takes ``<root>/s0``, ``<root>/s1``, ... of a ``<mib>`` MiB state and prints
     each snapshot's path once it is committed.
+``python _crash_child.py process <root> <mib>``
+    as ``loop``, through a ProcessWriter (its worker process writes); prints ``worker <pid>``.
 ``python _crash_child.py dist <path> <mib>``
     one rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` from the
     environment) of a gloo group taking one snapshot; rank 1 holds ``<mib>`` MiB,
@@ -67,6 +69,20 @@ def loop(root: str, mib: int) -> None:
         path = os.path.join(root, f"s{index}")
         Snapshot.take(path, {"state": state})
         print(path, flush=True)
+
+
+def process_loop(root: str, mib: int) -> None:
+    """``loop`` through a ProcessWriter: its worker process writes; prints ``worker <pid>`` after the first call."""
+    from ppe_snapshot.writing import ProcessWriter
+
+    writer = ProcessWriter(out_dir=root)
+    state = big_state(mib)
+    for index in range(MAX_SNAPSHOTS):
+        mark(state, index)
+        writer(f"s{index}", root, state)
+        if index == 0:
+            print(f"worker {writer.worker_pid}", flush=True)
+    writer.finalize()
 
 
 def dist_take(path: str, mib: int) -> None:
@@ -159,4 +175,4 @@ if __name__ == "__main__":
     elif mode == "replace":
         replace_loop(target, size, *sys.argv[4:])
     else:
-        {"loop": loop, "dist": dist_take}[mode](target, size)
+        {"loop": loop, "process": process_loop, "dist": dist_take}[mode](target, size)

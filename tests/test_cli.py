@@ -18,7 +18,7 @@ def test_convert_torch_file_to_snapshot_and_back(tmp_path, capsys):
     state = {"models": {"main": model.state_dict()}, "iteration": 7, "name": "run"}
     torch.save(state, tmp_path / "ppe.pt")
 
-    assert main(["convert", str(tmp_path / "ppe.pt"), str(tmp_path / "snap")]) == 0
+    assert main(["convert", "--to", "snapshot", str(tmp_path / "ppe.pt"), str(tmp_path / "snap")]) == 0
     restored = StateDict()
     Snapshot(str(tmp_path / "snap")).restore({"state": restored})
     assert restored["iteration"] == 7 and restored["name"] == "run"

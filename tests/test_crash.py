@@ -8,9 +8,12 @@ its replacement: the previous or the new one is left, complete, for autoload. An
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -247,3 +250,131 @@ def test_kill_during_incremental_saves_and_prunes_leaves_every_snapshot_restorab
     referenced = {name for c in kept.values() for name in c.references}
     # what the kept snapshots do not read is gone (at most one prune later)
     assert {name for name, c in kept.items() if c.kind != "snapshot"} <= referenced
+
+
+def _leftover(run: Path, name: str, fmt: str) -> retention.Candidate:
+    return {c.name: c for c in retention.list_snapshots(str(run), fmt)}[name]
+
+
+def _ls_status(run: Path, name: str) -> str:
+    """The STATUS column of ``name`` as ``ppe-snapshot ls`` prints it."""
+    done = subprocess.run([sys.executable, "-m", "ppe_snapshot.cli", "ls", str(run)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if name in line.split()[:2])
+    return row.split("  ")[-1].strip()
+
+
+def test_a_killed_save_is_told_from_a_save_in_progress_and_pruned(tmp_path):
+    """A save frozen mid-write (SIGSTOP) is in progress: listed so, never pruned. Killed (SIGKILL), it is a leftover
+    whose writer is gone: listed as crashed, and pruned although newer than the newest complete snapshot."""
+    root, victim = tmp_path / "run", 1
+    proc = _spawn(["loop", str(root), str(MIB)])
+    try:
+        while True:
+            _wait_until((root / f"s{victim}" / "data" / "rank0.bin").exists, f"s{victim} to be written", [proc])
+            os.kill(proc.pid, signal.SIGSTOP)
+            if not (root / f"s{victim}" / "manifest.json").exists():
+                break
+            os.kill(proc.pid, signal.SIGCONT)  # committed already: aim at the next take
+            victim += 1
+        name = f"s{victim}"
+        frozen = _leftover(root, name, "s{.iteration}")
+        assert frozen.kind == "incomplete" and frozen.busy and not frozen.abandoned
+        assert frozen.writers == f"being written by pid {proc.pid} on {socket.gethostname()}"
+        assert _ls_status(root, name) == "in-progress"
+        assert retention.prune(str(root), "s{.iteration}", 1, dry_run=True) == [str(root / f"s{i}")
+                                                                                for i in range(victim - 1)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        _kill_all([proc])
+    killed = _leftover(root, name, "s{.iteration}")
+    assert killed.kind == "incomplete" and killed.abandoned and not killed.busy
+    assert killed.writers == f"its writer is gone: pid {proc.pid} on {socket.gethostname()}"
+    assert _ls_status(root, name) == f"crashed (its writer is gone: pid {proc.pid} on {socket.gethostname()})"
+    removed = retention.prune(str(root), "s{.iteration}", 1)
+    assert removed == [str(root / f"s{i}") for i in range(victim - 1)] + [str(root / name)]
+    assert sorted(os.listdir(root)) == [f"s{victim - 1}"]
+    Snapshot(str(root / f"s{victim - 1}")).verify()
+
+
+def test_a_multi_rank_leftover_is_not_gone_while_any_rank_lives(tmp_path):
+    """Rank 1 killed mid-save while rank 0 lives (frozen with SIGSTOP, so that it cannot abort the take): the take
+    is still in progress and kept. Once rank 0 is killed too, every writer is gone and prune removes it."""
+    run = tmp_path / "run"
+    Snapshot.take(str(run / "snapshot_iter_1"), {"state": StateDict(step=1)}, metadata={"iteration": 1})
+    fmt = "snapshot_iter_{.iteration}"
+    for iteration in range(2, 5):  # a take that committed before the ranks were stopped: try the next
+        path = run / f"snapshot_iter_{iteration}"
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+        procs = [_spawn(["dist", str(path), str(MIB)], RANK=str(rank), **env) for rank in (0, 1)]
+        rank0, rank1 = procs
+        try:
+            _wait_until((path / "data" / "rank1.bin").exists, "rank 1 to start writing", procs)
+            _wait_until(lambda: len(list((path / ".parts").glob("*.writer-rank*.json"))) == 2,
+                        "both ranks to record their writers", procs)  # each rank records itself as it starts
+            for process in (rank1, rank0):
+                os.kill(process.pid, signal.SIGSTOP)
+            if (path / "manifest.json").exists():
+                continue
+            os.kill(rank1.pid, signal.SIGKILL)
+            rank1.wait(timeout=30)
+            half = _leftover(run, path.name, fmt)
+            assert half.busy and not half.abandoned and half.writers.startswith("being written by pid "), half
+            assert retention.prune(str(run), fmt, 1) == [] and path.exists()
+            os.kill(rank0.pid, signal.SIGKILL)
+            rank0.wait(timeout=30)
+            break
+        finally:
+            _kill_all(procs)
+    else:
+        pytest.fail("every take committed before its ranks could be stopped")
+    gone = _leftover(run, path.name, fmt)
+    assert gone.abandoned and not gone.busy
+    assert gone.writers.startswith("its writers are gone: ") and f"pid {rank0.pid}" in gone.writers \
+        and f"pid {rank1.pid}" in gone.writers
+    assert str(path) in retention.prune(str(run), fmt, 1) and not path.exists()
+
+
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` (not a child of this one) is gone or a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in "ZXx"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_process_writers_save_is_in_progress_while_its_worker_lives(tmp_path):
+    """A ProcessWriter's worker writes for the training process: both are recorded. The trainer killed while its
+    worker (frozen) still writes: in progress. The worker killed too: gone, and pruned."""
+    root, victim = tmp_path / "run", 1
+    trainer = _spawn(["process", str(root), str(MIB)])
+    worker = None
+    try:
+        line = trainer.stdout.readline().split()
+        assert line[:1] == ["worker"], (line, trainer.stderr.read() if trainer.poll() is not None else "")
+        worker = int(line[1])
+        while True:
+            _wait_until((root / f"s{victim}" / "data" / "rank0.bin").exists, f"s{victim} to be written", [trainer])
+            os.kill(worker, signal.SIGSTOP)
+            if not (root / f"s{victim}" / "manifest.json").exists():
+                break
+            os.kill(worker, signal.SIGCONT)
+            victim += 1
+        name = f"s{victim}"
+        record = json.loads(next((root / name / ".parts").glob("*.writer-rank0.json")).read_text())
+        assert sorted(p["pid"] for p in record["processes"]) == sorted([trainer.pid, worker])
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+        assert _leftover(root, name, "s{.iteration}").busy
+        assert str(root / name) not in retention.prune(str(root), "s{.iteration}", 1, dry_run=True)
+    finally:
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+        _kill_all([trainer])
+    _wait_until(lambda: _dead(worker), f"worker {worker} to die", [])  # a zombie, maybe: it runs no more
+    gone = _leftover(root, name, "s{.iteration}")
+    assert gone.abandoned and f"pid {worker}" in gone.writers and f"pid {trainer.pid}" in gone.writers
+    assert str(root / name) in retention.prune(str(root), "s{.iteration}", 1) and not (root / name).exists()

@@ -1,22 +1,22 @@
 """``ppe-snapshot``: look at, check, compare, convert and prune snapshots from the shell.
 
-One module per concern: ``describe`` (ls, inspect), ``verify``, ``diff``, ``convert``, ``prune``, and
-``common`` (what a path holds, reading it, storage options, progress bars). Entry point: :func:`main`.
+One module per concern: ``describe`` (ls, inspect), ``verify``, ``diff``, ``convert``, ``prune``, ``common``
+(what a path holds, reading it, storage options, progress bars) and ``exits`` (errors, a closed pipe).
+Entry point: :func:`main`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import traceback
 from importlib.metadata import PackageNotFoundError, version
 from typing import Sequence
 
 import torch
 
 from ppe_snapshot.cli import convert, describe, diff, prune, verify
-from ppe_snapshot.cli.common import UsageError, parse_storage_options
-from ppe_snapshot.errors import UnsupportedFormatError
+from ppe_snapshot.cli.common import parse_storage_options
+from ppe_snapshot.cli.exits import drop_stdout, fail, quiet_store_logs, stdout_closed
 
 DESCRIPTION = """\
 Look at, check, compare, convert and prune snapshots: engine snapshots, DCP directories,
@@ -26,11 +26,12 @@ ppe torch.save files and safetensors files, on local paths or fsspec URLs (s3://
   ppe-snapshot inspect PATH           entries (shape, dtype, bytes) and metadata of one snapshot
   ppe-snapshot verify PATH [PATH...]  check snapshots; every damaged entry is named
   ppe-snapshot diff A B               what differs between two snapshots
-  ppe-snapshot convert SRC DST        snapshot, torch.save file, torch DCP directory, safetensors
+  ppe-snapshot convert SRC DST --to snapshot|torch|dcp|safetensors
   ppe-snapshot prune RUN --keep-latest N
 
 Nothing is unpickled unless convert --allow-pickle is given.
-Exit status: 0 success, 1 damage (verify) or a difference (diff), 2 usage error."""
+Exit status: 0 success, 1 damage (verify) or a difference (diff), 2 usage error; 141 (quietly) when the reader
+of the output went away (| head)."""
 
 
 def _version() -> str:
@@ -68,21 +69,22 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     debug = getattr(args, "debug", False)
+    quiet_store_logs(debug)
     try:
         args.storage_options = parse_storage_options(getattr(args, "storage_option", None),
                                                      getattr(args, "storage_options", None))
-        return args.run_command(args)
+        status = args.run_command(args)
+        sys.stdout.flush()  # a closed pipe is found here, not in the interpreter's flush at exit
+        return status
+    except BrokenPipeError as e:
+        if not stdout_closed():  # a pipe of something else (a store's connection): an error like any other
+            return fail(e, args, debug)
+        return drop_stdout()
     except KeyboardInterrupt:
         print("ppe-snapshot: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - user errors are one line; --debug shows the traceback
-        if debug:
-            traceback.print_exc()
-        message = " ".join(str(e).split()) or type(e).__name__
-        if not isinstance(e, (UsageError, OSError, UnsupportedFormatError)) and type(e).__name__ not in message:
-            message = f"{type(e).__name__}: {message}"
-        print(f"ppe-snapshot: {message}", file=sys.stderr)
-        return 2
+        return fail(e, args, debug)
 
 
 __all__ = ["main", "parser"]

@@ -27,13 +27,23 @@ from ppe_snapshot.retention import filesystem
 TARGETS = ("snapshot", "torch", "dcp", "safetensors")
 
 
-def _default_target(src_kind: str, dst: str) -> str:
+#: What DST's name says when ``--to`` is not given: the only inference made (the name states the format).
+SUFFIX_TARGETS = {".pt": "torch", ".pth": "torch", ".pkl": "torch", ".safetensors": "safetensors"}
+
+
+def _target(to: str | None, dst: str) -> str:
+    """``--to``, else the format DST's suffix names; else an error asking for ``--to`` (no format is chosen for the
+    user: a wrong guess loses state, e.g. a torch file drops a snapshot's RNG states)."""
+    if to is not None:
+        return to
     lowered = dst.lower().rstrip("/")
-    if lowered.endswith((".pt", ".pth", ".pkl")):
-        return "torch"
-    if lowered.endswith(".safetensors"):
-        return "safetensors"
-    return "torch" if src_kind in (Kind.SNAPSHOT, Kind.DCP_ADAPTER) else "snapshot"
+    for suffix, target in SUFFIX_TARGETS.items():
+        if lowered.endswith(suffix):
+            return target
+    raise UsageError(f"{dst}: say which format to write with --to {{{','.join(TARGETS)}}} (snapshot keeps "
+                     "everything, RNG states included; torch: a torch.save file as ppe writes; dcp: torch's DCP "
+                     "format; safetensors: tensors only); without --to only a .pt/.pth/.pkl or .safetensors name "
+                     "chooses the format")
 
 
 def _note(message: str) -> None:
@@ -143,7 +153,7 @@ def _self_contained_current(path: str, storage_options: dict | None) -> bool:
 def convert(args: argparse.Namespace) -> str:
     """Convert; returns the target format written."""
     source = open_source(args.src, args.storage_options)
-    target = args.to or _default_target(source.kind, args.dst)
+    target = _target(args.to, args.dst)
     upgrade = source.is_engine and target == "snapshot" and source.kind == Kind.SNAPSHOT and not args.model
     if upgrade and _self_contained_current(args.src, args.storage_options):
         raise UsageError(f"{args.src}: already a self-contained snapshot of the current format; copy the directory "
@@ -217,15 +227,13 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "read by plain dcp.load), safetensors (tensors only, nested keys joined with "
                                    "'.'). A snapshot of format version 1, or an incremental snapshot, converted to "
                                    "a snapshot becomes a self-contained snapshot of version 2 (its data files copied "
-                                   "as they are, and of the snapshots it references the blocks it reads). Default: "
-                                   "from DST's "
-                                   "suffix "
-                                   "(.pt/.pth: torch, .safetensors), else a "
-                                   "snapshot becomes a torch file and anything else a snapshot. What the target "
-                                   "cannot hold is named on stderr.")
+                                   "as they are, and of the snapshots it references the blocks it reads). Without "
+                                   "--to, DST's suffix names the format (.pt/.pth/.pkl: torch, .safetensors), and any "
+                                   "other DST is an error. What the target cannot hold is named on stderr.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
-    p.add_argument("--to", choices=TARGETS, help="the target format")
+    p.add_argument("--to", choices=TARGETS, help="the target format (required unless DST ends in .pt, .pth, .pkl "
+                                                 "or .safetensors)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--model", metavar="NAME",
                    help="write the weights of the manager's model NAME alone (the snapshot's 0/state/models/NAME), "

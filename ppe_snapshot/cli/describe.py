@@ -18,10 +18,13 @@ from ppe_snapshot.engine.codec import (
     referenced_bytes,
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
+from ppe_snapshot.run_dir import leftover
 from ppe_snapshot.storage import forget_listings, local_path, open_storage
 from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
+#: What ``ls`` given one snapshot lists alone (anything else is taken for a run directory).
+LONE_KINDS = (Kind.SNAPSHOT, Kind.TORCH_DCP, Kind.PPE_FILE, Kind.SAFETENSORS)
 
 
 # -- ls ---------------------------------------------------------------------------------------------------
@@ -77,7 +80,9 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
         row["iteration"], row["epoch"] = candidate.iteration, candidate.epoch_detail
         if candidate.problem and kind != Kind.IN_PROGRESS:
             problem = candidate.problem
-    if kind in (Kind.IN_PROGRESS, Kind.RETIRED):
+    if kind == Kind.IN_PROGRESS:
+        row["status"] = leftover_status(fs, fs_path)
+    elif kind == Kind.RETIRED:
         row["status"] = kind
     elif kind == Kind.SNAPSHOT:
         stored = inspect(url, storage_options)
@@ -110,11 +115,26 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
     return row
 
 
+def leftover_status(fs: Any, fs_path: str) -> str:
+    """A directory without manifest: ``in-progress`` (its writer lives), ``crashed (...)`` (its writers are
+    provably gone) or ``in-progress? (unknown: ...)`` (where that cannot be known here)."""
+    writers = leftover(fs, fs_path)
+    if writers.alive:
+        return Kind.IN_PROGRESS
+    if writers.gone:
+        return f"crashed ({writers.detail})"
+    return f"{Kind.IN_PROGRESS}? ({writers.detail})"
+
+
 def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) -> list[dict[str, Any]]:
     """One row per snapshot-like entry of ``run``, by training position, the one autoload resumes from marked."""
     fs, root = filesystem(run, storage_options)
     if not fs.exists(root):
         raise UsageError(f"{run}: no such directory")
+    if is_one_snapshot(fs, root):  # listed alone, as ls lists a file
+        parent, _, _ = run.rstrip("/").rpartition("/")
+        lone = _row(fs, root, parent or ".", fs.info(root), storage_options, deep, {})
+        return [] if lone is None else [{**lone, "checked": "deep" if deep else "quick"}]
     if not fs.isdir(root):
         raise UsageError(f"{run}: not a directory (ls lists a run directory; use 'inspect' for one snapshot)")
     positions = {c.name: c for c in list_snapshots(run, filename, storage_options)}
@@ -131,6 +151,14 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     return rows
 
 
+def is_one_snapshot(fs: Any, fs_path: str) -> bool:
+    """Whether ``fs_path`` is itself a snapshot (a committed one, a DCP directory, a file), not a run directory."""
+    try:
+        return classify(fs, fs_path)[0] in LONE_KINDS
+    except OSError:
+        return False
+
+
 def _human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -145,6 +173,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    fs, root = filesystem(args.run, args.storage_options)
+    if is_one_snapshot(fs, root):
+        print(f"{args.run} is one snapshot, not a run directory: listed alone ('ppe-snapshot inspect "
+              f"{args.run}' shows its entries; 'ppe-snapshot ls DIR' lists the snapshots in DIR)")
     if not rows:
         print(f"no snapshots in {args.run}")
         return 0

@@ -23,7 +23,8 @@ State objects
     :class:`Stateful`, :class:`StateDict`, :class:`RNGState`, :class:`OptimizerState`.
 A snapshot in storage
     ``MANIFEST_NAME`` (its presence commits a snapshot), ``INDEX_DIR`` (version 2's index files), ``PARTS_DIR``
-    and ``takes_in_progress(names)`` (the takes in progress among the file names under it),
+    and ``judge_writers(names, read)`` (given the file names under it: whether a take there is in progress and
+    whether the processes writing it live),
     ``read_manifest(storage)`` (the manifest of any format
     version; ``SnapshotNotFoundError`` when none is committed; ``manifest.lookup(rank, path)`` gives an entry),
     ``upgrade_snapshot(source, dest)`` (a version-1 or incremental snapshot rewritten as a self-contained
@@ -31,7 +32,7 @@ A snapshot in storage
     files others reference; ``check_base(base, path)`` raises unless ``base`` may be the base of an incremental
     take at ``path`` (another snapshot in the same directory).
 """
-from ppe_snapshot.engine._format import INDEX_DIR, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, takes_in_progress
+from ppe_snapshot.engine._format import INDEX_DIR, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME
 from ppe_snapshot.engine._incremental import check_base
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._hostmem import new_shared_buffer
@@ -44,6 +45,7 @@ from ppe_snapshot.engine._stateful import OptimizerState, RNGState, Stateful, St
 from ppe_snapshot.engine._take import TakeJob, prepare_take
 from ppe_snapshot.engine._versions import read_manifest
 from ppe_snapshot.engine._versions import upgrade as upgrade_snapshot
+from ppe_snapshot.engine._writers import judge_writers
 
 __all__ = [
     # taking and restoring
@@ -54,6 +56,6 @@ __all__ = [
     # state objects
     "OptimizerState", "RNGState", "StateDict", "Stateful",
     # a snapshot in storage
-    "INDEX_DIR", "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "check_base", "read_manifest", "takes_in_progress",
+    "INDEX_DIR", "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "check_base", "judge_writers", "read_manifest",
     "upgrade_snapshot",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -26,6 +27,7 @@ from ppe_snapshot.engine._sharded import ShardPlan, is_shard_key, sharded_entrie
 from ppe_snapshot.engine._staging import new_staging_buffer, stage, write_staged
 from ppe_snapshot.engine._stateful import take_states
 from ppe_snapshot.engine._take_end import Watched, abandon, conclude, retry_marks
+from ppe_snapshot.engine._writers import forget_quietly, record_writer
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 
@@ -72,6 +74,9 @@ class TakeJob:
     block_bytes: int | None = None
     #: An incremental take, once written: what it wrote and referenced.
     incremental: IncrementalWrite | None = None
+    #: The process that prepared the job (and concludes it): recorded beside the one that writes it, where that
+    #: is another (a ProcessWriter's worker), see ``_writers.py``.
+    preparer: int = field(default_factory=os.getpid)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "channel": None}
@@ -112,8 +117,11 @@ class TakeJob:
     def write_and_commit(self) -> None:
         """Write this rank's data and commit (several ranks: :meth:`write_part`, then :meth:`conclude`)."""
         if self.world_size == 1:
-            versions.commit(self.storage, commit_protocol.merge([self._written()], self.take_id, self.metadata),
-                            self.version)
+            try:
+                versions.commit(self.storage, commit_protocol.merge([self._written()], self.take_id, self.metadata),
+                                self.version)
+            finally:  # committed, or failed here: either way no process writes it any more
+                forget_quietly(self.storage, self.take_id, 0)
             return
         try:
             self.write_part()
@@ -152,11 +160,15 @@ class TakeJob:
             self.staged = None
 
     def _write(self) -> Written:
+        base = None
+        if self.layout.paths and self.base is not None:  # a missing base is refused before anything is written
+            base = open_base(self.base, self.storage.url, self.rank, self.sharded, self.base_options)
+        # before the first byte: a listing tells this take in progress from the leftover of a dead one
+        record_writer(self.storage, self.take_id, self.rank, self.world_size, self.preparer)
         if not self.layout.paths:
             return []
         storage: Any = self.storage if self.world_size == 1 else Watched(self.storage, self.failure)
-        if self.base is not None:
-            base = open_base(self.base, self.storage.url, self.rank, self.sharded, self.base_options)
+        if base is not None:
             with gc_paused():
                 self.incremental = write_incremental(storage, self.layout, self.staged, base, self.block_bytes)
             return list(self.incremental.chunks)

@@ -16,6 +16,7 @@ from ppe_snapshot.engine import _jsonio as jsonio
 from ppe_snapshot.engine import _versions as versions
 from ppe_snapshot.engine._format import MANIFEST_NAME
 from ppe_snapshot.engine._rank_channel import TakeChannel
+from ppe_snapshot.engine._writers import forget_quietly
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import BlobWriter, Storage
@@ -131,6 +132,7 @@ def conclude(job: Any, channel: TakeChannel, error: BaseException | None) -> Non
     except TimeoutError as e:
         raise SnapshotError(f"snapshot {storage.url}: {e}") from None
     if verdict["committed"] or (verdict["committed"] is None and _committed_before(storage, take_id)):
+        forget_quietly(storage, take_id, rank)  # each rank its own records: no rank removes thousands
         return
     mark_aborted(storage, take_id, verdict["reason"])
     raise SnapshotAbortedError(f"snapshot {storage.url} was not committed: {verdict['reason']}")
@@ -153,6 +155,7 @@ def _commit(job: Any, channel: TakeChannel) -> None:
         raise
     channel.decide(committed=True)
     versions.clean_parts(storage, take_id, job.world_size, job.version)
+    forget_quietly(storage, take_id, 0)
 
 
 def _give_up(channel: TakeChannel, storage: Storage, take_id: str, reason: str) -> None:

@@ -15,7 +15,7 @@ removal) is :mod:`ppe_snapshot.stored_snapshot`'s; this package does not
 import the writers, nor pytorch_pfn_extras (``import ppe_snapshot`` loads it through
 :mod:`ppe_snapshot.retention`).
 """
-from ppe_snapshot.run_dir.listing import COMPLETE_KINDS, Candidate, CandidateKind, filesystem, list_snapshots
+from ppe_snapshot.run_dir.listing import COMPLETE_KINDS, Candidate, CandidateKind, filesystem, leftover, list_snapshots
 from ppe_snapshot.run_dir.names import FilenameFormat
 from ppe_snapshot.run_dir.policies import KeepAll, KeepBest, KeepEvery, KeepLatest, Policy, Union, as_policy, combine
 from ppe_snapshot.run_dir.pruning import prune, remove, select_prunable
@@ -25,5 +25,5 @@ from ppe_snapshot.stored_snapshot import METRICS_KEY
 
 __all__ = ["COMPLETE_KINDS", "METRICS_KEY", "Candidate", "CandidateKind", "Failure", "FilenameFormat", "KeepAll",
            "KeepBest", "KeepEvery", "KeepLatest", "Policy", "Union", "Unusable", "as_policy", "attempt",
-           "cannot_start_fresh", "combine", "filesystem", "list_snapshots", "load_file", "prune", "remove",
+           "cannot_start_fresh", "combine", "filesystem", "leftover", "list_snapshots", "load_file", "prune", "remove",
            "select_prunable", "skip", "target_changed"]

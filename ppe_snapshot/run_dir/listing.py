@@ -7,7 +7,9 @@ matches (:mod:`.names`), and each match is classified:
 
 ``snapshot``    an engine snapshot (a directory) whose manifest parses and whose data files have their sizes
 ``file``        a single-file snapshot written with a ``savefun`` (ppe's ``torch.save`` format)
-``incomplete``  a directory without manifest: a save in progress, or the leftover of a crashed one
+``incomplete``  a directory without manifest: a save in progress (``busy``), the leftover of a crashed one whose
+                writers are provably gone (``abandoned``: see :func:`ppe_snapshot.engine.judge_writers`), or
+                either (where that cannot be known here: another host, no writer recorded)
 ``damaged``     a directory whose manifest or data files are broken, or a file that is not a torch.save file
 ``retired``     a directory whose manifest retention removed while incremental snapshots beside it still read
                 its data files (kept until none does; never restored)
@@ -31,7 +33,7 @@ from typing import Any
 
 import fsspec
 
-from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, Snapshot, takes_in_progress
+from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, Snapshot, judge_writers
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
 from ppe_snapshot.storage import forget_listings, join, url_to_fs
@@ -59,6 +61,11 @@ class Candidate:
     epoch_detail: float | None
     problem: str | None = None
     busy: bool = False
+    #: An incomplete one: its writers are provably gone (no save will finish it), see ``writers``.
+    abandoned: bool = False
+    #: An incomplete one: what its writer records say, in words ("being written by pid ...", "its writer is
+    #: gone ...", "unknown: ...").
+    writers: str | None = None
     #: Values recorded when it was taken (metadata ``ppe_snapshot_metrics``), e.g. ``{"val/loss": 0.25}``.
     metrics: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     #: An engine snapshot's metadata, as the quick check read it.
@@ -171,9 +178,12 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
             return Candidate(rel, url, CandidateKind.RETIRED, iteration, epoch_detail,
                              problem="retention removed its manifest; its data files stay while incremental "
                                      "snapshots beside it read them")
+        writers = leftover(fs, path)
         return Candidate(rel, url, CandidateKind.INCOMPLETE, iteration, epoch_detail,
-                         problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed)",
-                         busy=_take_in_progress(fs, path))
+                         problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed): "
+                                 f"{writers.detail}",
+                         busy=writers.alive or (not writers.gone and writers.in_progress), abandoned=writers.gone,
+                         writers=writers.detail)
     stored = inspect(url, storage_options)
     if not stored.sound:
         return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=stored.problem)
@@ -184,7 +194,8 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
                      references=tuple(posixpath.join(posixpath.dirname(rel), name) for name in stored.references))
 
 
-def _take_in_progress(fs: fsspec.AbstractFileSystem, path: str) -> bool:
-    """Whether ``path`` holds the published parts of a take that has not been aborted (the engine parses
-    the ``.parts/`` names)."""
-    return bool(takes_in_progress([posixpath.basename(i["name"]) for i in _ls(fs, f"{path}/{PARTS_DIR}")]))
+def leftover(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+    """What the ``.parts/`` files of ``path`` (a directory without manifest) say: whether a take there is in
+    progress and whether its writers live (see :func:`ppe_snapshot.engine.judge_writers`)."""
+    names = [posixpath.basename(i["name"]) for i in _ls(fs, f"{path}/{PARTS_DIR}")]
+    return judge_writers(names, lambda name: fs.cat_file(f"{path}/{PARTS_DIR}/{name}"))

@@ -20,9 +20,10 @@ def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: C
     ``keep``: an int (``n_retains``: the newest complete snapshots to keep; 0 or less keeps all) or a
     policy of :mod:`ppe_snapshot.retention` (``KeepLatest``, ``KeepEvery``, ``KeepBest``, ``a | b``),
     which decides among the complete snapshots. Whatever it says, never removed: the newest complete
-    snapshot and anything newer (a save may be writing it); incomplete names whose directory holds a
-    take in progress; names in ``protect`` (the snapshot autoload resumed from) until a complete
-    snapshot newer than them exists. Incomplete or damaged names older than the newest complete one
+    snapshot and anything newer (a save may be writing it), unless it is a leftover whose writers are
+    provably gone (``Candidate.abandoned``); incomplete names whose directory holds a take in progress;
+    names in ``protect`` (the snapshot autoload resumed from) until a complete snapshot newer than them
+    exists. Incomplete or damaged names older than the newest complete one
     are removed. Names in ``rejected`` (those autoload could not restore, though they pass the quick
     check) count as damaged: they are never kept in place of a good one. Retired names (a removed
     snapshot's data files, kept while incremental snapshots read them) are removed once no snapshot
@@ -37,7 +38,8 @@ def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: C
     kept |= {c.name for c in complete if c.name in protect and not any(c.is_older_than(o) for o in complete)}
     stale = {id(c) for c in complete if c.name not in kept}
     for c in candidates:
-        if c not in complete and c.kind != CandidateKind.RETIRED and not c.busy and c.is_older_than(newest):
+        if c.abandoned or (c not in complete and c.kind != CandidateKind.RETIRED and not c.busy
+                           and c.is_older_than(newest)):
             stale.add(id(c))
     referenced = needed(candidates, stale)
     stale |= {id(c) for c in candidates if c.kind == CandidateKind.RETIRED and c.name not in referenced}
