@@ -108,10 +108,10 @@ def test_cli_convert_unpickles_only_with_allow_pickle(tmp_path, capsys):
 def test_cli_convert_of_a_torch_file_needs_allow_pickle_for_objects(tmp_path, capsys):
     marker = tmp_path / "code-ran"
     torch.save({"w": WEIGHT.clone(), "hook": _MakesDirectory(marker)}, tmp_path / "in.pt")
-    assert main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "snap")]) != 0
+    assert main(["convert", "--to", "snapshot", str(tmp_path / "in.pt"), str(tmp_path / "snap")]) != 0
     assert not marker.exists() and not (tmp_path / "snap" / "manifest.json").exists()
     capsys.readouterr()
-    assert main(["convert", "--allow-pickle", str(tmp_path / "in.pt"), str(tmp_path / "snap")]) == 0
+    assert main(["convert", "--allow-pickle", "--to", "snapshot", str(tmp_path / "in.pt"), str(tmp_path / "snap")]) == 0
     assert marker.is_dir()
 
 
