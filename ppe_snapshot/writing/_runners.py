@@ -25,15 +25,16 @@ OnDone = Callable[[BaseException | None, "int | None"], None]
 
 
 @dataclass
-class Work:
+class Work(metaclass=abc.ABCMeta):
     """One save, ready to run: calling it writes (and commits) it in this process and returns the bytes written."""
     #: The slot whose staging buffer holds the save's state (when it was staged).
     slot: int
     #: Where the save goes, as messages name it.
     path: str
 
+    @abc.abstractmethod
     def __call__(self) -> int:
-        raise NotImplementedError
+        """Write the save here; the bytes written."""
 
 
 @dataclass
