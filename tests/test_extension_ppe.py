@@ -469,6 +469,11 @@ def test_the_writer_contract_decides_what_a_writer_is_given(tmp_path):
     (kwargs,) = ext.writer.calls
     assert sorted(kwargs) == ["allow_pickle", "extra_state", "metadata", "pg", "savefun"]
     assert kwargs["metadata"]["ppe_snapshot_target"] == "manager" and list(kwargs["extra_state"]) == ["rng"]
+    # What it does not define, the contract's defaults give it: no incremental saves, no base, no last_save.
+    recording = Recording()
+    assert (recording.incremental, recording.base, recording.last_save) == (False, None, None)
+    with pytest.raises(TypeError, match=r"incremental=True needs a ppe_snapshot writer .*got Recording"):
+        snapshot(writer=recording, incremental=True)(manager)
 
 
 def test_condition_and_any_callable_writer_as_in_ppe():

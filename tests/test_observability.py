@@ -67,15 +67,14 @@ def test_one_logger_hierarchy_and_what_autoload_resumed_from(tmp_path, caplog):
 
 
 def test_a_failed_snapshot_on_error_is_not_logged_as_saved(tmp_path, caplog):
-    from ppe_snapshot.writing._executors import ThreadPerSave
+    from ppe_snapshot.writing._runners import ThreadPerSave
 
     class DiskGone(ThreadPerSave):
-        def submit_take(self, *args, **kwargs):
+        def run(self, work, on_done):
             raise OSError("disk gone")
 
     class Broken(ppe_snapshot.writing.ThreadWriter):
-        def _executor(self):
-            return DiskGone()
+        _runner_type = DiskGone
 
     run = Run(str(tmp_path), 10, {"writer": Broken(), "snapshot_on_error": True}, trigger=(100, "iteration"))
 

@@ -613,3 +613,58 @@ def test_saving_again_under_a_name_replaces_it(kind, make_writer, tmp_path):
     settle(writer)
     assert sorted(os.listdir(tmp_path)) == ["same"]
     assert_same(restore_like(str(tmp_path / "same"), {"x": torch.zeros(4)}), {"x": torch.full((4,), 2.0)})
+
+
+def test_a_writer_added_by_the_recipe_saves_and_resumes(tmp_path):
+    """docs/architecture.md "Adding a writer", followed: a runner that runs each save in a thread of its own, a
+    writer class naming it; the extension saves through it in a real ppe loop, and autoload resumes bit-exact."""
+    import queue
+
+    from pytorch_pfn_extras.writing import StandardWriter
+
+    from ppe_snapshot.writing._ppe_writers import _PpeWriter
+    from ppe_snapshot.writing._runners import Runner, run_to_end
+    from _extension_workers import Crash, Run
+
+    ran_in: list[str] = []
+
+    class OwnThread(Runner):  # step 1: a runner
+        def __init__(self, depth: int = 1, writer: str = "") -> None:
+            super().__init__(depth, writer)
+            self._work: queue.SimpleQueue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, name=f"toy-{writer}", daemon=True)
+            self._thread.start()
+
+        def _serve(self) -> None:
+            while (item := self._work.get()) is not None:
+                ran_in.append(threading.current_thread().name)
+                run_to_end(*item)
+
+        def run(self, work, on_done) -> None:
+            self._work.put((work, on_done))
+
+        def shutdown(self) -> None:
+            self._work.put(None)
+            self._thread.join()
+
+    class ToyWriter(_PpeWriter, StandardWriter[threading.Thread]):  # step 2: a writer class naming it
+        _runner_type = OwnThread
+
+    reference = Run(str(tmp_path / "straight"), 8, None)
+    reference.train()
+    out = str(tmp_path / "run")
+    first = Run(out, 8, {"writer": ToyWriter(), "autoload": True}, trigger=(4, "iteration"))
+    with pytest.raises(Crash):
+        first.train(crash_at=6)
+    writer = first.snapshot.writer
+    assert writer.staging_buffers[0] is not None  # a background runner: the core staged the save for it
+    writer.finalize()
+    assert ran_in == ["toy-ToyWriter"] and not writer._core.runner._thread.is_alive()
+    Snapshot(os.path.join(out, "snapshot_iter_4")).verify()
+
+    resumed = Run(out, 8, {"writer": ToyWriter(), "autoload": True}, trigger=(4, "iteration"), seed=1)
+    resumed.train()
+    assert resumed.snapshot.resumed_from.endswith("snapshot_iter_4") and resumed.manager.iteration == 8
+    assert_same(resumed.state(), reference.state())
+    resumed.snapshot.writer.finalize()
+    assert ran_in == ["toy-ToyWriter"] * 2  # the resumed run saved at iteration 8 through its own thread

@@ -166,10 +166,10 @@ class _Snapshot(extension.Extension):
         if self.policy is not None and self._format is not None and self._prunes():
             ppe_private.add_cleanup_hook(writer, self._prune)
         if self.incremental:
-            if not isinstance(writer, SnapshotWriter) or not hasattr(writer, "incremental"):
+            if not isinstance(writer, SnapshotWriter):
                 raise TypeError(f"incremental=True needs a ppe_snapshot writer (SimpleWriter, ThreadWriter, "
                                 f"ProcessWriter, ...), got {type(writer).__name__}")
-            writer.incremental = True  # type: ignore[attr-defined]
+            writer.incremental = True  # a SnapshotWriter that saves only full snapshots refuses, saying the same
         self._bound = True
 
     # -- extension protocol ----------------------------------------------------
@@ -179,8 +179,9 @@ class _Snapshot(extension.Extension):
         self._bind(manager)
         self._stats_reporter = stats_report.attach(manager)
         listed = self._autoload(manager) if self.autoload else None
-        if self.incremental and self.resumed_from is not None and getattr(self.writer, "base", None) is None:
-            self.writer.base = self.resumed_from  # type: ignore[union-attr]  # the first save references it
+        writer = self._engine_writer
+        if self.incremental and self.resumed_from is not None and writer is not None and writer.base is None:
+            writer.base = self.resumed_from  # the first save references it
         if self.policy is not None and self._format is not None and self._prunes():
             self._prune(listed)  # a run killed between a commit and its pruning left more than the policy keeps
         if self.preemption is not None:

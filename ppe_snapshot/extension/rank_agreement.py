@@ -120,7 +120,8 @@ class DistributedSnapshot(_DistributedExtension, _Snapshot):
             except Exception as e:
                 self._meet({"reason": summary(e), "background": isinstance(e, BackgroundSaveError)})
                 raise
-            ended = getattr(self.writer, "last_save", None)
+            writer = self._engine_writer
+            ended = writer.last_save if writer is not None else None
         failure = self._meet(failure)  # also the barrier: every rank returns once the save is handed off
         if failure is not None:
             kind = BackgroundAbortError if failure["background"] else SnapshotAbortedError

@@ -1,14 +1,14 @@
 """The writer core: what every writer does with a save, whatever runs it.
 
 A save is an engine take (planned in the caller; a name that holds a snapshot is replaced crash-safely, see
-``_replace``) or a single file written by a ``savefun`` (``_files``). Where the write runs is the
-:class:`~ppe_snapshot.writing._executors.Executor`'s: in the caller (the take is written from the live tensors),
-or in the background. A background executor has ``depth`` slots, each with its own staging buffer, allocated
-once and grown only when a snapshot needs more: a save takes a free slot (waiting for the oldest save in flight
-when none is free), is staged into the slot's buffer in the caller (the buffer is handed to the engine), and is
-handed to the executor; when it ends, the core records its stats or its failure, runs the post-save hooks and
-frees the slot. A failure is raised at the next save, :meth:`WriterCore.wait` or :meth:`WriterCore.finalize`;
-:attr:`WriterCore.last_save` tells another thread when the last save ended and how.
+``_replace``) or a single file written by a ``savefun`` (``_files``), handed as one unit of work to the writer's
+:class:`~ppe_snapshot.writing._runners.Runner`. The core has ``depth`` slots (the runner's): a save takes a free
+slot (waiting for the oldest save in flight when none is free); when the runner is ``background`` (it returns
+before the work ended), the save is staged in the caller into the slot's buffer (``_buffers``, allocated once
+and grown only when a snapshot needs more; the buffer is handed to the engine), else the work reads the live
+state in the caller. When the work ends, the core records its stats or its failure, runs the post-save hooks and
+frees the slot. A background failure is raised at the next save, :meth:`WriterCore.wait` or
+:meth:`WriterCore.finalize`; :attr:`WriterCore.last_save` tells another thread when the last save ended and how.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -26,19 +27,24 @@ import torch
 from ppe_snapshot.engine import StateDict, TakeJob, check_base, gc_paused, group_rank, prepare_take
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._errors import add_note, surfaced
-from ppe_snapshot.writing._executors import Executor, Ticket
 from ppe_snapshot.writing._files import FileSave, StagedObject
 from ppe_snapshot.writing._replace import AfterCommit
+from ppe_snapshot.writing._runners import FileWork, Runner, TakeWork, Work
 
 logger = logging.getLogger(__name__)
 
-_MiB = 1 << 20
 
-
-def grown_size(current: int, needed: int) -> int:
-    """Bytes for a new staging buffer: what is needed, with headroom once a buffer had to grow."""
-    size = max(needed, current + current // 4) if current else needed
-    return max(_MiB, -(-size // _MiB) * _MiB)
+@dataclass
+class _Ticket:
+    """One save handed to the runner: its slot, its stats, when the caller's call began and the hand-over."""
+    slot: int
+    stats: dict[str, Any]
+    start: float
+    handoff: float = 0.0
+    #: An engine snapshot (else a single file written by a savefun).
+    take: bool = False
+    #: Done once the save ended (committed and its hooks run), with its failure as the exception.
+    ended: "Future[None]" = field(default_factory=Future)
 
 
 class _Value:
@@ -67,18 +73,16 @@ def app_state(target: Any, append: bool, extra_state: Mapping[str, Any] | None) 
 
 @dataclass
 class _Slot:
-    buffer: torch.Tensor | None = None
-    pinned: bool = False
     busy: bool = False
     path: str | None = None  # where the save in this slot goes
 
 
 class WriterCore:
-    """Saves through ``executor``; ``after_save()`` runs after each committed save (the post-save hooks)."""
+    """Saves through ``runner``; ``after_save()`` runs after each committed save (the post-save hooks)."""
 
-    def __init__(self, executor: Executor, *, storage_options: dict[str, Any] | None,
+    def __init__(self, runner: Runner, *, storage_options: dict[str, Any] | None,
                  after_save: Callable[[], None], name: str) -> None:
-        self.executor = executor
+        self.runner = runner
         self.storage_options = storage_options
         self._after_save = after_save
         self._name = name  # the writer's class, as messages name it
@@ -87,7 +91,8 @@ class WriterCore:
         #: The end of the last save: done once it was committed and its hooks ran, its exception the failure
         #: (None before the first save).
         self.last_save: Future[None] | None = None
-        self._slots = [_Slot() for _ in range(executor.depth)]
+        self._slots = [_Slot() for _ in range(runner.depth)]
+        self._buffers = runner.buffers()
         self._failures: deque[BaseException] = deque()
         self._cond = threading.Condition()
         self.closed = False
@@ -129,76 +134,63 @@ class WriterCore:
              allow_pickle: bool, start: float, incremental: bool = False) -> None:
         """An engine snapshot of ``state`` at ``path``; ``start``: when the caller's call began (for the stats);
         ``incremental``: referencing the unchanged blocks of :attr:`base`."""
-        if not self.executor.background:
-            self._take_in_caller(path, state, metadata, pg, allow_pickle, start, incremental)
-            return
         slot = self._acquire()
         try:
             self._claim_path(slot, path)  # a save to the same name in flight must end before it is replaced
             if incremental:  # its base is the save before it, committed (and retention done with)
                 self._wait_for_saves(besides=slot)
-            job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
+            self._hand_take(slot, path, state, metadata, pg, allow_pickle, start, incremental)
+        except BaseException:
+            self._release(slot)
+            raise
+
+    @gc_paused()  # the take's objects are handed over or gone with the locals before the collector runs again
+    def _hand_take(self, slot: int, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
+                   allow_pickle: bool, start: float, incremental: bool) -> None:
+        job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
+        stats = _stats(path, job.layout.size)
+        if self.runner.background:
             began = time.perf_counter()
             try:
-                buffer = self._buffer(slot, job.layout.size, job.layout.on_cuda())
+                buffer = self._buffers.get(slot, job.layout.size, job.layout.on_cuda())
             except BaseException as e:
                 job.conclude(e)  # several ranks: the others hear of it rather than wait
                 raise
             job.stage(buffer)
-            stats = self._new_stats(path, start, job.layout.size)
             stats["staging_s"] = time.perf_counter() - began
-            ticket = Ticket(slot, stats, take=True)
-            self.executor.submit_take(ticket, job, step, self._finish)
-            self.last_save = ticket.ended
-        except BaseException:
-            self._release(slot)
-            raise
-
-    @gc_paused()  # the caller waits; the take's objects go with the locals before the collector runs again
-    def _take_in_caller(self, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-                        allow_pickle: bool, start: float, incremental: bool) -> None:
-        job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
-        began = time.perf_counter()
-        written = _replace.commit_in_place(job, step)
-        self.base = path
-        self._done_in_caller(path, start, began, written)
+        self._hand_over(_Ticket(slot, stats, start, take=True), TakeWork(slot, path, job, step))
 
     def save_file(self, save: FileSave, target: Any, start: float) -> None:
         """A single file written by ``save``'s savefun."""
-        if not self.executor.background:
-            began = time.perf_counter()
-            nbytes = save.run(target)
-            self._done_in_caller(save.dest, start, began, nbytes)
-            return
         slot = self._acquire()
         try:
-            staged = StagedObject(target)
-            buffer = self._buffer(slot, staged.size, staged.on_cuda)
-            skeleton = staged.copy_into(buffer)
-            ticket = Ticket(slot, self._new_stats(save.dest, start, None))
-            self.executor.submit_file(ticket, save, skeleton, buffer, self._finish)
-            self.last_save = ticket.ended
+            work = FileWork(slot, save.dest, save, target)
+            if self.runner.background:
+                staged = StagedObject(target)
+                work.buffer = self._buffers.get(slot, staged.size, staged.on_cuda)
+                work.value = staged.copy_into(work.buffer)
+            self._hand_over(_Ticket(slot, _stats(save.dest, None), start), work)
         except BaseException:
             self._release(slot)
             raise
 
-    def _done_in_caller(self, path: str, start: float, began: float, nbytes: int | None) -> None:
-        stats = self._new_stats(path, start, nbytes)
-        stats["write_s"] = time.perf_counter() - began
-        _log_done(stats)
-        self._after_save()
-        self.last_save = Future()
-        self.last_save.set_result(None)
+    def _hand_over(self, ticket: _Ticket, work: Work) -> None:
+        """Give ``work`` to the runner; the caller is blocked until then, or, in the caller, until it ended."""
+        ticket.handoff = time.perf_counter()
+        if self.runner.background:
+            self._publish(ticket, ticket.handoff)
+        self.runner.run(work, partial(self._finish, ticket))
+        self.last_save = ticket.ended
 
-    def _new_stats(self, path: str, start: float, nbytes: int | None) -> dict[str, Any]:
-        stats = {"path": path, "bytes": nbytes, "blocking_s": time.perf_counter() - start, "write_s": None}
-        self.last_stats = stats
-        return stats
+    def _publish(self, ticket: _Ticket, unblocked: float) -> None:
+        """Make ``ticket``'s stats the last ones, the caller blocked until ``unblocked``."""
+        ticket.stats["blocking_s"] = unblocked - ticket.start
+        self.last_stats = ticket.stats
 
     # -- slots and their buffers ----------------------------------------------------------
     @property
     def staging_buffers(self) -> tuple[torch.Tensor | None, ...]:
-        return tuple(slot.buffer for slot in self._slots)
+        return self._buffers.all
 
     @property
     def in_flight(self) -> int:
@@ -216,7 +208,7 @@ class WriterCore:
                     self._cond.wait()
             self._slots[number].busy = True
         try:
-            self.executor.before_save()
+            self.runner.before_save()
         except BaseException:
             self._release(number)
             raise
@@ -242,35 +234,29 @@ class WriterCore:
             self._slots[number].busy, self._slots[number].path = False, None
             self._cond.notify_all()
 
-    def _buffer(self, number: int, nbytes: int, pin: bool) -> torch.Tensor:
-        slot = self._slots[number]
-        if slot.buffer is None or slot.buffer.numel() < nbytes or (pin and not slot.pinned):
-            old, slot.buffer = slot.buffer, None
-            if old is not None:
-                self.executor.drop_buffer(old)
-            slot.buffer = self.executor.allocate(grown_size(0 if old is None else old.numel(), nbytes), pin)
-            slot.pinned = pin
-            self.executor.buffer_changed(number, slot.buffer)
-        return slot.buffer
-
     def _raise_failure(self) -> None:
         """Raise the oldest background failure not raised yet (call holding ``_cond``)."""
         if self._failures:
             error = self._failures.popleft()
             raise surfaced(error) from error
 
-    def _finish(self, ticket: Ticket, error: BaseException | None, nbytes: int | None) -> None:
-        """A background save ended: run the post-save hooks, record stats or the failure, free the slot."""
-        stats = ticket.stats
-        stats["write_s"] = time.perf_counter() - ticket.handoff
+    def _finish(self, ticket: _Ticket, error: BaseException | None, nbytes: int | None) -> None:
+        """A save ended: record its stats, run the post-save hooks, record its failure, free the slot. In the
+        caller (the runner is not ``background``), a hook's failure is raised there."""
+        stats, ended = ticket.stats, time.perf_counter()
+        stats["write_s"] = ended - ticket.handoff
         if nbytes is not None:
             stats["bytes"] = nbytes
+        if not self.runner.background:
+            self._publish(ticket, ended)
         if error is None:
             if ticket.take:
                 self.base = stats["path"]
             try:
                 self._after_save()
             except BaseException as e:
+                if not self.runner.background:
+                    raise
                 add_note(e, f"raised by a post-save hook after {stats['path']} was committed")
                 error = e
             else:
@@ -295,16 +281,21 @@ class WriterCore:
         self._wait_for_saves()
 
     def finalize(self) -> None:
-        """Wait for the saves in flight, then shut the executor down (idempotent)."""
+        """Wait for the saves in flight, then shut the runner down (idempotent)."""
         if self.closed:
             return
         self.closed = True
         try:
             self.wait()
         finally:
-            self.executor.shutdown()
+            self.runner.shutdown()
+            self._buffers.close()
             while self._failures:
                 logger.error("another background save failed: %r", self._failures.popleft())
+
+
+def _stats(path: str, nbytes: int | None) -> dict[str, Any]:
+    return {"path": path, "bytes": nbytes, "blocking_s": None, "write_s": None}
 
 
 def _log_done(stats: dict[str, Any]) -> None:

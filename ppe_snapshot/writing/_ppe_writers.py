@@ -1,18 +1,19 @@
-"""The writers: ppe's writer protocol over the writer core (``_core``), each with its executor.
+"""The writers: ppe's writer protocol over the writer core (``_core``), each with its runner.
 
 ======================  ==============================  ======================================================
-writer                  ppe base (its public surface)   executor (where a save runs)
+writer                  ppe base (its public surface)   runner (where a save runs)
 ======================  ==============================  ======================================================
-``SimpleWriter``        ``Writer``                      the caller (``_executors.Executor``)
-``ThreadWriter``        ``StandardWriter``              a new thread per save (``_executors.ThreadPerSave``)
-``ThreadQueueWriter``   ``QueueWriter``                 one thread fed by a queue (``_executors.OneThread``)
+``SimpleWriter``        ``Writer``                      the caller (``_runners.InCaller``)
+``ThreadWriter``        ``StandardWriter``              a new thread per save (``_runners.ThreadPerSave``)
+``ThreadQueueWriter``   ``QueueWriter``                 one thread fed by a queue (``_runners.OneThread``)
 ``ProcessWriter``       ``StandardWriter``              one worker process (``_process.WorkerProcess``)
 ``ProcessQueueWriter``  ``QueueWriter``                 the same, ``queue_depth`` saves in flight
 ======================  ==============================  ======================================================
 
-The ppe bases give each writer the public surface of ppe's writer of its kind (``create_worker``,
-``create_task``, ...); their ``__init__`` is not run (it would start workers of its own). ppe's private names
-are :mod:`ppe_snapshot.ppe_private`'s.
+Each row is a class naming its ppe base and its runner (``_runner_type``); the queue writers add ppe's
+``QueueWriter`` API and ``queue_depth`` (:class:`_Queued`). The ppe bases give each writer the public surface of
+ppe's writer of its kind (``create_worker``, ``create_task``, ...); their ``__init__`` is not run (it would start
+workers of its own). ppe's private names are :mod:`ppe_snapshot.ppe_private`'s.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ from ppe_snapshot.engine import LOCAL
 from ppe_snapshot.storage import is_local, join, local_path
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._core import WriterCore, app_state, logger
-from ppe_snapshot.writing._executors import Executor, OneThread, ThreadPerSave
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._process import WorkerProcess
+from ppe_snapshot.writing._runners import InCaller, OneThread, Runner, ThreadPerSave
 from ppe_snapshot.writing.contract import SnapshotWriter
 
 
@@ -89,6 +90,11 @@ class _PpeWriter(Writer, SnapshotWriter):
     (see :mod:`ppe_snapshot.writing._replace`).
     """
 
+    #: What runs this writer's saves, built from the saves it keeps in flight and the writer's class name.
+    _runner_type: Callable[[int, str], Runner] = InCaller
+    #: The saves it keeps in flight (a queue writer's ``queue_depth``).
+    _queue_depth = 1
+
     def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
                  allow_pickle: bool = False, incremental: bool = False, **kwds: Any) -> None:
         storage_options: dict[str, Any] | None = kwds.pop("storage_options", None)
@@ -96,22 +102,18 @@ class _PpeWriter(Writer, SnapshotWriter):
             raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be True or False, got {incremental!r}")
-        executor = self._executor()
+        runner = self._runner_type(self._queue_depth, type(self).__name__)
         Writer.__init__(self, fs=fs, out_dir=out_dir)
         self.allow_pickle = allow_pickle
         self._default_savefun = savefun
         self._savefun_kwds = kwds
-        self._core = WriterCore(executor, storage_options=storage_options, after_save=_hooks_of(self),
+        self._core = WriterCore(runner, storage_options=storage_options, after_save=_hooks_of(self),
                                 name=type(self).__name__)
         self._core.incremental = incremental
         self._owner = os.getpid()
-        if executor.background:  # at interpreter exit, before multiprocessing stops daemonic children
+        if runner.background:  # at interpreter exit, before multiprocessing stops daemonic children
             self._exit_finalizer = multiprocessing.util.Finalize(
                 self, _finalize_at_exit, args=(weakref.ref(self),), exitpriority=100)
-
-    def _executor(self) -> Executor:
-        """Where this writer's saves run."""
-        return Executor()
 
     # -- what the extension reads back -------------------------------------------------
     @property
@@ -207,7 +209,7 @@ class _PpeWriter(Writer, SnapshotWriter):
 
     def _path(self, out_dir: str, filename: str) -> str:
         path = join(self.out_dir or out_dir, filename)
-        self._core.executor.check_path(path)
+        self._core.runner.check_path(path)
         return path
 
     def _file_save(self, path: str, savefun: Callable[..., Any], append: bool, kwds: dict[str, Any]) -> FileSave:
@@ -233,7 +235,7 @@ class _PpeWriter(Writer, SnapshotWriter):
         """Wait for the saves in flight, then stop the background (idempotent). A :class:`SimpleWriter` has
         none: it stays usable, as ppe's does."""
         core = self._core
-        if core.closed or not core.executor.background or os.getpid() != self._owner:  # a fork owns no background
+        if core.closed or not core.runner.background or os.getpid() != self._owner:  # a fork owns no background
             return
         try:
             core.finalize()
@@ -269,8 +271,7 @@ class ThreadWriter(_PpeWriter, StandardWriter[threading.Thread]):
     :class:`~ppe_snapshot.writing.SimpleWriter`.
     """
 
-    def _executor(self) -> Executor:
-        return ThreadPerSave()
+    _runner_type = ThreadPerSave
 
     def create_worker(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
                       append: bool = False, **savefun_kwargs: Any) -> threading.Thread:
@@ -282,7 +283,23 @@ class ThreadWriter(_PpeWriter, StandardWriter[threading.Thread]):
                                 kwargs=savefun_kwargs, name="ppe-snapshot-writer")
 
 
-class ThreadQueueWriter(_PpeWriter, QueueWriter[threading.Thread]):
+class _Queued:
+    """What the queue writers add (a mixin, first among their bases): ``queue_depth``, and ppe's ``QueueWriter``
+    API beside the writer's own saves, which go through its runner."""
+
+    _settings: Callable[[], dict[str, Any]]
+
+    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
+                 queue_depth: int = 1, **kwds: Any) -> None:
+        self._queue_depth = _check_depth(queue_depth)
+        super().__init__(savefun, fs, out_dir, **kwds)  # type: ignore[call-arg]  # the writer's, next in its MRO
+
+    def create_task(self, savefun: Callable[..., Any] | None = None) -> SimpleWriter:
+        """A writer that saves in the caller, with this writer's settings, as ppe's queue consumers call it."""
+        return SimpleWriter(**{**self._settings(), "savefun": savefun})
+
+
+class ThreadQueueWriter(_Queued, _PpeWriter, QueueWriter[threading.Thread]):
     """Like :class:`ThreadWriter`, with one long-lived thread fed by a bounded queue.
 
     ``queue_depth`` saves may be in flight at once (written one after the
@@ -292,18 +309,7 @@ class ThreadQueueWriter(_PpeWriter, QueueWriter[threading.Thread]):
     :class:`ThreadWriter`.
     """
 
-    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
-                 queue_depth: int = 1, **kwds: Any) -> None:
-        self._queue_depth = _check_depth(queue_depth)
-        super().__init__(savefun, fs, out_dir, **kwds)
-
-    def _executor(self) -> Executor:
-        return OneThread(self._queue_depth)
-
-    # ppe's QueueWriter API; the writer's own saves go through its executor's thread.
-    def create_task(self, savefun: Callable[..., Any] | None = None) -> SimpleWriter:
-        """A writer that saves in the caller, with this writer's settings, as ppe's queue consumers call it."""
-        return SimpleWriter(**{**self._settings(), "savefun": savefun})
+    _runner_type = OneThread
 
     def create_queue(self) -> "queue.Queue[Any]":
         return queue.Queue()
@@ -319,7 +325,7 @@ def _save_alone(settings: dict[str, Any], filename: str, out_dir: str, target: A
 
 
 #: The pid of a Process writer's worker process (None once finalized).
-_WORKER_PID = property(lambda writer: writer._core.executor.pid, doc="The pid of the worker process (None once "
+_WORKER_PID = property(lambda writer: writer._core.runner.pid, doc="The pid of the worker process (None once "
                                                                       "finalized).")
 
 
@@ -351,9 +357,7 @@ class ProcessWriter(_PpeWriter, StandardWriter[multiprocessing.Process]):
     """
 
     worker_pid = _WORKER_PID
-
-    def _executor(self) -> Executor:
-        return WorkerProcess(1, type(self).__name__)
+    _runner_type = WorkerProcess
 
     def create_worker(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
                       append: bool = False, **savefun_kwargs: Any) -> multiprocessing.Process:
@@ -365,7 +369,7 @@ class ProcessWriter(_PpeWriter, StandardWriter[multiprocessing.Process]):
                                                                  append, savefun_kwargs))
 
 
-class ProcessQueueWriter(_PpeWriter, QueueWriter[multiprocessing.Process]):
+class ProcessQueueWriter(_Queued, _PpeWriter, QueueWriter[multiprocessing.Process]):
     """Like :class:`ProcessWriter`, with ``queue_depth`` saves allowed in flight at once.
 
     The worker writes them one after the other; each holds its own
@@ -375,19 +379,7 @@ class ProcessQueueWriter(_PpeWriter, QueueWriter[multiprocessing.Process]):
     """
 
     worker_pid = _WORKER_PID
-
-    def __init__(self, savefun: Callable[..., Any] | None = None, fs: Any = None, out_dir: str = "", *,
-                 queue_depth: int = 1, **kwds: Any) -> None:
-        self._queue_depth = _check_depth(queue_depth)
-        super().__init__(savefun, fs, out_dir, **kwds)
-
-    def _executor(self) -> Executor:
-        return WorkerProcess(self._queue_depth, type(self).__name__)
-
-    # ppe's QueueWriter API; the writer's own saves go to its long-lived worker process.
-    def create_task(self, savefun: Callable[..., Any] | None = None) -> SimpleWriter:
-        """A writer that saves in the caller, with this writer's settings, as ppe's queue consumers call it."""
-        return SimpleWriter(**{**self._settings(), "savefun": savefun})
+    _runner_type = WorkerProcess
 
     def create_queue(self) -> "queue.Queue[Any]":
         return multiprocessing.JoinableQueue()  # type: ignore[return-value]

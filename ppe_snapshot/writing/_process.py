@@ -1,4 +1,4 @@
-"""The executor of the Process writers: one long-lived worker process, fed through shared memory."""
+"""The runner of the Process writers: one long-lived worker process, fed through shared-memory staging buffers."""
 from __future__ import annotations
 
 import itertools
@@ -12,8 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from functools import partial
 from typing import Any, Callable
 
 import fsspec.utils
@@ -22,16 +20,13 @@ import torch.multiprocessing  # noqa: F401 - registers how tensors in shared mem
 
 from ppe_snapshot.engine import TakeJob, new_shared_buffer
 from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.writing._buffers import StagingBuffers
 from ppe_snapshot.writing._errors import add_note
-from ppe_snapshot.writing._executors import Executor, Finish, Ticket
-from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._pinning import HostRegistrations
-from ppe_snapshot.writing._replace import AfterCommit
+from ppe_snapshot.writing._runners import FileWork, OnDone, Runner, TakeWork, Work
 from ppe_snapshot.writing._worker import READY, frame
 
 logger = logging.getLogger(__name__)
-
-OnDone = Callable[[BaseException | None, int | None], None]
 
 UNGUARDED_MAIN = (
     "the script that creates the {writer} has no `if __name__ == \"__main__\":` guard, and a save refers to "
@@ -187,19 +182,38 @@ class _Worker:
         self._results.close()
 
 
-class WorkerProcess(Executor):
-    """Saves in one long-lived worker process (:class:`_Worker`), fed through shared-memory staging buffers;
-    up to ``depth`` saves in flight, written one after the other. ``writer``: the writer's class name, for
-    messages."""
+class SharedBuffers(StagingBuffers):
+    """Staging buffers in shared memory, which the worker maps: each new one is passed to ``changed``."""
 
-    background = True
-
-    def __init__(self, depth: int, writer: str) -> None:
+    def __init__(self, depth: int, changed: Callable[[int, torch.Tensor], None]) -> None:
         super().__init__(depth)
-        self._writer = writer
+        self._on_changed = changed
+        self._pinned_ranges = HostRegistrations()
+
+    def allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+        buffer = new_shared_buffer(nbytes)  # zeroed; the worker maps the same pages
+        if pin:  # page-locked, so device-to-host copies run at full speed
+            self._pinned_ranges.register(buffer)
+        return buffer
+
+    def drop(self, buffer: torch.Tensor) -> None:
+        self._pinned_ranges.unregister(buffer)
+
+    def changed(self, slot: int, buffer: torch.Tensor) -> None:
+        self._on_changed(slot, buffer)
+
+    def close(self) -> None:
+        self._pinned_ranges.clear()
+
+
+class WorkerProcess(Runner):
+    """Saves in one long-lived worker process (:class:`_Worker`), fed through shared-memory staging buffers
+    (:class:`SharedBuffers`); up to ``depth`` saves in flight, written one after the other."""
+
+    def __init__(self, depth: int = 1, writer: str = "") -> None:
+        super().__init__(depth, writer)
         self._tickets = itertools.count()
-        self._pinned = HostRegistrations()
-        self._buffers: dict[int, torch.Tensor] = {}  # each slot's, sent again to a worker that replaces one
+        self._buffers = SharedBuffers(depth, self._send_buffer)  # sent again to a worker that replaces one
         #: One byte per slot, shared with the worker: set when the take of several ranks in the slot failed
         #: elsewhere, so that the worker stops writing it (the parent speaks for the worker to the other ranks).
         self._stops = new_shared_buffer(depth)
@@ -215,9 +229,12 @@ class WorkerProcess(Executor):
         """The pid of the worker process (None once shut down)."""
         return self._running.pid if self._running is not None else None
 
+    def buffers(self) -> StagingBuffers:
+        return self._buffers
+
     def check_path(self, path: str) -> None:
         if fsspec.utils.get_protocol(path) == "memory":
-            raise ValueError(f"{self._writer} cannot save to {path}: a memory:// file system lives in "
+            raise ValueError(f"{self.writer} cannot save to {path}: a memory:// file system lives in "
                              "one process, and this writer writes from its worker process. Use a ThreadWriter "
                              "for memory://, or a real file system")
 
@@ -232,34 +249,35 @@ class WorkerProcess(Executor):
                 logger.warning("the writer process (pid %s) %s; starting a new one",
                                worker.pid, _exit_reason(worker.process.returncode))
             worker = self._running = _Worker(self._stops)
-            for slot, buffer in self._buffers.items():
-                worker.send_buffer(slot, buffer)
+            for slot, buffer in enumerate(self._buffers.all):
+                if buffer is not None:
+                    worker.send_buffer(slot, buffer)
         return worker
 
-    def allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
-        buffer = new_shared_buffer(nbytes)  # zeroed; the worker maps the same pages
-        if pin:  # page-locked, so device-to-host copies run at full speed
-            self._pinned.register(buffer)
-        return buffer
-
-    def drop_buffer(self, buffer: torch.Tensor) -> None:
-        self._pinned.unregister(buffer)
-
-    def buffer_changed(self, slot: int, buffer: torch.Tensor) -> None:
-        self._buffers[slot] = buffer
+    def _send_buffer(self, slot: int, buffer: torch.Tensor) -> None:
         self._live_worker().send_buffer(slot, buffer)
 
-    def submit_take(self, ticket: Ticket, job: TakeJob, step: AfterCommit, finish: Finish) -> None:
-        job.release_staging()  # the worker holds the slot's buffer already
+    def run(self, work: Work, on_done: OnDone) -> None:
+        """Hand ``work`` to the worker, which holds the slot's buffer already."""
+        if isinstance(work, TakeWork):
+            self._take(work, on_done)
+        elif isinstance(work, FileWork):
+            self._send(work, ("file", work.slot, work.save, work.value), on_done)
+        else:
+            raise TypeError(f"{self.writer}'s worker process runs takes and single files, not {work!r}")
+
+    def _take(self, work: TakeWork, on_done: OnDone) -> None:
+        job, slot = work.job, work.slot
+        job.release_staging()
         if job.world_size == 1:
-            self._send(ticket, ("take", ticket.slot, job, step), partial(finish, ticket))
+            self._send(work, ("take", slot, job, work.step), on_done)
             return
-        slot = ticket.slot  # the worker writes and publishes the part; this process concludes (the channel is here)
+        # the worker writes and publishes the part; this process concludes (the channel is here)
         self._stops[slot], self._slot_jobs[slot] = 0, job
         job.when_failed(lambda: self._stop_writing(slot, job))
         try:
-            self._send(ticket, ("take", slot, job, None), lambda error, nbytes: threading.Thread(
-                target=self._conclude, args=(ticket, job, step, error, finish), name="ppe-snapshot-conclude").start())
+            self._send(work, ("take", slot, job, None), lambda error, nbytes: threading.Thread(
+                target=self._conclude, args=(work, error, on_done), name="ppe-snapshot-conclude").start())
         except BaseException as e:  # never handed over: the other ranks must hear of it, not wait
             job.conclude(e)
 
@@ -267,37 +285,29 @@ class WorkerProcess(Executor):
         if self._slot_jobs[slot] is job:  # still this take's slot
             self._stops[slot] = 1
 
-    def _conclude(self, ticket: Ticket, job: TakeJob, step: AfterCommit, error: BaseException | None,
-                  finish: Finish) -> None:
-        self._slot_jobs[ticket.slot] = None
+    def _conclude(self, work: TakeWork, error: BaseException | None, on_done: OnDone) -> None:
+        self._slot_jobs[work.slot] = None
         try:
-            job.conclude(error)
-            if step is not None:
-                step.promote()
+            work.job.conclude(error)
+            if work.step is not None:
+                work.step.promote()
         except BaseException as e:
-            finish(ticket, e, None)
+            on_done(e, None)
         else:
-            finish(ticket, None, None)
+            on_done(None, None)
 
-    def submit_file(self, ticket: Ticket, save: FileSave, skeleton: Any, buffer: torch.Tensor,
-                    finish: Finish) -> None:
-        # the worker holds the slot's buffer already
-        self._send(ticket, ("file", ticket.slot, save, skeleton), partial(finish, ticket))
-
-    def _send(self, ticket: Ticket, work: tuple[Any, ...], on_done: OnDone) -> None:
+    def _send(self, work: Work, message: tuple[Any, ...], on_done: OnDone) -> None:
         number = next(self._tickets)
-        kind, *rest = work
+        kind, *rest = message
         try:
             payload = frame(kind, number, *rest)
         except Exception as e:
-            raise TypeError(f"{self._writer} hands each save to its worker process, and this one cannot "
+            raise TypeError(f"{self.writer} hands each save to its worker process, and this one cannot "
                             f"be pickled ({e}). Use a module-level savefun such as torch.save (and a picklable "
                             "fs), or a ThreadWriter") from e
-        ticket.handoff = time.perf_counter()
-        self._live_worker().submit(number, payload, on_done, ticket.stats["path"])
+        self._live_worker().submit(number, payload, on_done, work.path)
 
     def shutdown(self) -> None:
         if self._running is not None:
             self._running.close()
             self._running = None
-        self._pinned.clear()

@@ -14,20 +14,28 @@ passed in (keywords)      ``metadata``: stored in the manifest (the extension's 
                           ``None``: the default group, each rank writing its part); ``extra_state``:
                           more app-state entries beside the target's ``"state"`` (the RNG states);
                           ``allow_pickle``: True to let this save hold values only pickle can store,
-                          None to keep the writer's setting
+                          None to keep the writer's setting; ``incremental``: False for a save that
+                          must be self-contained, None to keep the writer's setting
+set                       ``incremental`` True by ``snapshot(incremental=True)``; ``base``: the snapshot
+                          autoload resumed from, which the first incremental save references
 read back                 ``last_stats`` (see :class:`SaveStats`), ``storage_options``, ``out_dir``,
-                          ``allow_pickle``; ``last_save`` where the writer has it (a ``Future`` done once
-                          the last save ended, its exception the failure: the DISTRIBUTED saver rank tells
-                          the other ranks from it; without it, a save is taken as ended when the call returns)
+                          ``allow_pickle``, ``base``; ``last_save`` (a ``Future`` done once the last save
+                          ended, its exception the failure: the DISTRIBUTED saver rank tells the other
+                          ranks from it; the default None: a save is taken as ended when the call returns)
 called                    ``wait()`` before a snapshot on error; ``finalize()`` at the end;
                           ppe's cleanup hooks (``pytorch_pfn_extras.writing.Writer``'s): each runs
                           after a committed save (retention prunes there)
 ========================  =====================================================================
+
+``incremental``, ``base`` and ``last_save`` have defaults here (a writer without incremental saves refuses
+``incremental = True``); a writer joining by ``SnapshotWriter.register`` gets those it does not define on its
+class.
 """
 from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any, Callable, TypedDict
 
 from ppe_snapshot.engine import LOCAL
@@ -54,7 +62,20 @@ class SaveStats(_EverySaveStats, total=False):
     staging_s: float
 
 
-class SnapshotWriter(metaclass=abc.ABCMeta):
+class _Contract(abc.ABCMeta):
+    """The contract's metaclass: a class registered as a :class:`SnapshotWriter` gets the defaults of the
+    members it does not define."""
+
+    def register(cls, subclass: type) -> type:
+        registered = super().register(subclass)
+        if cls is SnapshotWriter:
+            for name in _DEFAULTS:
+                if not hasattr(subclass, name):
+                    setattr(subclass, name, vars(SnapshotWriter)[name])
+        return registered
+
+
+class SnapshotWriter(metaclass=_Contract):
     """A ppe writer that saves engine snapshots and takes what the extension records beside the target.
 
     An abstract base class rather than a structural ``Protocol``: the
@@ -71,6 +92,23 @@ class SnapshotWriter(metaclass=abc.ABCMeta):
     allow_pickle: bool
     #: The stats of the last save: ``{}`` before the first (see :class:`SaveStats`).
     last_stats: SaveStats | dict[str, Any]
+    #: The snapshot an incremental save references (None: none yet).
+    base: str | None = None
+    #: The end of the last save: a ``Future`` done once it ended, whose exception is its failure (None: a save
+    #: is taken as ended when the call returns).
+    last_save: Future[None] | None = None
+
+    @property
+    def incremental(self) -> bool:
+        """Whether each engine snapshot references the unchanged blocks of :attr:`base`; False here: a writer
+        that saves incrementally overrides this property, and this one refuses True."""
+        return False
+
+    @incremental.setter
+    def incremental(self, value: bool) -> None:
+        if value:
+            raise TypeError(f"incremental=True needs a ppe_snapshot writer (SimpleWriter, ThreadWriter, "
+                            f"ProcessWriter, ...), got {type(self).__name__}")
 
     @property
     @abc.abstractmethod
@@ -80,11 +118,12 @@ class SnapshotWriter(metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
                  append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL,
-                 extra_state: Mapping[str, Any] | None = None, allow_pickle: bool | None = None) -> None:
+                 extra_state: Mapping[str, Any] | None = None, allow_pickle: bool | None = None,
+                 incremental: bool | None = None) -> None:
         """Save ``target`` (a state dict) as ``<self.out_dir or out_dir>/<filename>``.
 
-        ``metadata``, ``pg``, ``extra_state`` and ``allow_pickle`` are ignored
-        when a ``savefun`` writes a single file (ppe's format).
+        ``metadata``, ``pg``, ``extra_state``, ``allow_pickle`` and ``incremental``
+        are ignored when a ``savefun`` writes a single file (ppe's format).
         """
 
     @abc.abstractmethod
@@ -94,3 +133,7 @@ class SnapshotWriter(metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def finalize(self) -> None:
         """Finish the saves in flight and release what the writer holds."""
+
+
+#: The members the contract gives a default (see :meth:`_Contract.register`).
+_DEFAULTS = ("base", "incremental", "last_save")
