@@ -8,7 +8,7 @@ Every other module asks here: the writers (where a replacement is written, what 
 * **What it records.** The training position and the observed values retention compares live in the
   manifest's metadata (:func:`recorded`, written by the extension); :func:`inspect` reads them back.
 * **The quick check.** :func:`inspect`: the manifest parses and every data file has its recorded size
-  (``Snapshot.verify(deep=False)``). It returns a :class:`StoredSnapshot` holding the opened snapshot, so its
+  (``Snapshot.verify(deep=False)``). It returns an :class:`Inspection` holding the opened snapshot, so its
   manifest is read once however many times it is asked about.
 * **Removal.** :func:`remove_snapshot`: the manifest goes first, so a snapshot is never seen half-removed.
   :func:`retire_snapshot` removes a snapshot whose data files incremental snapshots beside it still read: it is
@@ -58,7 +58,7 @@ def _number(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class StoredSnapshot:
+class Inspection:
     """What :func:`inspect` found at ``location``: a sound snapshot (``problem`` None, ``snapshot`` opened, its
     manifest read) and the position and values it records, or why it is not sound."""
     location: str
@@ -88,8 +88,8 @@ class StoredSnapshot:
 
 
 def inspect(location: str, storage_options: dict[str, Any] | None = None, *, allow_pickle: bool = False
-            ) -> StoredSnapshot:
-    """The quick check of the snapshot at ``location`` and what it records (see :class:`StoredSnapshot`).
+            ) -> Inspection:
+    """The quick check of the snapshot at ``location`` and what it records (see :class:`Inspection`).
 
     Never raises for a snapshot that is absent, incomplete or damaged: ``problem`` says what is wrong."""
     snapshot = Snapshot(location, pg=LOCAL, storage_options=storage_options, allow_pickle=allow_pickle)
@@ -97,17 +97,17 @@ def inspect(location: str, storage_options: dict[str, Any] | None = None, *, all
         snapshot.verify(deep=False)
         metadata, references = snapshot.metadata, snapshot.references
     except Exception as e:  # noqa: BLE001 - absent, incomplete or damaged: any failure makes it unusable
-        return StoredSnapshot(location, problem=f"{type(e).__name__}: {e}", error=e)
+        return Inspection(location, problem=f"{type(e).__name__}: {e}", error=e)
     if not isinstance(metadata, dict):
         metadata = {}
     iteration, epoch, detail = (metadata.get(key) for key in ("iteration", "epoch", "epoch_detail"))
     recorded_metrics = metadata.get(METRICS_KEY)
     metrics = {k: float(v) for k, v in recorded_metrics.items() if isinstance(k, str) and _number(v)
                and math.isfinite(v)} if isinstance(recorded_metrics, dict) else {}
-    return StoredSnapshot(location, iteration=iteration if isinstance(iteration, int) and _number(iteration) else None,
-                          epoch=epoch if isinstance(epoch, int) and _number(epoch) else None,
-                          epoch_detail=float(detail) if _number(detail) else None, metrics=metrics,
-                          metadata=metadata, snapshot=snapshot, references=references)
+    return Inspection(location, iteration=iteration if isinstance(iteration, int) and _number(iteration) else None,
+                      epoch=epoch if isinstance(epoch, int) and _number(epoch) else None,
+                      epoch_detail=float(detail) if _number(detail) else None, metrics=metrics,
+                      metadata=metadata, snapshot=snapshot, references=references)
 
 
 def retire_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:

@@ -135,6 +135,18 @@ def test_other_ppe_writers_are_called_with_ppes_protocol(tmp_path, make):
     assert saved.get("tag") == (None if isinstance(writer, _MyWriter) else "mine")
 
 
+# -- the manager keys the extension's state as ppe's ------------------------------------------------------------
+
+
+def test_the_manager_keys_the_default_snapshots_state_as_ppes(tmp_path):
+    """The manager keys each extension's state by its default name: ppe's DEFAULT snapshot and ours share it, so
+    each restores the other's manager state."""
+    manager, _ = make_manager(str(tmp_path))
+    manager.extend(snapshot())
+    assert snapshot().default_name == ppe.training.extensions.snapshot().default_name == "_Snapshot"
+    assert "_Snapshot" in manager.state_dict()["extensions"]
+
+
 # -- initialize() returns the loaded name -------------------------------------------------------------------------
 
 

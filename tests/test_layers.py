@@ -202,6 +202,73 @@ def test_no_import_cycle():
     assert _cycles() == []
 
 
+#: Names defined at the top level of several modules on purpose, with one meaning: why.
+SHARED_NAMES = {
+    "add_parsers": "each CLI command module's hook adding its subcommands to the parser (cli/__init__ calls each)",
+    "expected_shared": "engine/_versions picks, per format version, the step of this name; engine/_commit_v2 "
+                       "defines version 2's",
+    "publish": "as expected_shared: a format version's step, picked by engine/_versions",
+    "merge_and_commit": "as expected_shared: a format version's step, picked by engine/_versions",
+}
+#: Names still meaning two things, each to be renamed by the work named; remove the entry with the rename.
+PENDING_NAMES = {
+    "exchange": "storage/swap.py's (two files swapped) is not engine/_rank_channel.py's (documents between ranks): "
+                "the stores work (ISSUE33 item 1) renames storage's",
+}
+
+
+def _top_level_definitions(name: str) -> dict[str, str]:
+    """What module ``name`` defines at its top level (classes, functions, assigned names, also under a top-level
+    ``if`` or ``try``): each name with the dump of its definition."""
+    found: dict[str, str] = {}
+
+    def scan(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found[node.name] = ast.dump(node)
+            elif isinstance(node, ast.Assign):
+                found.update((t.id, ast.dump(node.value)) for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                found[node.target.id] = ast.dump(node.value)
+            elif isinstance(node, (ast.If, ast.Try)):
+                scan(node.body + node.orelse + getattr(node, "finalbody", []))
+                for handler in getattr(node, "handlers", []):
+                    scan(handler.body)
+
+    scan(ast.parse(MODULES[name].read_text(), str(MODULES[name])).body)
+    return found
+
+
+def _names_with_two_meanings() -> dict[str, list[str]]:
+    """Each name that other modules may import (no leading ``_``) defined differently in two or more modules."""
+    definitions: dict[str, dict[str, str]] = defaultdict(dict)
+    for module in MODULES:
+        for name, dump in _top_level_definitions(module).items():
+            if not name.startswith("_"):
+                definitions[name][module] = dump
+    return {name: sorted(where) for name, where in definitions.items() if len(set(where.values())) > 1}
+
+
+def test_every_name_has_one_meaning():
+    """A name that other modules may import means one thing in the package: no two modules define it differently
+    (a copy of the same definition is the same meaning), save the names listed with their reason."""
+    twice = _names_with_two_meanings()
+    assert {n: where for n, where in twice.items() if n not in SHARED_NAMES and n not in PENDING_NAMES} == {}
+    assert set(SHARED_NAMES) | set(PENDING_NAMES) <= set(twice), "an exception no longer needed: remove it"
+
+
+def test_a_private_name_is_its_modules_own():
+    """A top-level name with a leading ``_`` is private to its module: no other module of ours imports it (its
+    meaning then is its module's alone)."""
+    imported = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ppe_snapshot")):
+                imported.update((module, alias.name) for alias in node.names if alias.name.startswith("_")
+                                and f"{node.module}.{alias.name}" not in MODULES)
+    assert imported == set()
+
+
 def test_the_check_sees_imports_inside_functions():
     """The checker itself: a function-level import and a literal importlib call are edges."""
     assert "ppe_snapshot.extension" in GRAPH["ppe_snapshot"]  # imported inside __getattr__
@@ -290,7 +357,7 @@ def _depth(cls: type) -> int:
 def test_writer_and_extension_hierarchies_are_at_most_four_deep():
     """Composition over inheritance: no class of the writers (a core and an executor under ppe's protocol) or of
     the extension is more than four classes from ``object``, ``object`` included (a writer: ours, ppe's
-    StandardWriter, ppe's Writer; the DISTRIBUTED extension: ours, _Snapshot, ppe's Extension, beside the
+    StandardWriter, ppe's Writer; the DISTRIBUTED extension: ours, SnapshotExtension, ppe's Extension, beside the
     ranks' shared part). Exceptions aside: their depth is Python's."""
     import importlib
     deep = {}

@@ -291,7 +291,7 @@ def keyed(value: dict[str, Any], within: tuple[str, ...] = ()) -> dict[str, Any]
     return {key_of(*within, *path): item for path, item in _leaves(value, ())}
 
 
-def flatten(value: Any, within: tuple[str, ...] = (), sep: str = ".") -> dict[str, Any]:
+def join_keys(value: Any, within: tuple[str, ...] = (), sep: str = ".") -> dict[str, Any]:
     """Nested dicts, lists and tuples as one level, keys joined with ``sep`` (``models.main.weight``): the keys of
     the flat targets (safetensors), from the value at ``within`` in an app state. Keys that join to the same
     string (``{"a.b": x}`` and ``{"a": {"b": y}}``) raise :class:`UsageError` naming both (:func:`key_of`)."""

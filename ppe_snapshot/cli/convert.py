@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ppe_snapshot.cli.common import (
-    STATE_KEY, Kind, Source, UsageError, flatten, key_of, keyed, open_source, progress, read_app_state, read_dcp,
+    STATE_KEY, Kind, Source, UsageError, join_keys, key_of, keyed, open_source, progress, read_app_state, read_dcp,
     unwrap,
 )
 from ppe_snapshot.cli.dcp_dirs import failure, save_dcp
@@ -69,7 +69,7 @@ def _move_aside(dst: str, storage_options: dict | None) -> str:
 
 
 def _tensors_only(state: dict[str, Any], within: tuple[str, ...], target: str) -> dict[str, torch.Tensor]:
-    tensors = {k: v for k, v in flatten(state, within).items() if isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in join_keys(state, within).items() if isinstance(v, torch.Tensor)}
     dropped = [k for k, v in keyed(state, within).items() if not isinstance(v, torch.Tensor)]
     if dropped:
         shown = ", ".join(dropped[:8]) + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else "")
@@ -164,7 +164,7 @@ def convert(args: argparse.Namespace) -> str:
         if args.model:
             read = _model_state(read, args.model, args.src)
         if target in ("safetensors", "dcp"):
-            flatten(read.state, read.within)  # keys that collide once joined are refused before anything is written
+            join_keys(read.state, read.within)  # keys that collide once joined are refused before anything is written
         bar.update(2)
         aside = _move_aside(args.dst, args.storage_options) if existing else None
         fs, root = filesystem(args.dst, args.storage_options)

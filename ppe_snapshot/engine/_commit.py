@@ -198,7 +198,8 @@ def abort(storage: Storage, take_id: str, reason: str) -> None:
     storage.put_atomic(abort_name(take_id), reason.encode())
 
 
-def clean_parts(storage: Storage, take_id: str, world_size: int) -> None:
+def remove_parts(storage: Storage, take_id: str, world_size: int) -> None:
+    """Remove the parts the ranks of take ``take_id`` published, and its abort marker."""
     for r in range(world_size):
         storage.remove(part_name(take_id, r))
     storage.remove(abort_name(take_id))

@@ -97,7 +97,7 @@ def takes_in_progress(names: list[str]) -> set[str]:
     return {p.take_id for p in parsed if not p.aborted and p.take_id not in aborted}
 
 
-class Kind:
+class EntryType:
     """Entry type tags of the manifest (``"type"`` of each entry)."""
     TENSOR: Final = "tensor"
     SHARDED: Final = "sharded"
@@ -127,7 +127,7 @@ class Container:
     KEYED: Final = (DICT, ORDERED_DICT)
 
 
-__all__ = ["Container", "DEFAULT_VERSION", "FORMAT_VERSION", "INCREMENTAL_VERSION", "INDEX_DIR", "InProgress", "Kind",
-           "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "SHARED_INDEX", "Raw",
+__all__ = ["Container", "DEFAULT_VERSION", "EntryType", "FORMAT_VERSION", "INCREMENTAL_VERSION", "INDEX_DIR",
+           "InProgress", "MANIFEST_NAME", "PARTS_DIR", "RETIRED_NAME", "SHARED_INDEX", "Raw",
            "abort_name", "data_file", "data_file_rank", "detail_name", "new_take_id", "parse_parts_name", "part_name",
            "rank_index", "takes_in_progress"]

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Union
 import torch
 
 from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._format import Kind, Raw
+from ppe_snapshot.engine._format import EntryType, Raw
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._validation import (
     CHECKSUM_ALGORITHM, FORMAT_NAME, check_document, check_entry, tensor_chunks,
@@ -107,8 +107,8 @@ class ContainerEntry:
 Entry = Union[TensorEntry, ShardedTensorEntry, ObjectEntry, PickleEntry, BytesEntry, ContainerEntry]
 
 _TYPES: dict[str, type] = {
-    Kind.TENSOR: TensorEntry, Kind.SHARDED: ShardedTensorEntry, Kind.OBJECT: ObjectEntry,
-    Kind.PICKLE: PickleEntry, Kind.BYTES: BytesEntry, Kind.CONTAINER: ContainerEntry,
+    EntryType.TENSOR: TensorEntry, EntryType.SHARDED: ShardedTensorEntry, EntryType.OBJECT: ObjectEntry,
+    EntryType.PICKLE: PickleEntry, EntryType.BYTES: BytesEntry, EntryType.CONTAINER: ContainerEntry,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
@@ -142,7 +142,7 @@ def _fields_json(entry: Entry) -> dict[str, Any]:
 
 def entry_to_json(entry: Entry) -> dict[str, Any]:
     if type(entry) is ContainerEntry:  # the most entries after tensors (an optimizer's dict per parameter)
-        out = {"type": Kind.CONTAINER, "kind": entry.kind, "keys": entry.keys, "length": entry.length}
+        out = {"type": EntryType.CONTAINER, "kind": entry.kind, "keys": entry.keys, "length": entry.length}
     else:
         out = {"type": _NAMES[type(entry)], **_fields_json(entry)}
     if entry.replicated:
@@ -152,7 +152,7 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
 
 def entry_from_json(data: dict[str, Any]) -> Entry:
     """The entry of well-formed JSON (a manifest's entries are checked first, see :class:`EntryTable`)."""
-    if data["type"] == Kind.TENSOR:  # most entries: the short way
+    if data["type"] == EntryType.TENSOR:  # most entries: the short way
         return TensorEntry(data["dtype"], data["shape"], _chunks_from_json(data["chunks"]),
                            data.get("kind", Raw.TENSOR), data.get("replicated", False))
     data = dict(data)
@@ -330,7 +330,7 @@ class Manifest:
             files=files,
             take_id=doc.get("take_id", ""),
             metadata=doc.get("metadata", {}),
-            sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only=Kind.SHARDED),
+            sharded=EntryTable(doc.get("sharded", {}), where, files, "sharded", only=EntryType.SHARDED),
             version=doc["version"], **read_stamp(doc),
         )
 

@@ -11,7 +11,7 @@ from ppe_snapshot.engine._loading import load_state, read_value
 from ppe_snapshot.engine._manifest import Entry, Manifest
 from ppe_snapshot.engine._ranks import group_rank
 from ppe_snapshot.engine._reads import verify_chunks
-from ppe_snapshot.engine._stateful import check_restorable, restore_order
+from ppe_snapshot.engine._stateful import check_app_state, restore_order
 from ppe_snapshot.engine._staging_pool import give_back, release_staging_buffers, take_staging_buffer
 from ppe_snapshot.engine._take import TakeJob, TensorPrepare, prepare_take
 from ppe_snapshot.engine._versions import read_manifest
@@ -181,7 +181,7 @@ class Snapshot:
         ``allow_pickle`` (default: the snapshot's) lets entries saved with
         pickle be unpickled; without it they raise ``UnsupportedValueError``.
         """
-        check_restorable(app_state)  # before any storage is touched, as take does
+        check_app_state(app_state)  # before any storage is touched, as take does
         app_state = restore_order(app_state)  # RNG states last: other objects' loads may draw numbers
         allow_pickle = self.allow_pickle if allow_pickle is None else allow_pickle
         storage = self._storage()

@@ -132,7 +132,7 @@ def take_states(app_state: dict[str, Any]) -> dict[str, Any]:
     return {key: states[key] for key in app_state}
 
 
-def check_restorable(app_state: Any) -> None:
+def check_app_state(app_state: Any) -> None:
     """Raise ``TypeError`` unless ``app_state`` is a dict of stateful objects (before any storage is touched)."""
     if not isinstance(app_state, dict):
         raise TypeError(f"app_state must be a dict of stateful objects, got {type(app_state).__name__}")

@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from ppe_snapshot.engine._format import FORMAT_VERSION, Container, Kind, Raw
+from ppe_snapshot.engine._format import FORMAT_VERSION, Container, EntryType, Raw
 from ppe_snapshot.engine._serialization import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import is_safe_relative
@@ -28,14 +28,14 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 
 _CONTAINER_KINDS = frozenset({Container.DICT, Container.ORDERED_DICT, Container.LIST, Container.TUPLE})
 _FIELDS = {
-    Kind.TENSOR: frozenset({"type", "dtype", "shape", "chunks", "kind", "replicated"}),
-    Kind.SHARDED: frozenset({"type", "dtype", "shape", "shards", "replicated"}),
-    Kind.OBJECT: frozenset({"type", "value", "replicated"}),
-    Kind.PICKLE: frozenset({"type", "chunks", "replicated"}),
-    Kind.BYTES: frozenset({"type", "chunks", "replicated"}),
-    Kind.CONTAINER: frozenset({"type", "kind", "keys", "length", "replicated"}),
+    EntryType.TENSOR: frozenset({"type", "dtype", "shape", "chunks", "kind", "replicated"}),
+    EntryType.SHARDED: frozenset({"type", "dtype", "shape", "shards", "replicated"}),
+    EntryType.OBJECT: frozenset({"type", "value", "replicated"}),
+    EntryType.PICKLE: frozenset({"type", "chunks", "replicated"}),
+    EntryType.BYTES: frozenset({"type", "chunks", "replicated"}),
+    EntryType.CONTAINER: frozenset({"type", "kind", "keys", "length", "replicated"}),
 }
-T = TypeVar("T", bound=tuple)
+TupleT = TypeVar("TupleT", bound=tuple)
 # A chunk's fields in the order of manifest.Chunk, fetched at once; tuple.__new__ builds the named tuple
 # without its Python-level __new__ (for 5,000 entries, a third of their decoding time).
 _CHUNK_FIELDS = operator.itemgetter("file", "offset", "nbytes", "checksum")
@@ -135,7 +135,7 @@ def check_entry(data: Any, files: dict[str, int], only: str | None = None) -> No
         _check_thoroughly(data, files, only)
 
 
-def tensor_chunks(data: Any, files: dict[str, int], chunk_type: type[T]) -> list[T] | None:
+def tensor_chunks(data: Any, files: dict[str, int], chunk_type: type[TupleT]) -> list[TupleT] | None:
     """The chunks of a tensor entry that passes every check, built as ``chunk_type(file, offset, nbytes,
     checksum)`` tuples; None for any other entry, and for one the quick way does not accept (then
     :func:`check_entry` must look, and say what is wrong).
@@ -143,7 +143,7 @@ def tensor_chunks(data: Any, files: dict[str, int], chunk_type: type[T]) -> list
     Every check of :func:`_check_thoroughly` on a tensor entry, in one pass that also builds its chunks:
     a manifest holds thousands, and a restore checks and decodes each as it goes.
     """
-    if type(data) is not dict or data.get("type") != Kind.TENSOR:
+    if type(data) is not dict or data.get("type") != EntryType.TENSOR:
         return None
     try:
         kind, replicated = data.get("kind"), data.get("replicated")
@@ -312,7 +312,7 @@ def _check_container(data: dict[str, Any], files: dict[str, int]) -> None:
 
 
 _CHECKS: dict[str, Callable[[dict[str, Any], dict[str, int]], None]] = {
-    Kind.TENSOR: _check_tensor, Kind.SHARDED: _check_sharded, Kind.OBJECT: _check_object, Kind.PICKLE: _check_chunks,
-    Kind.BYTES: _check_chunks, Kind.CONTAINER: _check_container,
+    EntryType.TENSOR: _check_tensor, EntryType.SHARDED: _check_sharded, EntryType.OBJECT: _check_object,
+    EntryType.PICKLE: _check_chunks, EntryType.BYTES: _check_chunks, EntryType.CONTAINER: _check_container,
 }
 

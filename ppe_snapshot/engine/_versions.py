@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ppe_snapshot.engine import _commit as v1
-from ppe_snapshot.engine import _commit_v2 as v2
+from ppe_snapshot.engine import _commit as commit_protocol
+from ppe_snapshot.engine import _commit_v2 as commit_v2
 from ppe_snapshot.engine._format import DEFAULT_VERSION, INCREMENTAL_VERSION, MANIFEST_NAME
 from ppe_snapshot.engine._gcpause import gc_paused
 from ppe_snapshot.engine._manifest import Chunk, Manifest, Shard, ShardedTensorEntry, parse_document
@@ -39,7 +39,7 @@ class _Version:
     #: Write a manifest built in one process, checked to restore, its ``manifest.json`` last.
     write: Callable[[Storage, Manifest], None]
     #: A rank of a multi-rank take publishes its part, once its data is durable.
-    publish: Callable[[Storage, str, v1.RankPart, Shared], None]
+    publish: Callable[[Storage, str, commit_protocol.RankPart, Shared], None]
     #: Rank 0 of a multi-rank take: merge the parts every rank published and commit.
     merge_and_commit: Callable[[Storage, str, int, dict[str, Any], float | None], None]
     #: Remove what a committed take left under ``.parts/``.
@@ -50,21 +50,22 @@ class _Version:
 
 def _merge_and_commit_v1(storage: Storage, take_id: str, world_size: int, metadata: dict[str, Any],
                          timeout: float | None) -> None:
-    commit(storage, v1.merge(v1.gather_parts(storage, take_id, world_size, timeout), take_id, metadata), 1)
+    parts = commit_protocol.gather_parts(storage, take_id, world_size, timeout)
+    commit(storage, commit_protocol.merge(parts, take_id, metadata), 1)
 
 
 def _clean_v2(storage: Storage, take_id: str, world_size: int) -> None:
-    v1.clean_parts(storage, take_id, world_size)
-    v2.clean_details(storage, take_id, world_size)
+    commit_protocol.remove_parts(storage, take_id, world_size)
+    commit_v2.clean_details(storage, take_id, world_size)
 
 
 _VERSIONS = {
     1: _Version(problem=document_problem, read=lambda storage, doc, where: Manifest.from_doc(doc, where),
                 write=lambda storage, manifest: storage.put_atomic(MANIFEST_NAME, manifest.to_bytes()),
-                publish=lambda storage, take_id, part, shared: v1.publish_part(storage, take_id, part),
-                merge_and_commit=_merge_and_commit_v1, clean=v1.clean_parts, shares=False),
-    2: _Version(problem=document_v2_problem, read=read_v2, write=write_v2, publish=v2.publish,
-                merge_and_commit=v2.merge_and_commit, clean=_clean_v2, shares=True),
+                publish=lambda storage, take_id, part, shared: commit_protocol.publish_part(storage, take_id, part),
+                merge_and_commit=_merge_and_commit_v1, clean=commit_protocol.remove_parts, shares=False),
+    2: _Version(problem=document_v2_problem, read=read_v2, write=write_v2, publish=commit_v2.publish,
+                merge_and_commit=commit_v2.merge_and_commit, clean=_clean_v2, shares=True),
 }
 # Version 3 is version 2 whose index files name data files of sibling snapshots too: version 2's steps write it
 # whenever a take's files include such references (``_manifest_v2.top_bytes``); it reads with its own check.
@@ -118,20 +119,20 @@ def commit(storage: Storage, manifest: Manifest, version: int | None = None) -> 
     as format ``version`` (by default :func:`write_version`), ``manifest.json`` last."""
     write = _VERSIONS[version or write_version()].write
     try:
-        v1.check_restorable(manifest)
+        commit_protocol.check_restorable(manifest)
     except SnapshotError as e:
         raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
-    v1.check_sizes(storage, manifest.files)
+    commit_protocol.check_sizes(storage, manifest.files)
     write(storage, manifest)
 
 
 def expected_shared(items: dict[str, Any], world_size: int, version: int) -> Shared:
     """What this rank of a take of ``items`` expects of the state written once for all (nothing to say for one
     rank, or where ``version`` does not check it)."""
-    return v2.expected_shared(items) if _VERSIONS[version].shares and world_size > 1 else ([], {})
+    return commit_v2.expected_shared(items) if _VERSIONS[version].shares and world_size > 1 else ([], {})
 
 
-def publish(storage: Storage, take_id: str, part: v1.RankPart, shared: Shared, version: int) -> None:
+def publish(storage: Storage, take_id: str, part: commit_protocol.RankPart, shared: Shared, version: int) -> None:
     """A rank's share of a multi-rank take's commit, once its data is durable."""
     _VERSIONS[version].publish(storage, take_id, part, shared)
 
@@ -158,7 +159,7 @@ def upgrade(source: Storage, dest: Storage) -> None:
     if manifest.version == DEFAULT_VERSION:
         raise ValueError(f"{source.url} is already a self-contained version-{manifest.version} snapshot")
     manifest.check_entries()
-    v1.refuse_overwrite(dest)
+    commit_protocol.refuse_overwrite(dest)
     spans = referenced_spans(manifest)
     moves: dict[str, tuple[str, dict[int, int] | None]] = {}
     files: dict[str, int] = {}

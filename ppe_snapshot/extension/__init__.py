@@ -32,7 +32,7 @@ from pytorch_pfn_extras.writing import Writer
 
 from ppe_snapshot.extension.epoch_batches import epoch_batches
 from ppe_snapshot.extension.loading import load_snapshot
-from ppe_snapshot.extension.ppe_extension import _Snapshot
+from ppe_snapshot.extension.ppe_extension import SnapshotExtension
 from ppe_snapshot.extension.rank_agreement import DistributedSnapshot, ShardedSnapshot
 from ppe_snapshot.extension.saved_state import RNG_KEY
 from ppe_snapshot.run_dir import Policy
@@ -40,7 +40,7 @@ from ppe_snapshot.run_dir import Policy
 __all__ = ["RNG_KEY", "SnapshotMode", "epoch_batches", "load_snapshot", "snapshot", "snapshot_object"]
 
 
-def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> _Snapshot:
+def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> SnapshotExtension:
     """An extension that snapshots ``target`` (an object with ``state_dict()`` or a dict of them).
 
     Takes the keyword arguments of :func:`snapshot`.
@@ -53,7 +53,7 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
              snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
              saver_rank: int | None = None, snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT,
              allow_pickle: bool = False, keep: Policy | None = None, save_on_signals: Iterable[Any] = (),
-             preempted_exit_code: int | None = None, incremental: bool = False) -> _Snapshot:
+             preempted_exit_code: int | None = None, incremental: bool = False) -> SnapshotExtension:
     """An extension that snapshots the training state (the manager, or ``target``).
 
     Args:
@@ -139,7 +139,7 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
                    preempted_exit_code=preempted_exit_code, incremental=incremental)
     if snapshot_mode == SnapshotMode.DEFAULT:
         if saver_rank is None:
-            return _Snapshot(**options)
+            return SnapshotExtension(**options)
         return DistributedSnapshot(saver_rank=saver_rank, **options)
     if snapshot_mode == SnapshotMode.DISTRIBUTED:
         if saver_rank is None:

@@ -25,7 +25,7 @@ from ppe_snapshot import ppe_private, run_dir, stored_snapshot
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
 from ppe_snapshot.extension.preemption import Preemption, preempt
-from ppe_snapshot.extension.saved_state import RNG_KEY, state_of
+from ppe_snapshot.extension.saved_state import RNG_KEY, state_to_save
 from ppe_snapshot.run_dir import (
     Candidate, CandidateKind, FilenameFormat, attempt, cannot_start_fresh, skip, target_changed,
 )
@@ -39,16 +39,18 @@ def _always_true() -> bool:
     return True
 
 
-class _Snapshot(extension.Extension):
-    """Snapshots in one process (SnapshotMode.DEFAULT).
-
-    Named as ppe's class is: the manager keys each extension's state by its
-    class name, so ppe's snapshots and ours restore each other's managers.
-    """
+class SnapshotExtension(extension.Extension):
+    """Snapshots in one process (SnapshotMode.DEFAULT)."""
 
     trigger = 1, "epoch"
     priority = extension.PRIORITY_SNAPSHOT
     needs_model_state = True
+
+    @property
+    def default_name(self) -> str:
+        """ppe's name for its class of this mode, ``_Snapshot``: the manager keys each extension's state by it, so
+        ppe's snapshots and ours restore each other's managers. A subclass keeps its own class name."""
+        return "_Snapshot" if type(self) is SnapshotExtension else type(self).__name__
 
     def __init__(self, target: Any = None, condition: Callable[[], bool] | None = None,
                  writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
@@ -229,7 +231,7 @@ class _Snapshot(extension.Extension):
 
     # -- saving ------------------------------------------------------------------
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        self._save(manager, self._format_name(manager), state_of(self._resolve_target(manager)), LOCAL)
+        self._save(manager, self._format_name(manager), state_to_save(self._resolve_target(manager)), LOCAL)
 
     #: This process's key in the saved RNG states (its global rank in distributed modes).
     _rng_rank = 0
@@ -298,7 +300,7 @@ class _Snapshot(extension.Extension):
             logger.warning("training failed at iteration %s; snapshot %s already holds this "
                            "position, so no snapshot on error is taken", manager.iteration, location)
             return
-        self._save(manager, name, state_of(self._resolve_target(manager)), pg, self_contained=self_contained)
+        self._save(manager, name, state_to_save(self._resolve_target(manager)), pg, self_contained=self_contained)
         if self._engine_writer is not None:
             self._engine_writer.wait()  # a failed save raises here: on_error logs it, never as saved
         logger.warning("training failed at iteration %s; saved snapshot %s", manager.iteration,

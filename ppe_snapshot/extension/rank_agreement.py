@@ -18,10 +18,10 @@ from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
 from ppe_snapshot.engine import LOCAL, RNGState, exchange, side_group
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
-from ppe_snapshot.extension.ppe_extension import _Snapshot
+from ppe_snapshot.extension.ppe_extension import SnapshotExtension
 from ppe_snapshot.extension.preemption import Preemption
 from ppe_snapshot.extension.save_outcomes import SaveOutcomes, summary
-from ppe_snapshot.extension.saved_state import state_of
+from ppe_snapshot.extension.saved_state import state_to_save
 from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh, target_changed
 from ppe_snapshot.writing import BackgroundAbortError, BackgroundSaveError
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 class _DistributedExtension:
     """What DISTRIBUTED and SHARDED share: a process group, a designated rank, restoring together. Placed before
-    :class:`_Snapshot` among an extension's bases (its methods override and extend ``_Snapshot``'s)."""
+    :class:`SnapshotExtension` among an extension's bases (its methods override and extend that class's)."""
 
     _mode = "DISTRIBUTED"
     #: The engine process group of a restore: each rank reads alone (LOCAL) or its own part (None).
@@ -99,7 +99,7 @@ class _DistributedExtension:
         return listed
 
 
-class DistributedSnapshot(_DistributedExtension, _Snapshot):
+class DistributedSnapshot(_DistributedExtension, SnapshotExtension):
     """Every rank gives its state; ``saver_rank`` writes it; every rank can restore it."""
 
     def __init__(self, *, saver_rank: int, **options: Any) -> None:
@@ -111,7 +111,7 @@ class DistributedSnapshot(_DistributedExtension, _Snapshot):
         # that dies meanwhile is named on every other rank (a collective could leave some waiting for it). How a
         # save handed to a background writer ends, the saver tells the others later (save_outcomes).
         name = self._format_name(manager)
-        state = state_of(self._resolve_target(manager))  # on every rank: state_dict() may be collective
+        state = state_to_save(self._resolve_target(manager))  # on every rank: state_dict() may be collective
         rng = self._gather_rng_states() if self._engine_writer is not None else None
         failure, ended = None, None
         if self._is_saver:
@@ -182,14 +182,14 @@ class DistributedSnapshot(_DistributedExtension, _Snapshot):
         return listed, agreed[0]
 
 
-class ShardedSnapshot(_DistributedExtension, _Snapshot):
+class ShardedSnapshot(_DistributedExtension, SnapshotExtension):
     """Every rank writes its own state into one snapshot with one manifest."""
 
     _mode = "SHARDED"
     _restore_pg = None
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        self._save(manager, self._format_name(manager), state_of(self._resolve_target(manager)), None)
+        self._save(manager, self._format_name(manager), state_to_save(self._resolve_target(manager)), None)
 
     def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         # The other ranks are not taking part, so a snapshot of the whole group cannot commit:

@@ -24,7 +24,7 @@ STATE_KEY = "state"
 RNG_KEY = "rng"
 
 
-def state_of(target: Any) -> Any:
+def state_to_save(target: Any) -> Any:
     """The state to save of a target: an object with ``state_dict()``, or a dict of them."""
     if type(target) is dict:
         return {k: v.state_dict() for k, v in target.items()}
@@ -32,7 +32,7 @@ def state_of(target: Any) -> Any:
 
 
 def load_into(target: Any, state: Any) -> None:
-    """Load ``state`` (as :func:`state_of` gave it) into ``target``."""
+    """Load ``state`` (as :func:`state_to_save` gave it) into ``target``."""
     if type(target) is dict:
         for k in target:
             target[k].load_state_dict(state[k])
@@ -47,7 +47,7 @@ class TargetState:
         self._target = target
 
     def state_dict(self) -> Any:
-        return state_of(self._target)
+        return state_to_save(self._target)
 
     def load_state_dict(self, state: Any) -> None:
         load_into(self._target, state)
