@@ -13,7 +13,8 @@ round runs every method once, in a rotating order, each right after the same
 * ``dcp.async_save`` with its stagers (the cached ones reuse their buffers).
 
 ``Snapshot.async_take`` is a method of the rounds too (it keeps its buffer from one call to the next). It also
-times the first call of each method (buffer allocation), and the writers' calls for
+times the first call of each method (buffer allocation; with ``--prepare`` the writers first get
+``prepare_staging``, as the extension calls it at initialize()), and the writers' calls for
 64 MiB in ``--many`` small tensors (the cost per tensor), and the RSS over
 ``--rss`` consecutive snapshots of 128 MiB per writer (reused buffers: flat).
 Report: medians, and the writers' blocking time over the 2-thread copy of
@@ -101,6 +102,10 @@ class PlainCopy:
 class Writer:
     def __init__(self, cls) -> None:
         self.writer = cls()
+
+    def prepare(self, state: dict) -> None:
+        """What the extension does at initialize() and after the first optimizer step (``--prepare``)."""
+        self.writer.prepare_staging(state)
 
     def __call__(self, path: str, state: dict) -> dict[str, float]:
         start = time.perf_counter()
@@ -214,6 +219,8 @@ def main() -> None:
     parser.add_argument("--rss", type=int, default=100, help="consecutive snapshots for the RSS check (0: none)")
     parser.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
+    parser.add_argument("--prepare", action="store_true",
+                        help="have the writers prepare their staging before the first call, as the extension does")
     parser.add_argument("--report")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -250,6 +257,10 @@ def main() -> None:
             remove(path)
             return None
 
+    if args.prepare:
+        for method in table.values():
+            if hasattr(method, "prepare"):
+                method.prepare({"model": model.state_dict(), "optim": optim.state_dict()})
     try:
         for name in table:  # untimed for the medians: first buffer allocations, worker start
             metrics = attempt(name, os.path.join(root, "warmup"))
@@ -276,7 +287,7 @@ def main() -> None:
     copy2 = results.samples[(case, COPY2, "blocking")]
     lines = [f"Command: `python benchmarks/bench_staging.py --rounds {args.rounds} --scale {args.scale} "
              f"--steps {args.steps} --many {' '.join(map(str, args.many))} --rss {args.rss} "
-             f"--device {args.device}`  ",
+             f"--device {args.device}{' --prepare' if args.prepare else ''}`  ",
              f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}"
              f"{f', {torch.cuda.get_device_name()}' if args.device == 'cuda' else ''}; state {gib(nbytes)} "
              f"in {len(tensors({'m': model.state_dict(), 'o': optim.state_dict()}))} tensors; "

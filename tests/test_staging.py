@@ -6,6 +6,7 @@ import fractions
 import os
 import pickle
 import resource
+import time
 
 import numpy as np
 import pytest
@@ -273,3 +274,99 @@ def test_a_job_is_staged_into_the_buffer_handed_to_it_not_one_it_asks_for(tmp_pa
     out = StateDict(x=torch.zeros(6))
     Snapshot(str(tmp_path / "s")).restore({"state": out})
     assert torch.equal(out["x"], torch.arange(6.0))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * PAGE
+
+
+def _grows_by(start: int, nbytes: int, timeout: float = 20.0) -> bool:
+    """Whether this process's RSS reaches ``start + nbytes`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while _rss() < start + nbytes:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _settled_rss(timeout: float = 20.0) -> int:
+    """This process's RSS once it stopped changing for half a second (background allocations done)."""
+    deadline, last, still = time.monotonic() + timeout, _rss(), 0
+    while still < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _rss()
+        still, last = (still + 1 if now == last else 0), now
+    return last
+
+
+@pytest.mark.parametrize("writer_class", [ThreadWriter, ProcessWriter], ids=["thread", "process"])
+def test_prepare_staging_makes_the_first_save_find_its_memory_ready(writer_class, tmp_path):
+    """The staging buffer is allocated and its pages touched in the background after ``prepare_staging``: the
+    memory is there before the first save, which then only copies into it, bit-exact."""
+    state = {"w": torch.randn(12 << 20 >> 2), "b": {"c": torch.arange(1000)}}  # 12 MiB
+    writer = writer_class()
+    try:
+        before = _rss()
+        writer.prepare_staging(state)
+        assert _grows_by(before, 11 << 20), "the staging buffer was not made ready in the background"
+        expected = state["w"].clone()
+        ready = _settled_rss()
+        writer("s", str(tmp_path), state)
+        assert _rss() - ready < 6 << 20  # a fresh buffer would have added its 12 MiB here
+        state["w"].add_(1.0)
+        writer.wait()
+        saved = Snapshot(str(tmp_path / "s")).read_object("0/state")
+        assert torch.equal(saved["w"], expected) and torch.equal(saved["b"]["c"], torch.arange(1000))
+    finally:
+        writer.finalize()
+
+
+class _RecordingWriter(ThreadWriter):
+    """A ThreadWriter that records the tensor bytes of each state it is asked to prepare staging for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[int] = []
+
+    def prepare_staging(self, target):
+        self.prepared.append(sum(t.numel() * t.element_size() for t in _tensors(target)))
+        super().prepare_staging(target)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def test_the_extension_has_the_writer_prepare_staging_at_start_and_after_the_first_optimizer_step(tmp_path):
+    """At initialize() for the model (Adam has no state yet), after the first optimizer step for the model and
+    Adam's state, then never again; the first save stages into a buffer that fits, bit-exact."""
+    import pytorch_pfn_extras as ppe
+    import ppe_snapshot
+
+    model = torch.nn.Linear(2048, 1024)  # 8 MiB of weights, 16 MiB of Adam state
+    optimizer = torch.optim.Adam(model.parameters())
+    manager = ppe.training.ExtensionsManager(model, optimizer, 1, iters_per_epoch=3, out_dir=str(tmp_path))
+    writer = _RecordingWriter()
+    manager.extend(ppe_snapshot.snapshot(writer=writer), trigger=(2, "iteration"))
+    weights = (2048 * 1024 + 1024) * 4
+    x = torch.randn(4, 2048)
+    for _ in range(3):
+        with manager.run_iteration():
+            model(x).sum().backward()
+            optimizer.step()
+        if manager.iteration == 2:
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+    writer.wait()
+    assert writer.prepared == [weights, 3 * weights + 8]  # Adam: exp_avg, exp_avg_sq and a 4-byte step per tensor
+    assert writer.staging_buffers[0].numel() >= writer.last_stats["bytes"]
+    saved = ppe_snapshot.Snapshot(str(tmp_path / "snapshot_iter_2")).read_object("0/state/models/main")
+    assert all(torch.equal(saved[k], v) for k, v in expected.items())
+    writer.finalize()

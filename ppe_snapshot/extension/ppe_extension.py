@@ -26,6 +26,7 @@ from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
 from ppe_snapshot.extension.preemption import Preemption, preempt
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_to_save
+from ppe_snapshot.extension.staging_ahead import prepare_staging_ahead
 from ppe_snapshot.run_dir import (
     Candidate, CandidateKind, FilenameFormat, attempt, cannot_start_fresh, skip, target_changed,
 )
@@ -126,6 +127,11 @@ class SnapshotExtension(extension.Extension):
         ppe_compat.check_inside(name)  # a callable's names, and fields' values, are known only now
         return name
 
+    #: Whether ``initialize()`` has the writer make its staging memory ready (:mod:`.staging_ahead`), and what
+    #: removes the optimizer hooks that do it again after the first step.
+    _stages_ahead = True
+    _end_staging_ahead: Callable[[], None] = staticmethod(lambda: None)
+
     @property
     def _owns_out_dir(self) -> bool:
         """Whether this process removes snapshots (one process per output directory)."""
@@ -186,6 +192,8 @@ class SnapshotExtension(extension.Extension):
             writer.base = self.resumed_from  # the first save references it
         if self.policy is not None and self._format is not None and self._prunes():
             self._prune(listed)  # a run killed between a commit and its pruning left more than the policy keeps
+        if writer is not None and self._file_savefun is None and self._stages_ahead:
+            self._end_staging_ahead = prepare_staging_ahead(writer, manager, self._resolve_target(manager))
         if self.preemption is not None:
             self.preemption.install()
             if not self.preemption.wrap_trigger(manager, self):
@@ -195,6 +203,7 @@ class SnapshotExtension(extension.Extension):
 
     def __call__(self, manager: ExtensionsManagerProtocol) -> None:
         self._bind(manager)
+        self._end_staging_ahead()  # its hooks have fired by now, or the state has no optimizer step before a save
         if self.preemption is not None and self.preemption.decided is not None:
             preempt(self, manager, self.preemption)  # raises Preempted
         if self.condition():
@@ -217,6 +226,7 @@ class SnapshotExtension(extension.Extension):
                              exc_info=(type(e), e, e.__traceback__))
 
     def finalize(self, manager: ExtensionsManagerProtocol) -> None:
+        self._end_staging_ahead()
         if self.preemption is not None:
             self.preemption.uninstall()
         try:

@@ -33,6 +33,7 @@ class _DistributedExtension:
     :class:`SnapshotExtension` among an extension's bases (its methods override and extend that class's)."""
 
     _mode = "DISTRIBUTED"
+    _stages_ahead = False  # state_dict() may be a collective: not called outside a save (see staging_ahead)
     #: The engine process group of a restore: each rank reads alone (LOCAL) or its own part (None).
     _restore_pg: Any = LOCAL
 

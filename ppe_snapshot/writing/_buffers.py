@@ -6,11 +6,15 @@ buffer in this process's memory; the worker process keeps its own kind (``_proce
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import torch
 
 from ppe_snapshot.engine import new_staging_buffer
 
 _MiB = 1 << 20
+_PAGE = 4096
 
 
 def grown_size(current: int, needed: int) -> int:
@@ -26,14 +30,57 @@ class StagingBuffers:
     def __init__(self, depth: int) -> None:
         self._buffers: list[torch.Tensor | None] = [None] * depth
         self._pinned = [False] * depth
+        #: A buffer being made ready in the background for slot 0 (see :meth:`reserve`), its size and pinning.
+        self._reserved: tuple[Future[torch.Tensor], int, bool] | None = None
 
     @property
     def all(self) -> tuple[torch.Tensor | None, ...]:
         """Each slot's buffer (None until first used)."""
         return tuple(self._buffers)
 
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Make slot 0's buffer (the first save's) ready for ``nbytes`` in a background thread, every page touched,
+        so that the save does not pay for allocating, page-locking and faulting it in; nothing when the buffer
+        there or the one being made will do. A failure leaves the save to allocate as before."""
+        if self._fits(0, nbytes, pin) or self._reserving(nbytes, pin):
+            return
+        if self._reserved is not None:  # too small: dropped once made
+            self._reserved[0].add_done_callback(self._drop_made)
+        current = self._buffers[0]
+        size = grown_size(0 if current is None else current.numel(), nbytes)
+        pending: Future[torch.Tensor] = Future()
+        self._reserved = (pending, size, pin)
+        threading.Thread(target=self._make_ready, args=(pending, size, pin), name="ppe-snapshot-reserve",
+                         daemon=True).start()
+
+    def _make_ready(self, pending: "Future[torch.Tensor]", nbytes: int, pin: bool) -> None:
+        try:
+            buffer = self.allocate(nbytes, pin)
+            buffer.numpy()[::_PAGE] = 0  # each page faulted in here, not in the first staging copy
+            pending.set_result(buffer)
+        except BaseException as e:  # noqa: BLE001 - the save allocates as it did without a reservation
+            pending.set_exception(e)
+
+    def _drop_made(self, made: "Future[torch.Tensor]") -> None:
+        if made.exception() is None:
+            self.drop(made.result())
+
+    def _reserving(self, nbytes: int, pin: bool) -> bool:
+        """Whether the buffer being made for slot 0 will fit ``nbytes`` (and has not failed)."""
+        if self._reserved is None:
+            return False
+        pending, size, pinned = self._reserved
+        failed = pending.done() and pending.exception() is not None
+        return size >= nbytes and pinned >= pin and not failed
+
+    def _fits(self, slot: int, nbytes: int, pin: bool) -> bool:
+        buffer = self._buffers[slot]
+        return buffer is not None and buffer.numel() >= nbytes and (self._pinned[slot] or not pin)
+
     def get(self, slot: int, nbytes: int, pin: bool) -> torch.Tensor:
         """Slot ``slot``'s buffer, replaced by a bigger (or page-locked) one when it does not fit ``nbytes``."""
+        if slot == 0 and self._reserved is not None:
+            self._take_reserved(nbytes, pin)
         old = self._buffers[slot]
         if old is None or old.numel() < nbytes or (pin and not self._pinned[slot]):
             self._buffers[slot] = None
@@ -44,6 +91,23 @@ class StagingBuffers:
             self.changed(slot, new)
             return new
         return old
+
+    def _take_reserved(self, nbytes: int, pin: bool) -> None:
+        """Put the reserved buffer in slot 0 (waiting for it if it is still being made) unless the one there fits
+        this save or the reserved one does not."""
+        pending, _, pinned = self._reserved
+        self._reserved = None
+        if pending.exception() is not None:
+            return
+        buffer = pending.result()
+        if self._fits(0, nbytes, pin) or buffer.numel() < nbytes or pinned < pin:
+            self._drop_made(pending)
+            return
+        old, self._buffers[0] = self._buffers[0], buffer
+        if old is not None:
+            self.drop(old)
+        self._pinned[0] = pinned
+        self.changed(0, buffer)
 
     def allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
         """A new buffer of ``nbytes``."""

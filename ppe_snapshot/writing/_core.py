@@ -22,14 +22,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from ppe_snapshot.engine import StateDict, TakeJob, check_base, gc_paused, group_rank, prepare_take
+from ppe_snapshot.engine import StateDict, TakeJob, align, check_base, gc_paused, group_rank, prepare_take
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._errors import add_note, surfaced
 from ppe_snapshot.writing._files import FileSave, StagedObject
 from ppe_snapshot.writing._replace import AfterCommit
 from ppe_snapshot.writing._runners import FileWork, Runner, TakeWork, Work
+
+#: What :func:`staging_estimate` adds for the values it does not count (numbers, strings, RNG states).
+STAGING_SLACK = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +192,13 @@ class WriterCore:
         self.last_stats = ticket.stats
 
     # -- slots and their buffers ----------------------------------------------------------
+
+    def prepare_staging(self, state: Any) -> None:
+        """Have the staging buffer of a save of ``state`` ready before that save (made in the background); nothing
+        for a runner that saves in the caller."""
+        if self.runner.background and not self.closed:
+            nbytes, on_cuda = staging_estimate(state)
+            self._buffers.reserve(nbytes, on_cuda)
     @property
     def staging_buffers(self) -> tuple[torch.Tensor | None, ...]:
         return self._buffers.all
@@ -292,6 +303,26 @@ class WriterCore:
             self._buffers.close()
             while self._failures:
                 logger.error("another background save failed: %r", self._failures.popleft())
+
+
+def staging_estimate(state: Any) -> tuple[int, bool]:
+    """The bytes a staged image of ``state`` (nested dicts, lists and tuples of tensors, arrays and other values)
+    takes, with room for its small values, and whether any tensor is on a GPU."""
+    nbytes, on_cuda, todo = STAGING_SLACK, False, [state]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, torch.Tensor):
+            nbytes += align(value.numel() * value.element_size())
+            on_cuda |= value.is_cuda
+        elif isinstance(value, np.ndarray):
+            nbytes += align(value.nbytes)
+        elif isinstance(value, (bytes, bytearray)):
+            nbytes += align(len(value))
+        elif isinstance(value, Mapping):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+    return nbytes, on_cuda
 
 
 def _stats(path: str, nbytes: int | None) -> dict[str, Any]:

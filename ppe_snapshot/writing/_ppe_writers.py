@@ -224,6 +224,14 @@ class _PpeWriter(Writer, SnapshotWriter):
         return {"savefun": self._default_savefun, "fs": self.fs, "out_dir": self.out_dir,
                 "allow_pickle": self.allow_pickle, "storage_options": self.storage_options, **self._savefun_kwds}
 
+    def prepare_staging(self, target: Any) -> None:
+        """Allocate, in a background thread, the staging buffer a save of ``target`` (a state dict) will need, its
+        pages touched (page-locked when the state is on a GPU), so that the first save blocks only for its copy
+        (a fresh buffer's first touch costs more than the copy). Call it when the state is known, e.g. after the
+        first optimizer step; a later, larger state makes it grow. Nothing for a SimpleWriter, which stages
+        nothing."""
+        self._core.prepare_staging(target)
+
     def wait(self) -> None:
         """Block until every save in flight is committed and its hooks ran.
 

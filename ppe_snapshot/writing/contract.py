@@ -22,13 +22,15 @@ read back                 ``last_stats`` (see :class:`SaveStats`), ``storage_opt
                           ``allow_pickle``, ``base``; ``last_save`` (a ``Future`` done once the last save
                           ended, its exception the failure: the DISTRIBUTED saver rank tells the other
                           ranks from it; the default None: a save is taken as ended when the call returns)
-called                    ``wait()`` before a snapshot on error; ``finalize()`` at the end;
+called                    ``prepare_staging(target)`` once the state is known (after autoload, then after
+                          the first optimizer step); ``wait()`` before a snapshot on error;
+                          ``finalize()`` at the end;
                           ppe's cleanup hooks (``pytorch_pfn_extras.writing.Writer``'s): each runs
                           after a committed save (retention prunes there)
 ========================  =====================================================================
 
-``incremental``, ``base`` and ``last_save`` have defaults here (a writer without incremental saves refuses
-``incremental = True``); a writer joining by ``SnapshotWriter.register`` gets those it does not define on its
+``incremental``, ``base``, ``last_save`` and ``prepare_staging`` have defaults here (a writer without
+incremental saves refuses ``incremental = True``; ``prepare_staging`` does nothing); a writer joining by ``SnapshotWriter.register`` gets those it does not define on its
 class.
 """
 from __future__ import annotations
@@ -126,6 +128,10 @@ class SnapshotWriter(metaclass=_Contract):
         are ignored when a ``savefun`` writes a single file (ppe's format).
         """
 
+    def prepare_staging(self, target: Any) -> None:
+        """Have what a save of ``target`` (a state dict) needs ready before that save comes, e.g. a background
+        writer's staging buffer, allocated and faulted in away from the loop; nothing here."""
+
     @abc.abstractmethod
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise its failure."""
@@ -136,4 +142,4 @@ class SnapshotWriter(metaclass=_Contract):
 
 
 #: The members the contract gives a default (see :meth:`_Contract.register`).
-_DEFAULTS = ("base", "incremental", "last_save")
+_DEFAULTS = ("base", "incremental", "last_save", "prepare_staging")
