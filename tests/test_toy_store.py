@@ -1,6 +1,8 @@
-"""A store no part of ppe-snapshot knows: ``toy://``, an fsspec file system registered by the test alone (a
-memory file system of its own under a new protocol). Nothing above the storage floor tells stores apart, so the
-engine, the extension with each writer that runs in this process, retention and the CLI work on it unchanged."""
+"""The recipe "Adding a store" of docs/architecture.md, followed: ``toy://``, a store no part of ppe-snapshot
+knows (a memory file system of its own under a new protocol), is registered with fsspec and given a profile
+(``register_store``). Nothing above the storage floor tells stores apart, so the engine, the extension with each
+writer, retention and the CLI work on it unchanged; the profile says what differs (its data lives in this process:
+a ProcessWriter refuses it)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 import ppe_snapshot
 from ppe_snapshot import Snapshot, StateDict
 from ppe_snapshot.cli import main
-from ppe_snapshot.storage import join
+from ppe_snapshot.storage import StoreProfile, join, register_store
 
 from _extension_workers import Run, assert_same
 
@@ -28,9 +30,14 @@ class ToyFileSystem(MemoryFileSystem):
     pseudo_dirs = [""]
 
 
+#: Keys rather than directories, in this process only, no network (plain reads), nothing else of its own.
+TOY = StoreProfile("toy store", ("toy",), object_store=True, remote=False, one_process=True)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def toy_store():
     fsspec.register_implementation("toy", ToyFileSystem, clobber=True)
+    register_store(TOY)
     yield
     ToyFileSystem.store.clear()  # the protocol stays registered: fsspec has no call to unregister one
 
@@ -60,8 +67,7 @@ def straight(tmp_path_factory):
 
 @pytest.mark.parametrize("writer", ["SimpleWriter", "ThreadWriter", "ThreadQueueWriter"])
 def test_the_extension_saves_resumes_and_retains_there(tmp_path, straight, writer):
-    """Each writer that writes from this process (a ProcessWriter's worker is another interpreter, where the
-    test's ``toy://`` is not registered: it saves to stores every process can open)."""
+    """Each writer that writes from this process."""
     url = _url()
     make = getattr(ppe_snapshot.writing, writer)
     first = Run(str(tmp_path), 4, {"writer": make(out_dir=url), "n_retains": 1})
@@ -89,3 +95,32 @@ def test_the_cli_lists_and_prunes_there(capsys):
     assert main(["prune", url, "--keep-latest", "1"]) == 0
     assert [c.name for c in ppe_snapshot.retention.list_snapshots(url, "snapshot_iter_{.iteration}")] == [
         "snapshot_iter_3"]
+
+
+@pytest.mark.parametrize("writer", ["ProcessWriter", "ProcessQueueWriter"])
+def test_a_process_writer_refuses_a_store_of_one_process(tmp_path, writer):
+    """The writers whose worker is another interpreter: the profile says the toy store's data lives in this
+    process, so they refuse it at the save, naming the URL and what to use instead."""
+    url = _url()
+    saver = getattr(ppe_snapshot.writing, writer)(out_dir=url)
+    try:
+        with pytest.raises(ValueError, match=f"cannot save to {url}/s: .* lives in one process.*ThreadWriter"):
+            saver("s", "", {"x": torch.ones(2)})
+    finally:
+        saver.finalize()
+
+
+def test_a_package_registers_its_store_through_an_entry_point(monkeypatch):
+    """A package names its profile in entry point group ``ppe_snapshot.stores``: found at the first look-up, beside
+    the built-in stores."""
+    from ppe_snapshot.storage import stores
+
+    class Point:
+        def load(self) -> StoreProfile:
+            return StoreProfile("entry store", ("entrytoy",), one_process=True)
+
+    monkeypatch.setattr(stores, "entry_points", lambda group: [Point()] if group == stores.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(stores, "_loaded", False)
+    monkeypatch.setattr(stores, "_PROFILES", {})
+    assert stores.store_profile("entrytoy").name == "entry store"
+    assert stores.profile_of_url("s3://bucket/run").name == "S3" and stores.store_profile("nothing") is None

@@ -2,7 +2,8 @@
 of the floors above (:func:`open_tree`).
 
 Imports nothing of ours but :mod:`ppe_snapshot.errors` and :mod:`ppe_snapshot.settings`.
-``open_storage`` picks the backend from the path. Floors above use only the names exported here.
+``open_storage`` picks the backend from the path; each object store's particulars are its profile
+(``stores/``, :func:`register_store`). Floors above use only the names exported here.
 (The DCP adapters' old names here, ``SnapshotStorageWriter`` / ``SnapshotStorageReader``, are a deprecation
 shim of ``ppe_snapshot/__init__.py``: this package names nothing above it.)
 """
@@ -16,6 +17,7 @@ from ppe_snapshot.storage.base import (
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.pools import shared_pool
+from ppe_snapshot.storage.stores import StoreProfile, register_store
 from ppe_snapshot.storage.trees import (
     LocalTree, Tree, absolute, anchored, in_one_process, is_known_location, local_path, open_tree, remove_local_shadow,
 )
@@ -34,7 +36,7 @@ def join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if base else name
 
 
-__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "Tree", "Tuning", "absolute",
-           "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join",
-           "open_storage", "open_tree", "open_url", "remove_local_shadow", "shared_pool", "split_reference",
+__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree", "Tuning",
+           "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join", "open_storage",
+           "open_tree", "open_url", "register_store", "remove_local_shadow", "shared_pool", "split_reference",
            "split_tuning", "url_to_fs"]

@@ -17,11 +17,11 @@ import shutil
 from typing import Any, Callable
 
 import fsspec
-import fsspec.utils
 from fsspec.implementations.local import LocalFileSystem
 
 from ppe_snapshot.storage.base import forget_listings
 from ppe_snapshot.storage.fsspec import url_to_fs
+from ppe_snapshot.storage.stores import profile_of_url
 from ppe_snapshot.storage.swap import swap_entries, sync_directory
 from ppe_snapshot.storage.tuning import split_tuning
 
@@ -55,9 +55,10 @@ def is_known_location(location: str) -> bool:
 
 
 def in_one_process(location: str) -> bool:
-    """Whether what is stored at ``location`` lives in this process only (``memory://``): another process (a
-    writer's worker) cannot reach it."""
-    return fsspec.utils.get_protocol(location) == "memory"
+    """Whether what is stored at ``location`` lives in this process only (``memory://``, as its store's profile
+    says): another process (a writer's worker) cannot reach it."""
+    profile = profile_of_url(location)
+    return profile is not None and profile.one_process
 
 
 def anchored(location: str, base: str) -> str:

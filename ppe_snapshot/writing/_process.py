@@ -234,9 +234,10 @@ class WorkerProcess(Runner):
 
     def check_path(self, path: str) -> None:
         if in_one_process(path):
-            raise ValueError(f"{self.writer} cannot save to {path}: a memory:// file system lives in "
+            scheme = path.split("://", 1)[0]
+            raise ValueError(f"{self.writer} cannot save to {path}: a {scheme}:// file system lives in "
                              "one process, and this writer writes from its worker process. Use a ThreadWriter "
-                             "for memory://, or a real file system")
+                             f"for {scheme}://, or a real file system")
 
     def before_save(self) -> None:
         self._live_worker()
