@@ -17,14 +17,12 @@ Every other module asks here: the writers (where a replacement is written, what 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ppe_snapshot.engine import INDEX_DIR, LOCAL, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, Snapshot
-from ppe_snapshot.storage import join, local_path, open_storage, url_to_fs
+from ppe_snapshot.storage import join, open_storage, open_tree
 
 #: Where a snapshot replacing ``<name>`` is written until it takes the name.
 SIDE_SUFFIX = ".ppe-snapshot-next"
@@ -129,29 +127,5 @@ def remove_snapshot(location: str, storage_options: dict[str, Any] | None = None
     """Remove the snapshot at ``location`` (a path or URL): a directory loses its manifest first, so it is
     never seen half-removed, then the rest; a file (a single-file snapshot) is removed. Nothing there: nothing
     to do."""
-    local = local_path(location, storage_options)
-    if local is not None:
-        if os.path.isdir(local) and not os.path.islink(local):
-            try:
-                os.unlink(os.path.join(local, MANIFEST_NAME))
-            except FileNotFoundError:
-                pass
-            shutil.rmtree(local, ignore_errors=False)
-        elif os.path.lexists(local):
-            os.unlink(local)
-        return
-    fs, target = url_to_fs(location, storage_options)
-    target = target.rstrip("/")
-    if not fs.exists(target):
-        return
-    if fs.isdir(target):
-        try:
-            fs.rm_file(f"{target}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            pass
-        try:
-            fs.rm(target, recursive=True)
-        except FileNotFoundError:  # an object store drops the "directory" with its last object
-            pass
-    else:
-        fs.rm_file(target)
+    tree = open_tree(location, storage_options)
+    tree.remove_tree(tree.root, first=MANIFEST_NAME)

@@ -107,15 +107,16 @@ def _pause() -> None:
 
 
 def replace_loop(root: str, mib: int, variant: str, pause: str, first: str) -> None:
+    from ppe_snapshot.storage import LocalTree
     from ppe_snapshot.writing import SimpleWriter, _replace
 
     if variant == "rename":
-        _replace.exchange = lambda a, b: False
-    promote, remove, exchange = _replace.Replacement.promote, _replace.Replacement.remove, _replace.exchange
+        LocalTree.swap = lambda self, a, b: False
+    promote, remove, swap = _replace.Replacement.promote, _replace.Replacement.remove, LocalTree.swap
     if pause == "before_promote":
         _replace.Replacement.promote = lambda self: (_pause(), promote(self))[1]
     elif pause == "after_exchange":
-        _replace.exchange = lambda a, b: exchange(a, b) and (_pause() or True)
+        LocalTree.swap = lambda self, a, b: swap(self, a, b) and (_pause() or True)
     elif pause == "after_remove":
         def remove_then_pause(self, path: str) -> None:
             remove(self, path)

@@ -189,8 +189,8 @@ def test_fixed_name_is_replaced_at_every_trigger(tmp_path, writer):
 
 
 def test_fixed_name_is_replaced_without_an_atomic_exchange(tmp_path, monkeypatch):
-    from ppe_snapshot.writing import _replace
-    monkeypatch.setattr(_replace, "exchange", lambda a, b: False)  # a platform without renameat2
+    from ppe_snapshot.storage import LocalTree
+    monkeypatch.setattr(LocalTree, "swap", lambda self, a, b: False)  # a platform without renameat2
     run = Run(str(tmp_path), 3, {"filename": "latest"}, trigger=(1, "iteration"))
     run.train()
     assert listing(tmp_path) == ["latest", "log"]

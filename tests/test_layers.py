@@ -209,11 +209,8 @@ SHARED_NAMES = {
                        "defines version 2's",
     "publish": "as expected_shared: a format version's step, picked by engine/_versions",
     "merge_and_commit": "as expected_shared: a format version's step, picked by engine/_versions",
-}
-#: Names still meaning two things, each to be renamed by the work named; remove the entry with the rename.
-PENDING_NAMES = {
-    "exchange": "storage/swap.py's (two files swapped) is not engine/_rank_channel.py's (documents between ranks): "
-                "the stores work (ISSUE33 item 1) renames storage's",
+    "PROFILE": "each store's module under storage/stores/ names its registered profile so (the recipe 'Adding a "
+               "store')",
 }
 
 
@@ -253,8 +250,8 @@ def test_every_name_has_one_meaning():
     """A name that other modules may import means one thing in the package: no two modules define it differently
     (a copy of the same definition is the same meaning), save the names listed with their reason."""
     twice = _names_with_two_meanings()
-    assert {n: where for n, where in twice.items() if n not in SHARED_NAMES and n not in PENDING_NAMES} == {}
-    assert set(SHARED_NAMES) | set(PENDING_NAMES) <= set(twice), "an exception no longer needed: remove it"
+    assert {n: where for n, where in twice.items() if n not in SHARED_NAMES} == {}
+    assert set(SHARED_NAMES) <= set(twice), "an exception no longer needed: remove it"
 
 
 def test_a_private_name_is_its_modules_own():
@@ -373,3 +370,58 @@ def test_writer_and_extension_hierarchies_are_at_most_four_deep():
 
 def test_modules_stay_small():
     assert {m: n for m in MODULES if (n := len(MODULES[m].read_text().splitlines())) > 400} == {}
+
+
+#: What "a file operation" is: the ``os`` / ``os.path`` calls that touch a file system (pure path arithmetic such as
+#: ``os.path.join`` / ``abspath`` is not one), and the builtin ``open``.
+_OS_FILE_CALLS = {"open", "remove", "unlink", "rename", "renames", "replace", "rmdir", "removedirs", "mkdir",
+                  "makedirs", "listdir", "scandir", "walk", "stat", "lstat", "link", "symlink", "readlink",
+                  "truncate", "fsync", "chmod", "chown", "utime", "dup2", "close"}
+_OS_PATH_QUESTIONS = {"exists", "lexists", "isdir", "isfile", "islink", "ismount", "getsize", "getmtime",
+                      "getatime", "getctime", "samefile", "realpath"}
+_FILE_MODULES = ("shutil", "fsspec", "tempfile")
+#: Above the storage floor, the file operations that are no storage (module -> the calls and why).
+_NOT_STORAGE = {
+    # this process's identity for the writer records (/proc/self/ns/pid, /proc/<pid>/stat): no snapshot file
+    "ppe_snapshot.engine._writers": {"readlink", "open"},
+    # which host memory is mapped how (/proc/self/maps), to pin staging buffers
+    "ppe_snapshot.writing._pinning": {"open"},
+    # --quiet points stdout at /dev/null
+    "ppe_snapshot.cli.exits": {"open", "dup2", "close"},
+}
+
+
+def _file_operations(name: str) -> set[str]:
+    """The file operations module ``name`` calls (``os.unlink``, ``os.path.isdir``, ``open``) and the file-system
+    modules it imports (``shutil``, ``fsspec``...)."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    found = {f"import {m}" for m in _foreign_imports(name) if m.split(".")[0] in _FILE_MODULES}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "open":
+            found.add("open")
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "os" \
+                and func.attr in _OS_FILE_CALLS:
+            found.add(func.attr)
+        elif (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute)
+              and isinstance(func.value.value, ast.Name) and func.value.value.id == "os"
+              and func.value.attr == "path" and func.attr in _OS_PATH_QUESTIONS):
+            found.add(f"path.{func.attr}")
+    return found
+
+
+def test_files_are_touched_only_on_the_storage_floor():
+    """Above ``storage`` every file and directory is reached through it (``Storage`` inside a snapshot, ``Tree``
+    around them): no ``os`` file operation, no ``shutil`` / ``fsspec`` import, except what touches no storage."""
+    touching = {m: ops - _NOT_STORAGE.get(m, set()) for m in MODULES if _floor(m) > FLOORS["ppe_snapshot.storage"]
+                and (ops := _file_operations(m))}
+    assert {m: ops for m, ops in touching.items() if ops} == {}
+
+
+def test_the_file_operation_check_sees_them():
+    """The checker itself: the storage floor's own modules are caught."""
+    assert "import shutil" in _file_operations("ppe_snapshot.storage.trees")
+    assert {"unlink", "path.lexists"} <= _file_operations("ppe_snapshot.storage.trees")
+    assert "import fsspec" in _file_operations("ppe_snapshot.storage.fsspec")

@@ -127,7 +127,7 @@ def test_google_cloud_storage_under_both_schemes(gcs_bucket):
 
 
 def test_gcs_ranged_reads_stream_into_the_views(gcs_bucket):
-    """GCS reads are streamed into place (storage/gcs_reads.py); a missing object is FileNotFoundError."""
+    """GCS reads are streamed into place (storage/stores/gcs.py); a missing object is FileNotFoundError."""
     url, options = gcs_bucket
     storage = open_storage(url, options)
     assert_ranged_reads_scatter(storage, stream=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
-from ppe_snapshot.storage import fsspec as fsspec_storage
+from ppe_snapshot.storage.stores import s3 as s3_store
 
 MANIFEST_PUT = r"/run/snap/manifest\.json$"
 DATA_PUT = r"/run/snap/data/rank0\.bin$"
@@ -44,7 +44,7 @@ def test_two_503s_and_a_500_are_absorbed_on_data_and_manifest(proxied):
 
 def test_persistent_500s_fail_after_the_documented_attempts(proxied):
     path, options, proxy, client = proxied
-    assert fsspec_storage.S3_RETRIES == {"mode": "standard", "total_max_attempts": 5}
+    assert s3_store.S3_RETRIES == {"mode": "standard", "total_max_attempts": 5}
     proxy.fail_always("PUT", MANIFEST_PUT, 500)
     with pytest.raises(OSError, match="injected by the test proxy"):
         Snapshot.take(path, {"s": StateDict(_state())}, storage_options=options)

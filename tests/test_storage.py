@@ -243,3 +243,27 @@ def test_s3_take_into_missing_bucket_fails_instead_of_creating_it(s3_bucket):
     with pytest.raises((FileNotFoundError, OSError)):
         Snapshot.take(f"{missing}/snap", {"s": StateDict(x=torch.arange(10.0))}, storage_options=options)
     assert not fsspec.filesystem("s3", **options).exists(missing.removeprefix("s3://"))
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_tree_removes_moves_and_saves_whole(tmp_path, where):
+    """The run-directory operations: a file saved whole, a directory moved with its manifest, removed with its
+    manifest first, a swap only where the file system can."""
+    from ppe_snapshot.storage import open_tree
+    base = str(tmp_path) if where == "local" else f"memory://tree-{tmp_path.name}"
+    tree = open_tree(base)
+    written = tree.save_file(f"{tree.root}/one.bin", lambda f: f.write(b"abc"))
+    assert written == 3 and tree.read(f"{tree.root}/one.bin") == b"abc" and tree.size(f"{tree.root}/one.bin") == 3
+    assert not tree.exists(f"{tree.root}/tmp_one.bin")
+    for name in ("data", "manifest.json"):
+        tree.save_file(f"{tree.root}/a/{name}", lambda f: f.write(b"x"))
+    tree.move_tree(f"{tree.root}/a", f"{tree.root}/b", last="manifest.json")
+    assert not tree.exists(f"{tree.root}/a") and tree.is_dir(f"{tree.root}/b")
+    assert sorted(i["name"].rsplit("/", 1)[1] for i in tree.list(f"{tree.root}/b")) == ["data", "manifest.json"]
+    tree.save_file(f"{tree.root}/c/data", lambda f: f.write(b"y"))
+    assert tree.swap(f"{tree.root}/b", f"{tree.root}/c") == (where == "local")
+    tree.remove_tree(f"{tree.root}/b", first="manifest.json")
+    tree.remove_tree(f"{tree.root}/one.bin", first="manifest.json")
+    tree.remove_tree(f"{tree.root}/nothing", first="manifest.json")
+    assert not tree.exists(f"{tree.root}/b") and not tree.exists(f"{tree.root}/one.bin")
+    assert tree.list(f"{tree.root}/nothing") == []

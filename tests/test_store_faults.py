@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
-from ppe_snapshot.storage import fsspec as fsspec_storage
+from ppe_snapshot.storage.stores import azure as azure_store
 
 from _fault_proxy import FaultProxy
 
@@ -132,7 +132,7 @@ AZ_BLOCK_LIST = r"comp=blocklist"
 
 
 def test_azure_persistent_errors_fail_after_the_documented_attempts(azure, waits):
-    assert fsspec_storage.AZURE_RETRIES == {"attempts": 5, "initial_backoff": 0.25, "increment_base": 1.5,
+    assert azure_store.AZURE_RETRIES == {"attempts": 5, "initial_backoff": 0.25, "increment_base": 1.5,
                                             "jitter": 0.5}
     path, options, proxy, direct = azure
     proxy.fail_always("PUT", AZ_BLOCK_LIST, 503)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 from urllib.parse import unquote
 
-import fsspec
 import numpy as np
 import torch
 
@@ -21,9 +20,8 @@ from ppe_snapshot.dcp import DCP_KEY
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, RNGState, Snapshot
 from ppe_snapshot.engine.codec import escape
 from ppe_snapshot.errors import SnapshotNotFoundError, UnsupportedFormatError, UnsupportedValueError
-from ppe_snapshot.retention import filesystem
 from ppe_snapshot.run_dir import load_file
-from ppe_snapshot.storage import local_path, open_url
+from ppe_snapshot.storage import Tree, open_tree, open_url
 
 #: The app state key under which the extension and the writers store a target's state dict.
 STATE_KEY = "state"
@@ -86,8 +84,8 @@ def parse_storage_options(pairs: Iterable[str] | None, as_json: dict[str, Any] |
     return options or None
 
 
-def _head(fs: fsspec.AbstractFileSystem, path: str, n: int = 16) -> bytes:
-    with fs.open(path, "rb") as f:
+def _head(tree: Tree, path: str, n: int = 16) -> bytes:
+    with tree.open(path, "rb") as f:
         return f.read(n)
 
 
@@ -96,23 +94,23 @@ def looks_like_safetensors(head: bytes) -> bool:
     return len(head) > 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < (100 << 20)
 
 
-def classify(fs: fsspec.AbstractFileSystem, fs_path: str) -> tuple[str | None, str | None]:
-    """(kind, problem) of one path; kind None when it is not snapshot-like (problem says why)."""
-    if fs.isdir(fs_path):
-        if fs.exists(f"{fs_path}/{MANIFEST_NAME}"):
+def classify(tree: Tree, fs_path: str) -> tuple[str | None, str | None]:
+    """(kind, problem) of one path of ``tree``; kind None when it is not snapshot-like (problem says why)."""
+    if tree.is_dir(fs_path):
+        if tree.exists(f"{fs_path}/{MANIFEST_NAME}"):
             return Kind.SNAPSHOT, None
-        if fs.exists(f"{fs_path}/{DCP_METADATA}"):
+        if tree.exists(f"{fs_path}/{DCP_METADATA}"):
             return Kind.TORCH_DCP, None
-        if fs.exists(f"{fs_path}/{RETIRED_NAME}"):
+        if tree.exists(f"{fs_path}/{RETIRED_NAME}"):
             return Kind.RETIRED, ("retention removed it; its data files stay while incremental snapshots beside it "
                                   "read them")
-        if fs.exists(f"{fs_path}/{PARTS_DIR}") or fs.exists(f"{fs_path}/data"):
+        if tree.exists(f"{fs_path}/{PARTS_DIR}") or tree.exists(f"{fs_path}/data"):
             return Kind.IN_PROGRESS, f"it has no {MANIFEST_NAME} (still being written, or its save crashed)"
-        if not fs.ls(fs_path):
+        if not tree.list(fs_path):
             return None, "is an empty directory, not a snapshot"
         return None, (f"is a directory without {MANIFEST_NAME} or {DCP_METADATA}: not a snapshot "
                       "(for a run directory, use 'ppe-snapshot ls')")
-    head = _head(fs, fs_path)
+    head = _head(tree, fs_path)
     if not head:
         return None, "is an empty file, not a snapshot"
     if head.startswith(TORCH_MAGIC):
@@ -124,9 +122,9 @@ def classify(fs: fsspec.AbstractFileSystem, fs_path: str) -> tuple[str | None, s
 
 def is_retired(path: str, storage_options: dict[str, Any] | None) -> bool:
     """Whether ``path`` is a retired snapshot directory (its data files kept for the snapshots that read them)."""
-    fs, root = filesystem(path, storage_options)
+    tree = open_tree(path, storage_options)
     try:
-        return fs.isdir(root) and classify(fs, root)[0] == Kind.RETIRED
+        return tree.is_dir(tree.root) and classify(tree, tree.root)[0] == Kind.RETIRED
     except OSError:
         return False
 
@@ -135,11 +133,11 @@ def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_p
     """What ``path`` holds. Raises, naming the path and the problem, :class:`SnapshotNotFoundError` when nothing
     readable is there (nothing at all, a directory without a snapshot, an in-progress or retired one) and
     :class:`UnsupportedFormatError` for a file of no kind that is read here."""
-    fs, root = filesystem(path, storage_options)
-    if not fs.exists(root):
+    tree = open_tree(path, storage_options)
+    if not tree.exists(tree.root):
         raise SnapshotNotFoundError(f"{path}: no such file or directory")
-    kind, problem = classify(fs, root)
-    if kind is None and not fs.isdir(root):
+    kind, problem = classify(tree, tree.root)
+    if kind is None and not tree.is_dir(tree.root):
         raise UnsupportedFormatError(f"{path}: {problem}")
     if kind is None or kind == Kind.RETIRED or (kind == Kind.IN_PROGRESS and not allow_in_progress):
         raise SnapshotNotFoundError(f"{path}: {problem}")
@@ -153,9 +151,9 @@ def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_p
     return Source(path, kind, storage_options)
 
 
-def size_of(fs: fsspec.AbstractFileSystem, fs_path: str) -> int:
+def size_of(tree: Tree, fs_path: str) -> int:
     try:
-        return int(fs.du(fs_path, total=True)) if fs.isdir(fs_path) else int(fs.size(fs_path))
+        return tree.size(fs_path)
     except Exception:  # noqa: BLE001 - a size is informative only
         return 0
 
@@ -240,7 +238,7 @@ def _dcp_reader(source: Source, allow_pickle: bool) -> Any:
     if source.kind == Kind.DCP_ADAPTER:
         from ppe_snapshot.dcp import SnapshotStorageReader
         return SnapshotStorageReader(source.path, storage_options=source.storage_options)
-    local = local_path(source.path, source.storage_options)
+    local = open_tree(source.path, source.storage_options).local_dir
     if local is None:
         raise UnsupportedFormatError(f"{source.path}: torch DCP directories are read from local paths only")
     return metadata_checked_reader(local, allow_pickle)

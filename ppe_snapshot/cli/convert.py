@@ -21,8 +21,7 @@ from ppe_snapshot.cli.common import (
 )
 from ppe_snapshot.cli.dcp_dirs import failure, save_dcp
 from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
-from ppe_snapshot.storage import local_path, open_storage, open_url
-from ppe_snapshot.retention import filesystem
+from ppe_snapshot.storage import open_storage, open_tree, open_url
 
 TARGETS = ("snapshot", "torch", "dcp", "safetensors")
 
@@ -52,19 +51,19 @@ def _note(message: str) -> None:
 
 def _check_destination(dst: str, storage_options: dict | None, force: bool) -> bool:
     """Whether ``dst`` exists (then only with ``force``)."""
-    fs, root = filesystem(dst, storage_options)
-    if fs.exists(root) and not force:
+    tree = open_tree(dst, storage_options)
+    if tree.exists(tree.root) and not force:
         raise UsageError(f"{dst}: already exists; pass --force to replace it")
-    return fs.exists(root)
+    return tree.exists(tree.root)
 
 
 def _move_aside(dst: str, storage_options: dict | None) -> str:
     """Move an existing ``dst`` beside it until the conversion succeeded; returns where it went."""
-    fs, root = filesystem(dst, storage_options)
-    aside = root.rstrip("/") + ".ppe-snapshot-replaced"
-    if fs.exists(aside):  # left by a conversion that was killed: the new DST was never complete
-        fs.rm(aside, recursive=fs.isdir(aside))
-    fs.mv(root, aside, recursive=fs.isdir(root))
+    tree = open_tree(dst, storage_options)
+    aside = tree.root + ".ppe-snapshot-replaced"
+    if tree.exists(aside):  # left by a conversion that was killed: the new DST was never complete
+        tree.remove(aside)
+    tree.move(tree.root, aside)
     return aside
 
 
@@ -100,7 +99,7 @@ def _write_dcp(state: dict[str, Any], dst: str, storage_options: dict | None,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    local = local_path(dst, storage_options)
+    local = open_tree(dst, storage_options).local_dir
     if local is None:
         raise UsageError(f"{dst}: torch DCP directories are written to local paths only")
     try:
@@ -167,7 +166,7 @@ def convert(args: argparse.Namespace) -> str:
             join_keys(read.state, read.within)  # keys that collide once joined are refused before anything is written
         bar.update(2)
         aside = _move_aside(args.dst, args.storage_options) if existing else None
-        fs, root = filesystem(args.dst, args.storage_options)
+        tree = open_tree(args.dst, args.storage_options)
         try:
             if upgrade:  # version 1 or incremental -> self-contained version 2 (see upgrade_snapshot)
                 upgrade_snapshot(open_storage(args.src, args.storage_options),
@@ -177,10 +176,10 @@ def convert(args: argparse.Namespace) -> str:
         except BaseException:
             _remove_partial(args.dst, args.storage_options)
             if aside is not None:  # the old DST comes back: a failed --force loses nothing
-                fs.mv(aside, root, recursive=fs.isdir(aside))
+                tree.move(aside, tree.root)
             raise
         if aside is not None:
-            fs.rm(aside, recursive=fs.isdir(aside))
+            tree.remove(aside)
         bar.update(2)
     return target
 
@@ -188,9 +187,9 @@ def convert(args: argparse.Namespace) -> str:
 def _remove_partial(dst: str, storage_options: dict | None) -> None:
     """Remove what a failed conversion wrote at ``dst``, so nothing half-written is left."""
     try:
-        fs, root = filesystem(dst, storage_options)
-        if fs.exists(root):
-            fs.rm(root, recursive=fs.isdir(root))
+        tree = open_tree(dst, storage_options)
+        if tree.exists(tree.root):
+            tree.remove(tree.root)
     except Exception:  # noqa: BLE001 - the conversion's own error is the one to report
         pass
 

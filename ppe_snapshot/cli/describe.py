@@ -17,9 +17,9 @@ from ppe_snapshot.engine.codec import (
     BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
     referenced_bytes,
 )
-from ppe_snapshot.retention import COMPLETE_KINDS, filesystem, list_snapshots
+from ppe_snapshot.retention import COMPLETE_KINDS, list_snapshots
 from ppe_snapshot.run_dir import leftover
-from ppe_snapshot.storage import forget_listings, local_path, open_storage
+from ppe_snapshot.storage import Tree, open_storage, open_tree
 from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
@@ -29,9 +29,9 @@ LONE_KINDS = (Kind.SNAPSHOT, Kind.TORCH_DCP, Kind.PPE_FILE, Kind.SAFETENSORS)
 
 # -- ls ---------------------------------------------------------------------------------------------------
 
-def _mtime(fs: Any, path: str) -> str | None:
+def _mtime(tree: Tree, path: str) -> str | None:
     try:
-        info = fs.info(path)
+        info = tree.info(path)
     except Exception:  # noqa: BLE001 - the time is informative only
         return None
     stamp = info.get("mtime", info.get("LastModified", info.get("created")))
@@ -61,19 +61,19 @@ def _manifest_of(url: str, storage_options: dict | None) -> Any:
         storage.close()
 
 
-def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: dict | None, deep: bool,
+def _row(tree: Tree, run: str, info: dict[str, Any], storage_options: dict | None, deep: bool,
          positions: dict[str, Any]) -> dict[str, Any] | None:
     fs_path = info["name"].rstrip("/")
     name = posixpath.basename(fs_path)
     try:
-        kind, problem = classify(fs, fs_path)
+        kind, problem = classify(tree, fs_path)
     except Exception as e:  # noqa: BLE001 - unreadable: shown as damaged
         kind, problem = Kind.PPE_FILE, f"{type(e).__name__}: {e}"
     if kind is None:
         return None
     url = f"{run.rstrip('/')}/{name}"
     row: dict[str, Any] = {"name": name, "kind": kind, "status": "complete", "iteration": None, "epoch": None,
-                           "bytes": size_of(fs, fs_path), "referenced_bytes": 0, "references": [], "time": None,
+                           "bytes": size_of(tree, fs_path), "referenced_bytes": 0, "references": [], "time": None,
                            "resume": False}
     candidate = positions.get(name)
     if candidate is not None:
@@ -81,7 +81,7 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
         if candidate.problem and kind != Kind.IN_PROGRESS:
             problem = candidate.problem
     if kind == Kind.IN_PROGRESS:
-        row["status"] = leftover_status(fs, fs_path)
+        row["status"] = leftover_status(tree, fs_path)
     elif kind == Kind.RETIRED:
         row["status"] = kind
     elif kind == Kind.SNAPSHOT:
@@ -103,7 +103,7 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
                 row["referenced_bytes"] = referenced_bytes(manifest)
             except Exception as e:  # noqa: BLE001 - any failure to read it makes it damaged
                 problem = f"{type(e).__name__}: {e}"
-        row["time"] = row["time"] or _mtime(fs, f"{fs_path}/{MANIFEST_NAME}")
+        row["time"] = row["time"] or _mtime(tree, f"{fs_path}/{MANIFEST_NAME}")
     elif kind == Kind.PPE_FILE and deep and problem is None:
         try:
             read_state(Source(url, kind, storage_options))
@@ -111,14 +111,14 @@ def _row(fs: Any, root: str, run: str, info: dict[str, Any], storage_options: di
             problem = f"{type(e).__name__}: {e}"
     if problem is not None and kind not in (Kind.IN_PROGRESS, Kind.RETIRED):
         row["status"] = f"damaged: {problem}"
-    row["time"] = row["time"] or _mtime(fs, fs_path)
+    row["time"] = row["time"] or _mtime(tree, fs_path)
     return row
 
 
-def leftover_status(fs: Any, fs_path: str) -> str:
+def leftover_status(tree: Tree, fs_path: str) -> str:
     """A directory without manifest: ``in-progress`` (its writer lives), ``crashed (...)`` (its writers are
     provably gone) or ``in-progress? (unknown: ...)`` (where that cannot be known here)."""
-    writers = leftover(fs, fs_path)
+    writers = leftover(tree, fs_path)
     if writers.alive:
         return Kind.IN_PROGRESS
     if writers.gone:
@@ -128,19 +128,18 @@ def leftover_status(fs: Any, fs_path: str) -> str:
 
 def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) -> list[dict[str, Any]]:
     """One row per snapshot-like entry of ``run``, by training position, the one autoload resumes from marked."""
-    fs, root = filesystem(run, storage_options)
-    if not fs.exists(root):
+    tree = open_tree(run, storage_options)
+    if not tree.exists(tree.root):
         raise UsageError(f"{run}: no such directory")
-    if is_one_snapshot(fs, root):  # listed alone, as ls lists a file
+    if is_one_snapshot(tree, tree.root):  # listed alone, as ls lists a file
         parent, _, _ = run.rstrip("/").rpartition("/")
-        lone = _row(fs, root, parent or ".", fs.info(root), storage_options, deep, {})
+        lone = _row(tree, parent or ".", tree.info(tree.root), storage_options, deep, {})
         return [] if lone is None else [{**lone, "checked": "deep" if deep else "quick"}]
-    if not fs.isdir(root):
+    if not tree.is_dir(tree.root):
         raise UsageError(f"{run}: not a directory (ls lists a run directory; use 'inspect' for one snapshot)")
     positions = {c.name: c for c in list_snapshots(run, filename, storage_options)}
-    forget_listings(fs, root)  # adlfs ignores refresh=True
-    rows = [row for info in fs.ls(root, detail=True, refresh=True)
-            if (row := _row(fs, root, run, info, storage_options, deep, positions)) is not None]
+    rows = [row for info in tree.list(tree.root)
+            if (row := _row(tree, run, info, storage_options, deep, positions)) is not None]
     rows.sort(key=lambda r: (r["iteration"] is None, r["iteration"] or 0, r["epoch"] or 0, r["name"]))
     resumable = [r for r in rows if r["name"] in positions and r["status"] == "complete"
                  and positions[r["name"]].kind in COMPLETE_KINDS]
@@ -151,10 +150,10 @@ def list_run(run: str, storage_options: dict | None, deep: bool, filename: str) 
     return rows
 
 
-def is_one_snapshot(fs: Any, fs_path: str) -> bool:
+def is_one_snapshot(tree: Tree, fs_path: str) -> bool:
     """Whether ``fs_path`` is itself a snapshot (a committed one, a DCP directory, a file), not a run directory."""
     try:
-        return classify(fs, fs_path)[0] in LONE_KINDS
+        return classify(tree, fs_path)[0] in LONE_KINDS
     except OSError:
         return False
 
@@ -173,8 +172,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    fs, root = filesystem(args.run, args.storage_options)
-    if is_one_snapshot(fs, root):
+    tree = open_tree(args.run, args.storage_options)
+    if is_one_snapshot(tree, tree.root):
         print(f"{args.run} is one snapshot, not a run directory: listed alone ('ppe-snapshot inspect "
               f"{args.run}' shows its entries; 'ppe-snapshot ls DIR' lists the snapshots in DIR)")
     if not rows:
@@ -256,7 +255,8 @@ def inspect_source(source: Source) -> dict[str, Any]:
 def _torch_dcp_entries(source: Source) -> list[dict[str, Any]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = metadata_checked_reader(local_path(source.path) or source.path, allow_pickle=False).read_metadata()
+    where = open_tree(source.path).local_dir or source.path
+    metadata = metadata_checked_reader(where, allow_pickle=False).read_metadata()
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     entries = []
     for fqn, item in sorted(metadata.state_dict_metadata.items()):

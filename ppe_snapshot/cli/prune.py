@@ -12,8 +12,9 @@ from typing import Any, Callable
 from ppe_snapshot.cli.common import UsageError
 from ppe_snapshot.cli.describe import DEFAULT_FILENAME
 from ppe_snapshot.retention import (
-    COMPLETE_KINDS, Candidate, KeepBest, KeepEvery, KeepLatest, Policy, filesystem, list_snapshots, prune,
+    COMPLETE_KINDS, Candidate, KeepBest, KeepEvery, KeepLatest, Policy, list_snapshots, prune,
 )
+from ppe_snapshot.storage import open_tree
 
 #: How ``--keep-best`` is written (its help, its errors): N defaults to 1 and the mode to min, as ``KeepBest``'s.
 KEEP_BEST_SPEC = "KEY[:N][:min|max]"
@@ -77,8 +78,8 @@ def _check_recorded(run: str, policy: Policy, listed: list[Candidate]) -> None:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    fs, root = filesystem(args.run, args.storage_options)
-    if not fs.isdir(root):
+    tree = open_tree(args.run, args.storage_options)
+    if not tree.is_dir(tree.root):
         raise UsageError(f"{args.run}: no such directory")
     policy = _policy(args)
     listed = list_snapshots(args.run, args.filename, args.storage_options)

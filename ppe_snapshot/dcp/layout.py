@@ -24,13 +24,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import fsspec
 import torch
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from ppe_snapshot.engine.codec import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError
-from ppe_snapshot.storage import is_local
+from ppe_snapshot.storage import is_known_location
 
 #: Key of the DCP metadata in ``Manifest.metadata``.
 DCP_KEY = "dcp"
@@ -52,10 +51,7 @@ def valid_location(checkpoint_id: Any) -> bool:
         path = location(checkpoint_id)
     except (TypeError, ValueError):
         return False
-    if is_local(path) and "::" not in path:
-        return True
-    known = set(fsspec.available_protocols())
-    return all(part.split("://", 1)[0] in known for part in path.split("::"))
+    return is_known_location(path)
 
 
 def _torch_name(value: Any) -> str:

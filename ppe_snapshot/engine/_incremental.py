@@ -40,7 +40,7 @@ from ppe_snapshot.engine._sparse_references import Kept, copy_sparse_references
 from ppe_snapshot.engine._sharded import ShardPlan
 from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage import Storage, is_local, open_storage, shared_pool, split_reference
+from ppe_snapshot.storage import Storage, absolute, open_storage, shared_pool, split_reference
 
 #: Rows handed from the hashing thread to the writing one at a time (and at most this many bytes of them).
 _BATCH_ROWS = 4096
@@ -74,10 +74,7 @@ def check_version(version: int, base: Any) -> None:
 
 def split_location(location: str) -> tuple[str, str]:
     """``(run directory, snapshot name)`` of a snapshot location (a local path or a URL)."""
-    location = str(location).rstrip("/")
-    if is_local(location):
-        location = os.path.abspath(location.removeprefix("file://"))
-    parent, _, name = location.rpartition("/")
+    parent, _, name = absolute(str(location).rstrip("/")).rpartition("/")
     return parent, name
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ppe_snapshot.engine import _jsonio as jsonio
 from ppe_snapshot.engine._format import PARTS_DIR, parse_parts_name, takes_in_progress
-from ppe_snapshot.storage import Storage, local_path
+from ppe_snapshot.storage import Storage
 
 #: What :func:`judge_writers` says of a directory's takes.
 ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
@@ -74,12 +74,7 @@ def forget_writers(storage: Storage, take_id: str, rank: int) -> None:
     """Remove the writer record of rank ``rank`` of a take that ended (and ``.parts/`` on a local file system,
     once empty: a committed snapshot keeps nothing of its take)."""
     storage.remove(writer_name(take_id, rank))
-    local = local_path(storage.url)
-    if local is not None:
-        try:
-            os.rmdir(os.path.join(local, PARTS_DIR))
-        except OSError:  # not empty (another rank's or take's files), or not there
-            pass
+    storage.remove_empty_dir(PARTS_DIR)
 
 
 def forget_quietly(storage: Storage, take_id: str, rank: int) -> None:

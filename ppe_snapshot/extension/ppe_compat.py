@@ -10,7 +10,6 @@ an engine snapshot unless ``savefun=`` asks for ppe's single files.
 from __future__ import annotations
 
 import numbers
-import os
 import posixpath
 import re
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 from pytorch_pfn_extras import writing as ppe_writing
 
 from ppe_snapshot import ppe_private, writing
-from ppe_snapshot.storage import is_local
+from ppe_snapshot.storage import remove_local_shadow
 from ppe_snapshot.writing import SnapshotWriter
 
 #: ppe's built-in writers, and the ppe_snapshot writer that stands in for each.
@@ -82,19 +81,8 @@ def counterpart(writer: Any) -> SnapshotWriter | None:
     kind = _COUNTERPARTS.get(type(writer))
     if kind is None or not _plain_ppe_settings(writer):
         return None
-    _remove_local_shadow(writer.out_dir)
+    remove_local_shadow(writer.out_dir)  # made by the manager's own writer at its construction
     return getattr(writing, kind)(out_dir=writer.out_dir)
-
-
-def _remove_local_shadow(out_dir: str) -> None:
-    """ppe's writer made ``out_dir`` a local directory even when it is a URL (``./s3:/bucket/run``, created by the
-    manager's own writer at its construction): remove that empty stray, and its empty parents up to ``s3:``."""
-    if is_local(out_dir) or not os.path.isdir(out_dir):
-        return
-    try:
-        os.removedirs(out_dir)  # empty directories only, bottom up; stops at the first that is not empty
-    except OSError:
-        pass
 
 
 def stand_down(writer: Any, explicit: bool) -> None:

@@ -31,12 +31,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
-
 from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, Snapshot, judge_writers
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
-from ppe_snapshot.storage import forget_listings, join, url_to_fs
+from ppe_snapshot.storage import Tree, join, open_tree, url_to_fs
 from ppe_snapshot.stored_snapshot import inspect, replaced_name
 
 class CandidateKind:
@@ -101,21 +99,10 @@ class Candidate:
         return f"{self.url} ({where})"
 
 
-def filesystem(out_dir: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def filesystem(out_dir: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """The fsspec file system of ``out_dir`` and its root path there."""
     fs, root = url_to_fs(out_dir, storage_options)
     return fs, root.rstrip("/")
-
-
-def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
-    """The entries under ``path`` as they are now: the file system's listing caches of it and below it are dropped
-    first (``refresh`` is not every file system's word for it: adlfs ignores it and answered with the listing of
-    its first call)."""
-    forget_listings(fs, path)
-    try:
-        return fs.ls(path, detail=True, refresh=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def list_snapshots(out_dir: str, fmt: str | FilenameFormat, storage_options: dict[str, Any] | None = None, *,
@@ -126,14 +113,14 @@ def list_snapshots(out_dir: str, fmt: str | FilenameFormat, storage_options: dic
     restores from it without reading its manifest again); every other candidate lets its own go as soon as a
     newer one is found, so that a run directory of many large manifests is never held in memory at once."""
     matcher = fmt if isinstance(fmt, FilenameFormat) else FilenameFormat(fmt)
-    fs, root = filesystem(out_dir, storage_options)
-    level: list[tuple[str, str, dict[str, str]]] = [("", root, {})]  # (relative name, fs path, values)
+    tree = open_tree(out_dir, storage_options)
+    level: list[tuple[str, str, dict[str, str]]] = [("", tree.root, {})]  # (relative name, fs path, values)
     found: list[tuple[str, str, dict[str, str], bool]] = []
     for depth in range(matcher.depth):
         last = depth == matcher.depth - 1
         below = []
         for rel, path, values in level:
-            for info in _ls(fs, path):
+            for info in tree.list(path):
                 base = posixpath.basename(info["name"].rstrip("/"))
                 is_dir = info.get("type") == "directory"
                 matched = matcher.match_component(depth, base)
@@ -151,7 +138,7 @@ def list_snapshots(out_dir: str, fmt: str | FilenameFormat, storage_options: dic
     candidates = []
     newest: int | None = None  # the position in candidates of the newest one holding its opened snapshot
     for rel, path, values, is_dir in found:
-        candidate = _classify(fs, out_dir, rel, path, values, is_dir, storage_options)
+        candidate = _classify(tree, out_dir, rel, path, values, is_dir, storage_options)
         if candidate.snapshot is not None:
             if keep_newest_open and (newest is None or candidates[newest].sort_key() < candidate.sort_key()):
                 if newest is not None:
@@ -163,22 +150,22 @@ def list_snapshots(out_dir: str, fmt: str | FilenameFormat, storage_options: dic
     return sorted(candidates, key=Candidate.sort_key)
 
 
-def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, values: dict[str, str],
+def _classify(tree: Tree, out_dir: str, rel: str, path: str, values: dict[str, str],
               is_dir: bool, storage_options: dict[str, Any] | None) -> Candidate:
     url = join(str(out_dir), rel)
     iteration, epoch_detail = position_in_name(values)
     if not is_dir:
-        problem = file_problem(fs, path)
+        problem = file_problem(tree, path)
         if problem is not None:
             return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=problem)
-        stored = recorded_iteration(fs, path)
+        stored = recorded_iteration(tree, path)
         return Candidate(rel, url, CandidateKind.FILE, stored if stored is not None else iteration, epoch_detail)
-    if not fs.exists(f"{path}/{MANIFEST_NAME}"):
-        if fs.exists(f"{path}/{RETIRED_NAME}"):
+    if not tree.exists(f"{path}/{MANIFEST_NAME}"):
+        if tree.exists(f"{path}/{RETIRED_NAME}"):
             return Candidate(rel, url, CandidateKind.RETIRED, iteration, epoch_detail,
                              problem="retention removed its manifest; its data files stay while incremental "
                                      "snapshots beside it read them")
-        writers = leftover(fs, path)
+        writers = leftover(tree, path)
         return Candidate(rel, url, CandidateKind.INCOMPLETE, iteration, epoch_detail,
                          problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed): "
                                  f"{writers.detail}",
@@ -194,8 +181,8 @@ def _classify(fs: fsspec.AbstractFileSystem, out_dir: str, rel: str, path: str, 
                      references=tuple(posixpath.join(posixpath.dirname(rel), name) for name in stored.references))
 
 
-def leftover(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+def leftover(tree: Tree, path: str) -> Any:
     """What the ``.parts/`` files of ``path`` (a directory without manifest) say: whether a take there is in
     progress and whether its writers live (see :func:`ppe_snapshot.engine.judge_writers`)."""
-    names = [posixpath.basename(i["name"]) for i in _ls(fs, f"{path}/{PARTS_DIR}")]
-    return judge_writers(names, lambda name: fs.cat_file(f"{path}/{PARTS_DIR}/{name}"))
+    names = [posixpath.basename(i["name"]) for i in tree.list(f"{path}/{PARTS_DIR}")]
+    return judge_writers(names, lambda name: tree.read(f"{path}/{PARTS_DIR}/{name}"))

@@ -11,20 +11,19 @@ import pickle
 import zipfile
 from typing import Any
 
-import fsspec
 import numpy as np
 import torch
 
-from ppe_snapshot.storage import open_url
+from ppe_snapshot.storage import Tree, open_url
 
 #: How a ``torch.save`` file begins: a zip archive (the default), or a pickle (the legacy format).
 _FILE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
-def file_problem(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+def file_problem(tree: Tree, path: str) -> str | None:
     """Why the file at ``path`` is not a ``torch.save`` file (the quick check: its first bytes), or None."""
     try:
-        with fs.open(path, "rb") as f:
+        with tree.open(path, "rb") as f:
             head = f.read(4)
     except Exception as e:  # noqa: BLE001 - unreadable: not a usable snapshot
         return f"cannot be read: {type(e).__name__}: {e}"
@@ -62,14 +61,14 @@ class _PeekUnpickler(pickle.Unpickler):
         return None
 
 
-def recorded_iteration(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
+def recorded_iteration(tree: Tree, path: str) -> int | None:
     """``_start_iteration`` of a ``torch.save``'d manager state, reading only its small pickle record.
 
     No code from the file runs and no tensor data is read. None for other
     targets, the legacy (non-zip) format or an unreadable file.
     """
     try:
-        with fs.open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+        with tree.open(path, "rb") as f, zipfile.ZipFile(f) as archive:
             records = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
             if not records:
                 return None

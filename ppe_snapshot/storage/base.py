@@ -142,6 +142,9 @@ class Storage(abc.ABC):
     def remove(self, rel: str) -> None:
         """Remove one file; no error when it is already gone."""
 
+    def remove_empty_dir(self, rel: str) -> None:
+        """Remove directory ``rel`` if it is empty (a store without directories: nothing to do)."""
+
     def known_size(self, rel: str) -> int:
         """:meth:`size`, asked once per file for the life of this object (reads check allocations against it)."""
         sizes: dict[str, int] = self.__dict__.setdefault("_known_sizes", {})

@@ -1,7 +1,6 @@
 """Storage on any fsspec file system (``s3://``, ``gs://``, ``memory://``, ...)."""
 from __future__ import annotations
 
-import os
 import uuid
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -10,21 +9,10 @@ import fsspec
 from ppe_snapshot.storage.base import BlobWriter, Storage, check_stored_size, naming_missing_base, split_reference
 from ppe_snapshot.storage.multipart import MultipartWriter, byte_view, check_part_size, supports_multipart
 from ppe_snapshot.storage.ranged import RangedReader, read_range
+from ppe_snapshot.storage.stores import profile_of, profile_of_url
 from ppe_snapshot.storage.tuning import Tuning, split_tuning
 
-#: File systems of keys rather than directories: nothing to create, and there ``makedirs`` would create a
-#: missing bucket, hiding a mistyped name. Every other file system gets a file's parent directories created
-#: when opening the file fails for want of them (SFTP, HDFS, ``LocalFileSystem(auto_mkdir=False)``, ...).
-_OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "gcsfs", "az", "abfs", "abfss", "adl", "oss", "r2", "memory",
-                           "http", "https"}
-#: Stores across a network: reads there are split into ranged requests in parallel (``storage/ranged.py``).
-_REMOTE_PROTOCOLS = _OBJECT_STORE_PROTOCOLS - {"memory"}
-
 T = TypeVar("T")
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
 # File systems without S3's multipart protocol stream through fsspec's file object, in blocks of this size.
@@ -69,7 +57,8 @@ class FsspecStorage(Storage):
         self.url = url
         self.tuning = tuning or split_tuning(None)[0]
         self._multipart = supports_multipart(fs)
-        self._ranged = RangedReader(fs, self.tuning) if set(_protocols(fs)) & _REMOTE_PROTOCOLS else None
+        self._profile = profile_of(fs)
+        self._ranged = RangedReader(fs, self.tuning) if self._profile is not None and self._profile.remote else None
         if self._ranged is not None:
             self.read_workers = self.tuning.read_workers
 
@@ -80,7 +69,10 @@ class FsspecStorage(Storage):
         return f"{self.root}/{rel}" if rel else self.root
 
     def _is_object_store(self) -> bool:
-        return bool(set(_protocols(self.fs)) & _OBJECT_STORE_PROTOCOLS)
+        """Keys rather than directories (the store's profile says): nothing to create, and there ``makedirs``
+        would create a missing bucket, hiding a mistyped name. Every other file system gets a file's parent
+        directories created when opening the file fails for want of them (SFTP, HDFS, ``LocalFileSystem``)."""
+        return self._profile is not None and self._profile.object_store
 
     def _with_parent(self, path: str, create: Callable[[], T]) -> T:
         """``create()``; where it fails for a missing parent directory, make the directories and retry."""
@@ -145,85 +137,29 @@ class FsspecStorage(Storage):
             pass
 
 
-#: The retry policy of every S3 request (data PUTs, each multipart part, the manifest PUT, reads), as botocore's
-#: ``retries`` config: up to 5 attempts per request, retrying throttling, timeouts, connection errors and HTTP
-#: 500 / 502 / 503 / 504, waiting a random 0..2**n s (at most 20 s) before retry n. A request that keeps
-#: failing thus gives up after 5 attempts and at most 1 + 2 + 4 + 8 = 15 s of waiting (plus the requests' own
-#: timeouts). Override it with ``storage_options={"config_kwargs": {"retries": {...}}}`` (botocore's keys:
-#: ``mode``, ``total_max_attempts`` / ``max_attempts``), or with botocore's ``AWS_RETRY_MODE`` /
-#: ``AWS_MAX_ATTEMPTS`` environment variables, which this default then leaves alone.
-S3_RETRIES: dict[str, Any] = {"mode": "standard", "total_max_attempts": 5}
-
-
-#: The retry policy of every Azure request (adlfs's client: data blocks, their commit, the manifest, reads and
-#: listings), set on the client's retry policy of the Azure SDK (whose default waits 15 s before the first retry):
-#: up to 5 attempts per request, retrying timeouts, connection errors and HTTP 408 / 500 / 502 / 503 / 504, waiting
-#: 0.25 + 1.5**n s (+-0.5 s) before retry n, so that a request that keeps failing gives up after at most about
-#: 15 s of waiting in all, as on S3.
-AZURE_RETRIES: dict[str, float] = {"attempts": 5, "initial_backoff": 0.25, "increment_base": 1.5, "jitter": 0.5}
-
-
-def use_azure_retries(fs: Any) -> None:
-    """Set :data:`AZURE_RETRIES` on an adlfs file system's client (its retry policy is shared by every client
-    made from it), once per cached instance."""
-    client = getattr(fs, "service_client", None)
-    policy = getattr(getattr(client, "_config", None), "retry_policy", None)
-    if policy is None or getattr(policy, "ppe_snapshot_policy", False):
-        return
-    retries = int(AZURE_RETRIES["attempts"]) - 1
-    policy.total_retries = policy.connect_retries = policy.read_retries = policy.status_retries = retries
-    policy.initial_backoff = AZURE_RETRIES["initial_backoff"]
-    policy.increment_base = AZURE_RETRIES["increment_base"]
-    policy.random_jitter_range = AZURE_RETRIES["jitter"]
-    policy.ppe_snapshot_policy = True
-
-
-def with_retry_policy(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """``storage_options`` with :data:`S3_RETRIES` for ``s3://`` URLs unless the caller chose a policy."""
-    options = dict(storage_options or {})
-    if url.split("://", 1)[0] not in ("s3", "s3a") or "AWS_RETRY_MODE" in os.environ \
-            or "AWS_MAX_ATTEMPTS" in os.environ:
-        return options
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("retries", dict(S3_RETRIES))
-    options["config_kwargs"] = config
-    return options
-
-
-def with_connections(url: str, options: dict[str, Any], tuning: Tuning) -> dict[str, Any]:
-    """``options`` with a connection pool for ``s3://`` as large as the parts and reads in flight (botocore
-    keeps 10 by default), unless the caller chose ``config_kwargs["max_pool_connections"]``."""
-    if url.split("://", 1)[0] not in ("s3", "s3a"):
-        return options
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("max_pool_connections", tuning.connections)
-    return {**options, "config_kwargs": config}
-
-
-#: The extra of ppe-snapshot that installs the file system of a URL scheme, and the package it installs.
-EXTRAS = {"s3": ("s3", "s3fs"), "s3a": ("s3", "s3fs"), "gs": ("gcs", "gcsfs"), "gcs": ("gcs", "gcsfs"),
-          "az": ("azure", "adlfs"), "abfs": ("azure", "adlfs"), "abfss": ("azure", "adlfs")}
-
-
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec file system of ``url`` and the path there, as every part of ppe-snapshot opens it: the knobs of
-    ``storage/tuning.py`` taken out of ``storage_options``, the retry policy (:data:`S3_RETRIES`) and connection
-    pool of ``s3://`` added (so every user of one URL shares fsspec's cached file system instance).
+    ``storage/tuning.py`` taken out of ``storage_options``, the options of the URL's store profile added (S3's
+    retry policy and connection pool), so every user of one URL shares fsspec's cached file system instance,
+    and the profile's set-up of the opened file system done (Azure's retry policy).
 
     A URL whose file system is not installed raises an ``ImportError`` naming the extra that installs it.
     """
-    tuning, options = split_tuning(storage_options, str(url))
+    url = str(url)
+    tuning, options = split_tuning(storage_options, url)
+    profile = profile_of_url(url)
+    if profile is not None and profile.options is not None:
+        options = profile.options(url, options, tuning)
     try:
-        fs, path = fsspec.core.url_to_fs(str(url), **with_connections(str(url), with_retry_policy(str(url), options),
-                                                                      tuning))
+        fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
-        scheme = str(url).split("://", 1)[0]
-        if scheme not in EXTRAS:
+        if profile is None or profile.extra is None:
             raise
-        extra, package = EXTRAS[scheme]
-        raise ImportError(f"{url}: {scheme}:// needs {package}, which is not installed: "
-                          f"pip install 'ppe-snapshot[{extra}]'") from e
-    use_azure_retries(fs)
+        scheme = url.split("://", 1)[0]
+        raise ImportError(f"{url}: {scheme}:// needs {profile.package}, which is not installed: "
+                          f"pip install 'ppe-snapshot[{profile.extra}]'") from e
+    if profile is not None and profile.opened is not None:
+        profile.opened(fs)
     return fs, path
 
 

@@ -7,7 +7,7 @@ import os
 import queue
 import stat
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -176,10 +176,10 @@ def _copy(dest: mmap.mmap, offset: int, view: memoryview) -> None:
                   np.frombuffer(view, dtype=np.uint8))
 
 
-def _remove_quietly(path: str) -> None:
+def _remove_quietly(path: str, remove: Callable[[str], None] = os.unlink, quiet: type[OSError] = OSError) -> None:
     try:
-        os.unlink(path)
-    except OSError:
+        remove(path)
+    except quiet:
         pass
 
 
@@ -387,10 +387,10 @@ class LocalStorage(Storage):
             return os.path.getsize(path)
 
     def remove(self, rel: str) -> None:
-        try:
-            os.remove(self._abs(rel))
-        except FileNotFoundError:
-            pass
+        _remove_quietly(self._abs(rel), os.remove, FileNotFoundError)
+
+    def remove_empty_dir(self, rel: str) -> None:
+        _remove_quietly(self._abs(rel), os.rmdir)  # not empty (another rank's or take's files), or not there
 
     def close(self) -> None:
         with self._lock:

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import fsspec.asyn
 
 from ppe_snapshot.storage.base import BlobWriter, check_stored_size
-from ppe_snapshot.storage.part_stores import PartStore, S3Parts, part_store_type
+from ppe_snapshot.storage.part_stores import PartStore, part_store_type
 from ppe_snapshot.storage.tuning import Tuning
 
 #: No part is made smaller than this to give every connection one (a request costs a round trip).
@@ -34,7 +34,7 @@ SMALLEST_PART = 5 << 20
 
 
 def supports_multipart(fs: Any) -> bool:
-    """Whether ``fs`` takes an object in parts sent in parallel (S3, Azure, GCS: see ``part_stores``)."""
+    """Whether ``fs`` takes an object in parts sent in parallel (its store's profile has a part store)."""
     return part_store_type(fs) is not None
 
 
@@ -46,7 +46,7 @@ def check_part_size(fs: Any, part_size: int, store: type[PartStore] | None = Non
                          f"bytes ({store.min_part >> 20} MiB); give at least that")
 
 
-def part_size_for(tuning: Tuning, size: int | None, store: type[PartStore] = S3Parts) -> int:
+def part_size_for(tuning: Tuning, size: int | None, store: type[PartStore]) -> int:
     """``tuning.part_size``; for a file of known ``size``: smaller (down to 5 MiB, or the part size asked for
     where that is smaller) where that gives every connection a part, larger where the file would need more parts
     than the store takes."""

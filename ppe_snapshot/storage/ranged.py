@@ -2,24 +2,21 @@
 
 One read (``Storage.read_vectored``: consecutive bytes into a list of views) is cut into pieces of at most
 ``Tuning.read_part_size`` bytes (fewer bytes, down to 1 MiB, where that gives every reader a piece), fetched at
-once on a shared pool of ``Tuning.read_workers`` threads. On S3 (s3fs) and GCS (gcsfs, ``gcs_reads.py``) each
+once on a shared pool of ``Tuning.read_workers`` threads. Where the store's profile can (S3, GCS: ``stores/``) each
 response body is streamed into its destination views (no intermediate bytes object of the piece), and a piece
 whose body breaks off is requested again; other file systems get ``cat_file`` of each range, copied into place.
 """
 from __future__ import annotations
 
-import asyncio
 import bisect
 from concurrent.futures import Future, wait
-from functools import partial
 from typing import Any, Sequence
 
 import fsspec.asyn
 
-from ppe_snapshot.storage.gcs_reads import is_gcsfs, stream_range
 from ppe_snapshot.storage.multipart import byte_view
-from ppe_snapshot.storage.part_stores import is_s3fs
 from ppe_snapshot.storage.pools import shared_pool
+from ppe_snapshot.storage.stores import profile_of
 from ppe_snapshot.storage.tuning import Tuning
 
 #: Attempts at one piece whose response body breaks off (the request itself is retried by the store's policy).
@@ -41,7 +38,7 @@ def _targets(views: list[memoryview], starts: list[int], start: int, end: int) -
     return out
 
 
-def _short(path: str, start: int, got: int, wanted: int) -> EOFError:
+def short_read(path: str, start: int, got: int, wanted: int) -> EOFError:
     return EOFError(f"{path} ends at byte {start + got}, expected at least {start + wanted}")
 
 
@@ -49,7 +46,7 @@ def _raise_if_past_the_end(fs: Any, path: str, start: int, wanted: int) -> None:
     """On a failed ranged request: EOFError where the range starts past the end of the object (object stores
     refuse such a range rather than answer it short); otherwise the caller re-raises its error."""
     if start >= fs.size(path):
-        raise _short(path, start, 0, wanted) from None
+        raise short_read(path, start, 0, wanted) from None
 
 
 def read_range(fs: Any, path: str, start: int, targets: Sequence[memoryview]) -> None:
@@ -64,7 +61,7 @@ def read_range(fs: Any, path: str, start: int, targets: Sequence[memoryview]) ->
         _raise_if_past_the_end(fs, path, start, wanted)
         raise
     if data.nbytes < wanted:
-        raise _short(path, start, data.nbytes, wanted)
+        raise short_read(path, start, data.nbytes, wanted)
     if data.nbytes > wanted:  # an HTTP server that ignores Range answers with the whole file
         raise OSError(f"{path}: asked for {wanted} bytes at {start}, got {data.nbytes}: the store ignored the "
                       "range request")
@@ -80,7 +77,8 @@ class RangedReader:
     def __init__(self, fs: Any, tuning: Tuning) -> None:
         self._fs, self._tuning = fs, tuning
         # responses streamed into place (a coroutine filling one piece), where the store allows it
-        self._stream = self._stream_into if is_s3fs(fs) else partial(stream_range, fs) if is_gcsfs(fs) else None
+        profile = profile_of(fs)
+        self._stream = profile.stream(fs) if profile is not None and profile.stream is not None else None
 
     def read(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` in order from the consecutive bytes of ``path`` at ``offset``."""
@@ -115,30 +113,3 @@ class RangedReader:
         except OSError:
             _raise_if_past_the_end(self._fs, path, start, sum(t.nbytes for t in targets))
             raise
-
-    async def _stream_into(self, path: str, start: int, targets: list[memoryview]) -> None:
-        from aiohttp import ClientPayloadError
-        from botocore.exceptions import ResponseStreamingError
-
-        bucket, key, version = self._fs.split_path(path)
-        wanted = sum(t.nbytes for t in targets)
-        extra = {"VersionId": version} if version else {}
-        for attempt in range(STREAM_ATTEMPTS):
-            response = await self._fs._call_s3("get_object", Bucket=bucket, Key=key,
-                                                Range=f"bytes={start}-{start + wanted - 1}", **extra)
-            body, got = response["Body"], 0
-            try:
-                for target in targets:
-                    filled = 0
-                    while filled < target.nbytes:
-                        n = await body.readinto(target[filled:])
-                        if not n:
-                            raise _short(path, start, got, wanted)
-                        filled += n
-                        got += n
-                return
-            except (ResponseStreamingError, ClientPayloadError, ConnectionError, asyncio.TimeoutError):
-                if attempt + 1 == STREAM_ATTEMPTS:
-                    raise
-            finally:
-                body.close()

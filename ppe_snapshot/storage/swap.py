@@ -32,7 +32,7 @@ def _renameat2():
 _FUNCTION = _renameat2()
 
 
-def exchange(first: str, second: str) -> bool:
+def swap_entries(first: str, second: str) -> bool:
     """Exchange the entries at two existing local paths in one atomic step.
 
     Returns False, having changed nothing, when the platform or the file

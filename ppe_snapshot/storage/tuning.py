@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppe_snapshot.settings import SETTINGS
+from ppe_snapshot.storage.stores import profile_of_url
 
 PART_SIZE = "ppe_part_size"
 UPLOAD_CONCURRENCY = "ppe_upload_concurrency"
@@ -59,19 +60,18 @@ def _positive(key: str, value: Any) -> int:
     return number
 
 
-#: ``ppe_read_workers`` where neither the options nor the environment set it, per URL scheme.
-READ_WORKERS_BY_SCHEME = {"gs": 64, "gcs": 64}
+#: ``ppe_read_workers`` where neither the options nor the environment nor the URL's store profile set it.
 READ_WORKERS_DEFAULT = 32
 
 
 def split_tuning(storage_options: dict[str, Any] | None, url: str = "") -> tuple[Tuning, dict[str, Any]]:
     """The knobs in effect at ``url``, and ``storage_options`` without them (what goes to fsspec)."""
-    scheme = url.split("://", 1)[0] if "://" in url else ""
+    profile = profile_of_url(url)
     options = dict(storage_options or {})
     given = {key: _positive(key, options.pop(key)) for key in KEYS if key in options}
     tuning = Tuning(part_size=given.get(PART_SIZE, SETTINGS.part_bytes),
                     upload_concurrency=given.get(UPLOAD_CONCURRENCY, SETTINGS.upload_concurrency),
                     read_part_size=given.get(READ_PART_SIZE, SETTINGS.read_part_bytes),
                     read_workers=given.get(READ_WORKERS) or SETTINGS.read_workers
-                    or READ_WORKERS_BY_SCHEME.get(scheme, READ_WORKERS_DEFAULT))
+                    or (profile is not None and profile.read_workers) or READ_WORKERS_DEFAULT)
     return tuning, options

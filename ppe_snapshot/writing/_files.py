@@ -1,7 +1,7 @@
 """Single-file saves (an explicit ``savefun`` such as ``torch.save``), the way ppe writes them.
 
 ``savefun(target, file)`` writes to ``tmp_<name>`` beside the destination,
-which is then renamed over it; URLs go through fsspec. Async writers stage
+which is then renamed over it (the storage floor's ``Tree.save_file``). Async writers stage
 the target first: :class:`StagedObject` lays its tensors out, copies them into a
 buffer the writer reuses and returns a skeleton (the target with placeholders), and
 :func:`materialize` rebuilds the target from both in the background.
@@ -9,14 +9,13 @@ buffer the writer reuses and returns a skeleton (the target with placeholders), 
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ppe_snapshot.engine import align
-from ppe_snapshot.storage import local_path, url_to_fs
+from ppe_snapshot.storage import open_tree
 
 @dataclass
 class FileSave:
@@ -31,39 +30,15 @@ class FileSave:
 
     def run(self, obj: Any) -> int:
         """Save ``obj``; returns the number of bytes written."""
-        local = local_path(self.dest, self.storage_options)
-        return self._run_fsspec(obj) if local is None else self._run_local(local, obj)
+        tree = open_tree(self.dest, self.storage_options)
+        return tree.save_file(tree.root, self._write(obj), append=self.append, via=self.fs)
 
-    def _write(self, opener: Callable[[str, str], Any], path: str, obj: Any) -> int:
-        with opener(path, "ab" if self.append else "wb") as f:
+    def _write(self, obj: Any) -> Callable[[Any], int]:
+        def write(f: Any) -> int:
             start = f.tell()
             self.savefun(obj, f, **self.kwds)
             return f.tell() - start
-
-    def _run_local(self, path: str, obj: Any) -> int:
-        directory, name = os.path.split(path)
-        fs = self.fs
-        if directory:
-            (fs.makedirs if fs is not None else os.makedirs)(directory, exist_ok=True)
-        opener = fs.open if fs is not None else open
-        if self.append:
-            return self._write(opener, path, obj)
-        tmp = os.path.join(directory, f"tmp_{name}")
-        nbytes = self._write(opener, tmp, obj)
-        (fs.rename if fs is not None else os.replace)(tmp, path)
-        return nbytes
-
-    def _run_fsspec(self, obj: Any) -> int:
-        fs, path = url_to_fs(self.dest, self.storage_options)
-        directory, _, name = path.rpartition("/")
-        if directory:
-            fs.makedirs(directory, exist_ok=True)
-        if self.append:
-            return self._write(fs.open, path, obj)
-        tmp = f"{directory}/tmp_{name}" if directory else f"tmp_{name}"
-        nbytes = self._write(fs.open, tmp, obj)
-        fs.mv(tmp, path)
-        return nbytes
+        return write
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from pytorch_pfn_extras.writing import QueueWriter, StandardWriter, Writer
 
 from ppe_snapshot import ppe_private
 from ppe_snapshot.engine import LOCAL
-from ppe_snapshot.storage import is_local, join, local_path
+from ppe_snapshot.storage import anchored, join, open_tree
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._core import WriterCore, app_state, logger
 from ppe_snapshot.writing._files import FileSave
@@ -163,8 +163,8 @@ class _PpeWriter(Writer, SnapshotWriter):
 
     # -- ppe's protocol --------------------------------------------------------------
     def initialize(self, out_dir: str) -> None:
-        if out_dir and local_path(out_dir, self.storage_options) is not None:
-            self.fs.makedirs(out_dir, exist_ok=True)  # object stores need no directories
+        if out_dir:
+            open_tree(out_dir, self.storage_options).make_directory(out_dir, via=self.fs)
 
     def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Callable[..., Any] | None = None,
                  append: bool = False, metadata: dict[str, Any] | None = None, pg: Any = LOCAL,
@@ -214,9 +214,8 @@ class _PpeWriter(Writer, SnapshotWriter):
 
     def _file_save(self, path: str, savefun: Callable[..., Any], append: bool, kwds: dict[str, Any]) -> FileSave:
         fs = self.fs
-        if is_local(path) and ppe_private.is_ppe_default_fs(fs):  # plain os calls, resolved as ppe's fs would
-            path = path if path.startswith("file://") else os.path.join(fs.root, path)
-            fs = None
+        if ppe_private.is_ppe_default_fs(fs):  # plain os calls, resolved as ppe's fs would
+            path, fs = anchored(path, fs.root), None
         return FileSave(path, savefun, append, dict(kwds), fs, self.storage_options)
 
     def _settings(self) -> dict[str, Any]:

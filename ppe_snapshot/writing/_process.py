@@ -14,12 +14,12 @@ import sys
 import threading
 from typing import Any, Callable
 
-import fsspec.utils
 import torch
 import torch.multiprocessing  # noqa: F401 - registers how tensors in shared memory travel to the worker
 
 from ppe_snapshot.engine import TakeJob, new_shared_buffer
 from ppe_snapshot.errors import SnapshotError
+from ppe_snapshot.storage import in_one_process
 from ppe_snapshot.writing._buffers import StagingBuffers
 from ppe_snapshot.writing._errors import add_note
 from ppe_snapshot.writing._pinning import HostRegistrations
@@ -233,10 +233,11 @@ class WorkerProcess(Runner):
         return self._buffers
 
     def check_path(self, path: str) -> None:
-        if fsspec.utils.get_protocol(path) == "memory":
-            raise ValueError(f"{self.writer} cannot save to {path}: a memory:// file system lives in "
+        if in_one_process(path):
+            scheme = path.split("://", 1)[0]
+            raise ValueError(f"{self.writer} cannot save to {path}: a {scheme}:// file system lives in "
                              "one process, and this writer writes from its worker process. Use a ThreadWriter "
-                             "for memory://, or a real file system")
+                             f"for {scheme}://, or a real file system")
 
     def before_save(self) -> None:
         self._live_worker()

@@ -26,15 +26,11 @@ save first settles what a crash left beside the name.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
-
 from ppe_snapshot.engine import MANIFEST_NAME
-from ppe_snapshot.storage import exchange, local_path, sync_directory, url_to_fs
+from ppe_snapshot.storage import Tree, open_tree
 from ppe_snapshot.stored_snapshot import inspect, remove_snapshot, side_name
 
 
@@ -48,31 +44,21 @@ class Replacement:
     def side(self) -> str:
         return side_name(self.final)
 
-    def _local(self, path: str) -> str | None:
-        return local_path(path, self.storage_options)
-
-    def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        fs, path = url_to_fs(self.final, self.storage_options)
-        return fs, path.rstrip("/")
+    def _tree(self) -> Tree:
+        return open_tree(self.final, self.storage_options)
 
     def exists(self, path: str) -> bool:
-        local = self._local(path)
-        if local is not None:
-            return os.path.lexists(local)
-        fs, _ = self._fs()
-        return fs.exists(url_to_fs(path, self.storage_options)[1])
+        tree = self._tree()
+        return tree.exists(tree.path(path))
 
     def occupied(self, path: str) -> bool:
         """Whether ``path`` holds something a take there would not simply complete: a committed (or
         damaged) snapshot, or a file. A directory without manifest is a crashed take's leftover."""
-        local = self._local(path)
-        if local is not None:
-            if os.path.isdir(local) and not os.path.islink(local):
-                return os.path.lexists(os.path.join(local, MANIFEST_NAME))
-            return os.path.lexists(local)
-        fs, _ = self._fs()
-        target = url_to_fs(path, self.storage_options)[1].rstrip("/")
-        return fs.exists(f"{target}/{MANIFEST_NAME}") or fs.isfile(target)
+        tree = self._tree()
+        target = tree.path(path)
+        if tree.is_dir(target) and not tree.is_link(target):
+            return tree.exists(f"{target}/{MANIFEST_NAME}")
+        return tree.exists(target)
 
     def remove(self, path: str) -> None:
         """Remove the snapshot or file at ``path`` (see :func:`remove_snapshot`)."""
@@ -80,37 +66,14 @@ class Replacement:
 
     def promote(self) -> None:
         """Give the committed snapshot beside the name the name; the one it replaces is removed."""
-        final, side = self._local(self.final), self._local(self.side)
-        if final is None or side is None:
-            self.remove(self.final)
-            fs, final = self._fs()
-            _move(fs, side_name(final), final)
+        tree = self._tree()
+        final, side = tree.root, tree.path(self.side)
+        if tree.exists(final) and tree.swap(side, final):
+            self.remove(self.side)  # now the old one
             return
-        if os.path.lexists(final) and exchange(side, final):
-            sync_directory(os.path.dirname(os.path.abspath(final)))
-            self.remove(side)  # now the old one
-            return
-        if os.path.lexists(final):
-            self.remove(final)  # no exchange here: for a moment only the new one, beside, is complete
-        os.rename(side, final)
-        sync_directory(os.path.dirname(os.path.abspath(final)))
-
-
-def _move(fs: fsspec.AbstractFileSystem, source: str, dest: str) -> None:
-    """Move a committed snapshot directory to ``dest``, where nothing is.
-
-    A local file system renames it. Elsewhere (object stores have no rename)
-    each file is copied, the manifest last, so ``dest`` is a snapshot only
-    once all its data is there; the source is then removed, manifest first.
-    """
-    if isinstance(fs, LocalFileSystem):
-        fs.mv(source, dest, recursive=True)
-        return
-    files = sorted(fs.find(source), key=lambda p: p.endswith(f"/{MANIFEST_NAME}"))
-    for path in files:
-        fs.copy(path, dest + path[len(source):])
-    fs.rm_file(f"{source}/{MANIFEST_NAME}")
-    fs.rm(source, recursive=True)
+        if tree.exists(final):
+            self.remove(self.final)  # no exchange here: for a moment only the new one, beside, is complete
+        tree.move_tree(side, final, last=MANIFEST_NAME)
 
 
 def plan(path: str, storage_options: dict[str, Any] | None) -> tuple[str, Replacement | None]:
