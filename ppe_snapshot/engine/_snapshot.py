@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -115,7 +116,8 @@ class Snapshot:
             job.conclude(e)  # several ranks: the others hear of it rather than wait
             raise
         job.stage(buffer)
-        return PendingSnapshot(job, cls(job.storage.url, pg, storage_options), pooled=None if staging else pin)
+        back_to_pool = None if staging is not None else partial(give_back, job.staged, pin)
+        return PendingSnapshot(job, cls(job.storage.url, pg, storage_options), after_write=back_to_pool)
 
     @staticmethod
     def release_staging() -> int:
@@ -224,23 +226,22 @@ class Snapshot:
 class PendingSnapshot:
     """A snapshot being written in the background by :meth:`Snapshot.async_take`."""
 
-    def __init__(self, job: TakeJob, snapshot: Snapshot, pooled: bool | None = None) -> None:
-        """``pooled``: the staging buffer goes back to :meth:`Snapshot.async_take`'s pool when the write ends
-        (True: a page-locked one); None: the caller's, left alone."""
+    def __init__(self, job: TakeJob, snapshot: Snapshot, after_write: Callable[[], None] | None = None) -> None:
+        """``after_write`` runs once the write ended, either way (:meth:`Snapshot.async_take` gives its staging
+        buffer back to its pool there)."""
         self._snapshot = snapshot
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(job, job.staged if pooled is not None else None,
-                                                               bool(pooled)), name="ppe-snapshot-write")
+        self._thread = threading.Thread(target=self._run, args=(job, after_write), name="ppe-snapshot-write")
         self._thread.start()
 
-    def _run(self, job: TakeJob, pooled: torch.Tensor | None, pin: bool) -> None:
+    def _run(self, job: TakeJob, after_write: Callable[[], None] | None) -> None:
         try:
-            job.write_and_commit()  # lets go of the job's staging buffer
+            job.write_and_commit()
         except BaseException as e:  # handed to wait()
             self._error = e
         finally:
-            if pooled is not None:
-                give_back(pooled, pin)
+            if after_write is not None:
+                after_write()
 
     def done(self) -> bool:
         """Whether the write has finished (successfully or not)."""

@@ -199,6 +199,7 @@ class WriterCore:
         if self.runner.background and not self.closed:
             nbytes, on_cuda = staging_estimate(state)
             self._buffers.reserve(nbytes, on_cuda)
+
     @property
     def staging_buffers(self) -> tuple[torch.Tensor | None, ...]:
         return self._buffers.all
