@@ -15,7 +15,7 @@ from ppe_snapshot import retention, storage, writing  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoloadSkipWarning", "CorruptSnapshotError", "MissingBaseError", "OptimizerState", "PendingSnapshot",
+    "AutoloadSkipWarning", "CorruptSnapshotError", "LocalTier", "MissingBaseError", "OptimizerState", "PendingSnapshot",
     "Preempted", "RNGState",
     "Snapshot", "SnapshotAbortedError", "SnapshotError", "SnapshotExistsError", "SnapshotMode", "SnapshotNotFoundError",
     "StateDict", "Stateful", "StateMismatchError", "UnsupportedFormatError", "UnsupportedValueError", "retention",
@@ -31,11 +31,14 @@ def __getattr__(name: str):
     if name in _EXTENSION:
         from ppe_snapshot import extension
         return getattr(extension, name)
+    if name == "LocalTier":  # with the extension it serves
+        from ppe_snapshot.local_tier import LocalTier
+        return LocalTier
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXTENSION})
+    return sorted({*globals(), *_EXTENSION, "LocalTier"})
 
 
 #: The DCP adapters' old import path, ``ppe_snapshot.storage.<name>``: kept working, with a DeprecationWarning.

@@ -102,3 +102,11 @@ def extension_entries(manager: Any) -> list:
 def set_running_extensions(manager: Any, running: list) -> None:
     """Replace the manager's running order (a new list: the manager may be iterating the current one)."""
     manager.extensions = running
+
+
+def iters_per_epoch(manager: Any) -> int | None:
+    """The manager's iterations per epoch (what its interval triggers count epochs in), or None when unknown."""
+    try:
+        return int(manager._iters_per_epoch)
+    except (AttributeError, AssertionError, TypeError):
+        return None

@@ -48,7 +48,7 @@ def test_same_signature_defaults_trigger_and_priority_as_ppe():
         [("allow_pickle", inspect.Parameter.KEYWORD_ONLY, False), ("keep", inspect.Parameter.KEYWORD_ONLY, None),
          ("save_on_signals", inspect.Parameter.KEYWORD_ONLY, ()),
          ("preempted_exit_code", inspect.Parameter.KEYWORD_ONLY, None),
-         ("incremental", inspect.Parameter.KEYWORD_ONLY, False)]
+         ("incremental", inspect.Parameter.KEYWORD_ONLY, False), ("local", inspect.Parameter.KEYWORD_ONLY, None)]
     assert list(inspect.signature(snapshot_object).parameters) == \
         list(inspect.signature(ppe_extensions.snapshot_object).parameters)
     assert SnapshotMode is ppe_extensions.SnapshotMode

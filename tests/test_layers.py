@@ -21,12 +21,13 @@ FLOORS = {
     "ppe_snapshot.ppe_private": 3,  # every use of ppe's private API: the writers' and the extension's
     "ppe_snapshot.writing": 3, "ppe_snapshot.dcp": 3,
     "ppe_snapshot.run_dir": 4, "ppe_snapshot.retention": 4, "ppe_snapshot.cli": 4,
+    "ppe_snapshot.local_tier": 4,  # the local tier's saves and restores, below the extension that drives them
     "ppe_snapshot.extension": 5,
     "ppe_snapshot": 6,  # the public API
 }
 #: Packages whose submodules are private to them: other modules import only the package itself.
 PACKAGES = ("ppe_snapshot.storage", "ppe_snapshot.engine", "ppe_snapshot.writing", "ppe_snapshot.dcp",
-            "ppe_snapshot.run_dir", "ppe_snapshot.extension")
+            "ppe_snapshot.run_dir", "ppe_snapshot.extension", "ppe_snapshot.local_tier")
 #: The one public submodule: the engine's format pieces (entries, chunk reads, value encoding, payload appending,
 #: committing a manifest one builds), documented as such. The DCP adapters need them; the CLI's inspect and verify
 #: show and check entries one by one. Any module may import it: a public module, like the package itself; what

@@ -35,6 +35,7 @@ from ppe_snapshot.extension.loading import load_snapshot
 from ppe_snapshot.extension.ppe_extension import SnapshotExtension
 from ppe_snapshot.extension.rank_agreement import DistributedSnapshot, ShardedSnapshot
 from ppe_snapshot.extension.saved_state import RNG_KEY
+from ppe_snapshot.local_tier import LocalTier
 from ppe_snapshot.run_dir import Policy
 
 __all__ = ["RNG_KEY", "SnapshotMode", "epoch_batches", "load_snapshot", "snapshot", "snapshot_object"]
@@ -53,7 +54,8 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
              snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
              saver_rank: int | None = None, snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT,
              allow_pickle: bool = False, keep: Policy | None = None, save_on_signals: Iterable[Any] = (),
-             preempted_exit_code: int | None = None, incremental: bool = False) -> SnapshotExtension:
+             preempted_exit_code: int | None = None, incremental: bool = False,
+             local: LocalTier | dict[str, Any] | None = None) -> SnapshotExtension:
     """An extension that snapshots the training state (the manager, or ``target``).
 
     Args:
@@ -109,6 +111,16 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
             snapshot still restores on its own inside the output directory;
             retention keeps the data files that kept snapshots reference. Needs a
             ppe_snapshot writer and no ``savefun``.
+        local: Keyword-only, beyond ppe's signature: a local tier
+            (:class:`ppe_snapshot.LocalTier`, or a dict of its arguments):
+            frequent snapshots of each rank's state in node-local memory
+            (``/dev/shm``) at the tier's own trigger, which must be more frequent
+            than this extension's and divide it, with a copy of each rank's part
+            on a partner rank of another node. Autoload restores from the newest
+            local step every rank can restore (its own part, or a partner's copy)
+            when it is newer than the newest durable snapshot. Whatever fails in
+            the tier costs the tier only (a warning). See the README, "The local
+            tier".
 
     ``initialize()`` (called by the manager at start) returns the name of the
     snapshot autoload restored, relative to the output directory (as ppe
@@ -136,7 +148,7 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
     options = dict(target=target, condition=condition, writer=writer, filename=filename,
                    snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload, savefun=savefun,
                    allow_pickle=allow_pickle, keep=keep, save_on_signals=save_on_signals,
-                   preempted_exit_code=preempted_exit_code, incremental=incremental)
+                   preempted_exit_code=preempted_exit_code, incremental=incremental, local=local)
     if snapshot_mode == SnapshotMode.DEFAULT:
         if saver_rank is None:
             return SnapshotExtension(**options)

@@ -9,7 +9,6 @@ the ranks of DISTRIBUTED / SHARDED modes agree in :mod:`.rank_agreement`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import types
@@ -22,14 +21,15 @@ from pytorch_pfn_extras.training import ExtensionsManagerProtocol, extension
 from pytorch_pfn_extras.writing import Writer
 
 from ppe_snapshot import ppe_private, run_dir, stored_snapshot
+from ppe_snapshot.local_tier import local_tier
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
+from ppe_snapshot.extension.local_steps import LocalSteps
 from ppe_snapshot.extension.preemption import Preemption, preempt
+from ppe_snapshot.extension.resuming import Resuming
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_to_save
 from ppe_snapshot.extension.staging_ahead import prepare_staging_ahead
-from ppe_snapshot.run_dir import (
-    Candidate, CandidateKind, FilenameFormat, attempt, cannot_start_fresh, skip, target_changed,
-)
+from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat
 from ppe_snapshot.storage import join
 from ppe_snapshot.writing import SnapshotWriter
 
@@ -40,7 +40,7 @@ def _always_true() -> bool:
     return True
 
 
-class SnapshotExtension(extension.Extension):
+class SnapshotExtension(Resuming, extension.Extension):
     """Snapshots in one process (SnapshotMode.DEFAULT)."""
 
     trigger = 1, "epoch"
@@ -58,8 +58,14 @@ class SnapshotExtension(extension.Extension):
                  snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
                  savefun: Any = None, allow_pickle: bool = False, keep: run_dir.Policy | None = None,
                  save_on_signals: Iterable[Any] = (), preempted_exit_code: int | None = None,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, local: Any = None) -> None:
         ppe_compat.check_writer(writer)
+        #: The local tier asked for (``local=``), or None; :attr:`_local` runs it once initialized.
+        self.local_tier = local_tier(local)
+        if self.local_tier is not None and savefun is not None:
+            raise ValueError("local= keeps engine snapshots in node-local memory; a savefun writes single files: "
+                             "give one or the other")
+        self._local: LocalSteps | None = None
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be True or False, got {incremental!r}")
         if incremental and savefun is not None:
@@ -186,9 +192,13 @@ class SnapshotExtension(extension.Extension):
         directory (as ppe does), or None."""
         self._bind(manager)
         self._stats_reporter = stats_report.attach(manager)
+        if self.local_tier is not None and self._local is None:
+            rank, size = self._tier_ranks
+            self._local = LocalSteps.start(self.local_tier, self, manager, self._out_dir, rank, size)
         listed = self._autoload(manager) if self.autoload else None
         writer = self._engine_writer
-        if self.incremental and self.resumed_from is not None and writer is not None and writer.base is None:
+        if (self.incremental and self.resumed_name is not None and writer is not None
+                and writer.base is None):  # not a local tier's part: outside the output directory
             writer.base = self.resumed_from  # the first save references it
         if self.policy is not None and self._format is not None and self._prunes():
             self._prune(listed)  # a run killed between a commit and its pruning left more than the policy keeps
@@ -206,8 +216,11 @@ class SnapshotExtension(extension.Extension):
         self._end_staging_ahead()  # its hooks have fired by now, or the state has no optimizer step before a save
         if self.preemption is not None and self.preemption.decided is not None:
             preempt(self, manager, self.preemption)  # raises Preempted
-        if self.condition():
+        durable = self._local is None or self._local.durable_due
+        if durable and self.condition():
             self._make_snapshot(manager)
+        if self._local is not None and self._local.local_due:
+            self._save_local(manager)
 
     def on_error(self, manager: ExtensionsManagerProtocol, exc: Exception, tb: types.TracebackType) -> None:
         super().on_error(manager, exc, tb)
@@ -229,6 +242,8 @@ class SnapshotExtension(extension.Extension):
         self._end_staging_ahead()
         if self.preemption is not None:
             self.preemption.uninstall()
+        if self._local is not None:
+            self._local.finish()
         try:
             if self.writer is not None:
                 self.writer.finalize()
@@ -240,6 +255,14 @@ class SnapshotExtension(extension.Extension):
         return Preemption(signals, exit_code)
 
     # -- saving ------------------------------------------------------------------
+    #: (this process's rank, the world size) among the ranks of the local tier.
+    _tier_ranks = (0, 1)
+
+    def _save_local(self, manager: ExtensionsManagerProtocol) -> None:
+        assert self._local is not None
+        state = state_to_save(self._resolve_target(manager))
+        self._local.save(manager, state, self._rng_rank, saved_state.metadata(manager, self._target_kind))
+
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         self._save(manager, self._format_name(manager), state_to_save(self._resolve_target(manager)), LOCAL)
 
@@ -343,52 +366,3 @@ class SnapshotExtension(extension.Extension):
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
             logger.warning("removing old snapshots under %s failed: %s: %s", self._out_dir,
                            type(e).__name__, e)
-
-    # -- autoload ----------------------------------------------------------------
-    def _candidates(self) -> list[Candidate]:
-        assert self._format is not None
-        return run_dir.list_snapshots(self._out_dir, self._format, self._storage_options, keep_newest_open=True)
-
-    def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
-        """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
-        was listed (the start-up pruning needs no second listing)."""
-        candidates = self._candidates()
-        target = self._resolve_target(manager)
-        touched: tuple[Candidate, Exception] | None = None
-        found = None
-        for candidate in reversed(candidates):
-            failure = attempt(lambda: self._restore(candidate, target, LOCAL))
-            if failure is None:
-                found = candidate
-                break
-            if failure.mismatch:
-                raise target_changed(candidate.url, failure.reason) from failure.error
-            self._skip(candidate, failure.reason)
-            if failure.error is not None:
-                touched = (candidate, failure.error)
-        if found is None and touched is not None:
-            raise cannot_start_fresh(f"{touched[0].url} ({touched[1]})") from touched[1]
-        self._resumed(manager, found, candidates)
-        return candidates
-
-    def _skip(self, candidate: Candidate, reason: str) -> None:
-        skip(candidate, reason)
-        self._rejected.add(candidate.name)
-
-    def _restore(self, candidate: Candidate, target: Any, pg: Any) -> None:
-        saved_state.restore(candidate, target, self._target_kind, pg, self._rng_rank, self._storage_options,
-                            self._reads_pickle)
-
-    def _resumed(self, manager: ExtensionsManagerProtocol, found: Candidate | None,
-                 candidates: list[Candidate]) -> None:
-        if self._owns_out_dir:
-            self._superseded = {c.name: dataclasses.replace(c, snapshot=None)  # kept for the run: no manifest
-                                for c in candidates if found is None or found.is_older_than(c)}
-        if found is None:
-            logger.info("autoload found no usable snapshot matching %r under %s; starting fresh",
-                        self.filename, self._out_dir)
-            return
-        self.resumed_from = found.url
-        self.resumed_name = found.name
-        logger.info("resumed from %s at iteration %s (epoch %s)", found.url, manager.iteration,
-                    manager.epoch)

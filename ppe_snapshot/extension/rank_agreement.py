@@ -59,6 +59,10 @@ class _DistributedExtension:
         return Preemption.for_ranks(signals, exit_code)  # collective: every rank constructs the extension
 
     @property
+    def _tier_ranks(self) -> tuple[int, int]:  # type: ignore[override]
+        return self._rank, self._size
+
+    @property
     def _is_saver(self) -> bool:
         return self._rank == self._saver_rank
 
@@ -76,6 +80,11 @@ class _DistributedExtension:
         target = self._resolve_target(manager)
         listed, agreed = self._agree()
         touched: list[str] = []
+        local = self._resume_locally(manager, agreed, target)
+        if local is True:
+            return listed
+        if local is not None:
+            touched.append(f"{local[0]} ({local[1]})")
         found = None
         for candidate in reversed(agreed):
             failure = attempt(lambda: self._restore(candidate, target, self._restore_pg))

@@ -100,7 +100,19 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
     snap = _opened(candidate, pg, storage_options, allow_pickle)
     if candidate.snapshot is None:
         _check_readable(snap)
-    saved_kind = candidate.metadata.get("ppe_snapshot_target", kind)
+    _restore_opened(snap, candidate.metadata, target, kind, pg, rng_rank)
+
+
+def restore_part(path: str, target: Any, kind: str, rng_rank: int, allow_pickle: bool) -> None:
+    """Restore the one-rank snapshot at local ``path`` (a local tier's part) into ``target`` as :func:`restore`
+    does, raising :class:`~ppe_snapshot.run_dir.Unusable` when it cannot be used and nothing was touched yet."""
+    snap = Snapshot(path, pg=LOCAL, allow_pickle=allow_pickle)
+    _check_readable(snap)
+    _restore_opened(snap, snap.metadata, target, kind, LOCAL, rng_rank)
+
+
+def _restore_opened(snap: Snapshot, metadata: Any, target: Any, kind: str, pg: Any, rng_rank: int) -> None:
+    saved_kind = metadata.get("ppe_snapshot_target", kind)
     if saved_kind != kind:
         raise Unusable(f"it holds a {saved_kind} target and this extension's target is a {kind}")
     snap.restore({STATE_KEY: TargetState(target)})

@@ -31,6 +31,11 @@ class StatsReporter(extension.Extension):
         self._stats: Mapping[str, Any] | None = None
         self._first = False  # blocking_s and bytes not reported yet
         self._write_pending = False  # write_s not reported yet
+        self._once: dict[str, Any] = {}  # reported at the next call, then dropped
+
+    def add_once(self, values: Mapping[str, Any]) -> None:
+        """Values to report once, at the next iteration (a restore's time)."""
+        self._once.update(values)
 
     def add(self, stats: Mapping[str, Any]) -> None:
         """The stats of a save just made (a writer's ``last_stats``: ``write_s`` may be filled in later)."""
@@ -38,6 +43,9 @@ class StatsReporter(extension.Extension):
         self._first = True
 
     def __call__(self, manager: Any) -> None:
+        if self._once:
+            reporting.report(self._once)
+            self._once = {}
         stats = self._stats
         if stats is None:
             return

@@ -19,7 +19,8 @@ from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.pools import shared_pool
 from ppe_snapshot.storage.stores import StoreProfile, register_store
 from ppe_snapshot.storage.trees import (
-    LocalTree, Tree, absolute, anchored, in_one_process, is_known_location, local_path, open_tree, remove_local_shadow,
+    LocalTree, Tree, absolute, anchored, in_one_process, is_known_location, local_path, memory_backed_dir, open_tree,
+    remove_local_shadow,
 )
 from ppe_snapshot.storage.tuning import Tuning, split_tuning
 
@@ -37,6 +38,6 @@ def join(base: str, name: str) -> str:
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree", "Tuning",
-           "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join", "open_storage",
-           "open_tree", "open_url", "register_store", "remove_local_shadow", "shared_pool", "split_reference",
+           "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join",
+           "memory_backed_dir", "open_storage", "open_tree", "open_url", "register_store", "remove_local_shadow", "shared_pool", "split_reference",
            "split_tuning", "url_to_fs"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import tempfile
 from typing import Any, Callable
 
 import fsspec
@@ -43,6 +44,12 @@ def local_path(location: str, storage_options: dict[str, Any] | None = None) -> 
 def absolute(location: str) -> str:
     """``location`` with a local path made absolute (``file://`` stripped); a URL as it is."""
     return os.path.abspath(location.removeprefix("file://")) if is_local(location) else location
+
+
+def memory_backed_dir() -> str:
+    """A local directory whose files live in memory where the system has one (``/dev/shm``), else the temporary
+    directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def is_known_location(location: str) -> bool:

@@ -1,0 +1,105 @@
+"""Autoload of the snapshot extension: the newest snapshot that restores, from the local tier or the output
+directory, and what the run keeps of it (``resumed_from``, the names it saves again).
+
+:class:`Resuming` is a base of :class:`~.ppe_extension.SnapshotExtension` holding these steps; the ranks of
+DISTRIBUTED / SHARDED modes extend them in :mod:`.rank_agreement`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from pytorch_pfn_extras.training import ExtensionsManagerProtocol
+
+from ppe_snapshot import run_dir
+from ppe_snapshot.engine import LOCAL
+from ppe_snapshot.extension import saved_state
+from ppe_snapshot.local_tier import Fallback
+from ppe_snapshot.run_dir import Candidate, attempt, cannot_start_fresh, skip, target_changed
+
+logger = logging.getLogger(__name__)
+
+
+class Resuming:
+    """Autoload's steps; the attributes they use are the extension's (``_format``, ``_out_dir``, ``_local``...)."""
+
+    # -- autoload ----------------------------------------------------------------
+    def _candidates(self) -> list[Candidate]:
+        assert self._format is not None
+        return run_dir.list_snapshots(self._out_dir, self._format, self._storage_options, keep_newest_open=True)
+
+    def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
+        """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
+        was listed (the start-up pruning needs no second listing)."""
+        candidates = self._candidates()
+        target = self._resolve_target(manager)
+        touched: tuple[str, Exception | str] | None = None
+        local = self._resume_locally(manager, candidates, target)
+        if local is True:
+            return candidates
+        if local is not None:
+            touched = local
+        found = None
+        for candidate in reversed(candidates):
+            failure = attempt(lambda: self._restore(candidate, target, LOCAL))
+            if failure is None:
+                found = candidate
+                break
+            if failure.mismatch:
+                raise target_changed(candidate.url, failure.reason) from failure.error
+            self._skip(candidate, failure.reason)
+            if failure.error is not None:
+                touched = (candidate.url, failure.error)
+        if found is None and touched is not None:
+            error = touched[1]
+            raise cannot_start_fresh(f"{touched[0]} ({error})") from (error if isinstance(error, Exception) else None)
+        self._resumed(manager, found, candidates)
+        return candidates
+
+    def _resume_locally(self, manager: ExtensionsManagerProtocol, candidates: list[Candidate],
+                        target: Any) -> bool | tuple[str, str] | None:
+        """Restore from the local tier where it holds a step newer than the newest complete durable snapshot in
+        ``candidates`` (every rank calls it): True when it did; ``(where, why)`` when it failed after touching the
+        state; None otherwise (durable snapshots are tried as without a tier)."""
+        if self._local is None:
+            return None
+        durable = max((c.iteration for c in candidates if c.complete and c.iteration is not None), default=None)
+        result = self._local.resume(durable, lambda path: saved_state.restore_part(
+            path, target, self._target_kind, self._rng_rank, self._reads_pickle))
+        if result is None:
+            return None
+        if isinstance(result, Fallback):
+            logger.warning("the local tier was not used: %s; resuming from durable snapshots", result.reason)
+            return (self._local.saves.directory, result.reason) if result.touched else None
+        self.resumed_from, self.resumed_name = result.path, None
+        if self._owns_out_dir:  # durable names at or after the resumed step are saved again
+            self._superseded = {c.name: dataclasses.replace(c, snapshot=None) for c in candidates
+                                if c.iteration is not None and c.iteration >= result.step}
+        logger.info("resumed from local step %d (%s, %s) at iteration %s in %.3f s", result.step, result.source,
+                    result.path, manager.iteration, result.seconds)
+        if self._stats_reporter is not None:
+            self._stats_reporter.add_once({"snapshot/restore_s": result.seconds})
+        return True
+
+    def _skip(self, candidate: Candidate, reason: str) -> None:
+        skip(candidate, reason)
+        self._rejected.add(candidate.name)
+
+    def _restore(self, candidate: Candidate, target: Any, pg: Any) -> None:
+        saved_state.restore(candidate, target, self._target_kind, pg, self._rng_rank, self._storage_options,
+                            self._reads_pickle)
+
+    def _resumed(self, manager: ExtensionsManagerProtocol, found: Candidate | None,
+                 candidates: list[Candidate]) -> None:
+        if self._owns_out_dir:
+            self._superseded = {c.name: dataclasses.replace(c, snapshot=None)  # kept for the run: no manifest
+                                for c in candidates if found is None or found.is_older_than(c)}
+        if found is None:
+            logger.info("autoload found no usable snapshot matching %r under %s; starting fresh",
+                        self.filename, self._out_dir)
+            return
+        self.resumed_from = found.url
+        self.resumed_name = found.name
+        logger.info("resumed from %s at iteration %s (epoch %s)", found.url, manager.iteration,
+                    manager.epoch)

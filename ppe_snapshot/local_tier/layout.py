@@ -1,0 +1,126 @@
+"""The names inside a local tier directory, and what a rank holds there.
+
+::
+
+    <directory>/step_<iteration>/rank<r>/             rank r's part of the step: an engine snapshot of one rank
+    <directory>/step_<iteration>/rank<r>.complete     written once every rank agreed the step is complete
+    <directory>/step_<iteration>/copy-rank<w>/        the partner copy of rank w's part, held by w's partner
+    <directory>/step_<iteration>/copy-rank<w>.complete
+
+A part or copy counts only with its ``.complete`` marker (a small JSON document: the step, the world size, the
+part's take id), written after the ranks agreed that every part and every partner copy of the step is complete
+and verified; anything without one is a step in flight or the leftover of one that failed.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppe_snapshot.storage import Tree
+
+_STEP = re.compile(r"step_(\d+)")
+MARKER = ".complete"
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step}"
+
+
+def own_part(step: int, rank: int) -> str:
+    """Rank ``rank``'s part of ``step``, relative to the tier directory."""
+    return f"{step_dir(step)}/rank{rank}"
+
+
+def copy_of(step: int, ward: int) -> str:
+    """The partner copy of rank ``ward``'s part of ``step``, relative to the tier directory."""
+    return f"{step_dir(step)}/copy-rank{ward}"
+
+
+@dataclass
+class Held:
+    """The complete parts and partner copies one rank holds in a tier directory, by step: each marker's document."""
+    own: dict[int, dict[str, Any]] = field(default_factory=dict)
+    copies: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # ward -> step -> marker
+
+    def summary(self, world_size: int) -> dict[str, Any]:
+        """What the other ranks need to choose a step (JSON: keys are strings): the steps of this world size."""
+        return {"own": sorted(s for s, m in self.own.items() if m.get("world_size") == world_size),
+                "copies": {str(w): sorted(s for s, m in steps.items() if m.get("world_size") == world_size)
+                           for w, steps in self.copies.items()}}
+
+
+def steps(tree: Tree) -> list[int]:
+    """The steps present in the tier directory (complete or not), oldest first."""
+    found = []
+    for entry in tree.list(tree.root):
+        match = _STEP.fullmatch(entry["name"].rstrip("/").rpartition("/")[2])
+        if match and entry.get("type") == "directory":
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def read_marker(tree: Tree, part: str) -> dict[str, Any] | None:
+    """The marker of ``part`` (relative), or None when it has none or an unreadable one."""
+    try:
+        doc = json.loads(tree.read(f"{tree.root}/{part}{MARKER}"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("world_size"), int) else None
+
+
+def write_marker(tree: Tree, part: str, doc: dict[str, Any]) -> None:
+    data = json.dumps(doc).encode()
+    tree.save_file(f"{tree.root}/{part}{MARKER}", lambda f: f.write(data))
+
+
+def held(tree: Tree, rank: int, wards: list[int]) -> Held:
+    """What ``rank`` holds complete: its own parts and its ``wards``' copies."""
+    found = Held()
+    for step in steps(tree):
+        marker = read_marker(tree, own_part(step, rank))
+        if marker is not None:
+            found.own[step] = marker
+        for ward in wards:
+            marker = read_marker(tree, copy_of(step, ward))
+            if marker is not None:
+                found.copies.setdefault(ward, {})[step] = marker
+    return found
+
+
+def remove_part(tree: Tree, part: str) -> None:
+    """Remove ``part`` (relative), its marker first, and its step directory once empty."""
+    root = tree.root
+    for path in (f"{root}/{part}{MARKER}", f"{root}/{part}"):
+        if tree.exists(path):
+            tree.remove(path)
+    step = f"{root}/{part.partition('/')[0]}"
+    if tree.exists(step) and not tree.list(step):
+        try:
+            tree.remove(step)
+        except OSError:  # another rank of the node wrote into it meanwhile
+            pass
+
+
+def prune_parts(tree: Tree, rank: int, wards: list[int], keep: int) -> None:
+    """Keep ``rank``'s newest ``keep`` complete parts and copies of its ``wards``; remove the older ones and the
+    leftovers (no marker) of steps older than the newest complete one."""
+    present = steps(tree)
+    for name, part_of in [(rank, own_part)] + [(w, copy_of) for w in wards]:
+        complete = [s for s in present if read_marker(tree, part_of(s, name)) is not None]
+        kept = set(complete[-keep:])
+        newest = complete[-1] if complete else None
+        for step in present:
+            if step in kept or (newest is not None and step > newest):
+                continue
+            if tree.exists(f"{tree.root}/{part_of(step, name)}") or step in complete:
+                remove_part(tree, part_of(step, name))
+
+
+def remove_unfinished(tree: Tree, rank: int, wards: list[int]) -> None:
+    """Remove ``rank``'s parts and its wards' copies that have no marker (saves that never completed)."""
+    for step in steps(tree):
+        for part in [own_part(step, rank)] + [copy_of(step, w) for w in wards]:
+            if tree.exists(f"{tree.root}/{part}") and read_marker(tree, part) is None:
+                remove_part(tree, part)

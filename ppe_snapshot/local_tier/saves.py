@@ -1,0 +1,164 @@
+"""Saving local steps: each rank's part into the tier directory, its partner copy, the agreement, retention.
+
+:meth:`LocalSaves.save` (the training loop's thread) stages the rank's state into a reused buffer and returns
+(``Snapshot.async_take``); a worker thread then, step after step in the same order on every rank: waits for the
+part to be written, sends it to the rank's partner while receiving its wards' parts (:mod:`.transfer`), verifies
+what it received, and agrees with every rank that the step is complete (an ``exchange`` over the tier's gloo
+group, as a take's commit is agreed); only then does each rank write the markers of its part and copies, and
+prune its older steps. At most one step waits behind the one in progress: a third save waits for the first to
+end (the tier's memory stays bounded).
+
+Whatever fails costs the tier only: a full or read-only directory, a copy cut off, a bad checksum leave the
+step incomplete (never restored) with a warning; a rank lost from the group stops the tier.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, exchange
+from ppe_snapshot.local_tier import layout, transfer
+from ppe_snapshot.storage import Tree, join, open_tree
+
+logger = logging.getLogger(__name__)
+
+#: The first tag of the tier group's messages; each step uses the next two (its copies, its agreement).
+_TAGS = 1 << 20
+#: Steps queued behind the one in progress before :meth:`LocalSaves.save` waits.
+_QUEUED = 1
+
+
+@dataclass
+class Ranks:
+    """Where this rank stands among the ranks of the tier: its rank and the world size, the gloo group they speak
+    over (None: one process), its partner (None: no copy) and its wards (whose copies it holds)."""
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    partner: int | None = None
+    wards: tuple[int, ...] = ()
+
+
+@dataclass
+class _Step:
+    step: int
+    tag: int
+    pending: PendingSnapshot | None
+    problem: str | None
+
+
+class LocalSaves:
+    """The local tier's saves of one rank (see the module's docstring)."""
+
+    def __init__(self, directory: str, ranks: Ranks, keep: int) -> None:
+        self.directory, self.ranks, self.keep = directory, ranks, keep
+        self.tree: Tree = open_tree(directory)
+        self._queue: queue.Queue[_Step | None] = queue.Queue()
+        self._slots = threading.Semaphore(_QUEUED + 1)
+        self._tags = 0
+        #: Why the tier stopped (a rank lost from its group), or None.
+        self.stopped: str | None = None
+        #: The step and time (seconds) of the last local step every rank agreed complete.
+        self.last_complete: tuple[int, float] | None = None
+        self._thread = threading.Thread(target=self._work, name="ppe-snapshot-local-tier", daemon=True)
+        self._thread.start()
+
+    def part_path(self, step: int, rank: int | None = None) -> str:
+        return join(self.directory, layout.own_part(step, self.ranks.rank if rank is None else rank))
+
+    def save(self, step: int, app_state: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """Stage this rank's ``app_state`` as its part of local ``step``; written, copied and agreed on in the
+        background. Returns once the state is copied (or the save failed: warned, the step stays incomplete)."""
+        if self.stopped is not None:
+            return
+        self._slots.acquire()
+        self._tags += 1
+        pending, problem = None, None
+        try:
+            pending = Snapshot.async_take(self.part_path(step), app_state, pg=LOCAL,
+                                          metadata={**metadata, "ppe_snapshot_local_step": step})
+        except Exception as e:  # noqa: BLE001 - the tier fails alone; the other ranks still hear of it
+            problem = f"{type(e).__name__}: {e}"
+        self._queue.put(_Step(step, _TAGS + 2 * self._tags, pending, problem))
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Let the steps in flight end (their copies and agreement), then stop the worker."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the local tier's last steps did not end within %s s; they stay incomplete", timeout)
+
+    # -- the worker ---------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if self.stopped is None:
+                    self._complete(item)
+            except Exception as e:  # noqa: BLE001 - the tier stops; training goes on
+                self.stopped = f"{type(e).__name__}: {e}"
+                logger.warning("the local tier stopped at step %d: %s; durable snapshots go on", item.step,
+                               self.stopped)
+            finally:
+                self._slots.release()
+
+    def _complete(self, item: _Step) -> None:
+        ranks, problem = self.ranks, item.problem
+        if item.pending is not None:
+            try:
+                item.pending.wait()
+            except Exception as e:  # noqa: BLE001 - a full tmpfs, a read-only directory, ...
+                problem = f"{type(e).__name__}: {e}"
+        if ranks.partner is not None or ranks.wards:
+            problem = self._copy(item, problem) or problem
+        decided = self._agree(item, problem)
+        if decided is None:
+            self._mark(item.step)
+            self.last_complete = (item.step, time.time())
+            layout.prune_parts(self.tree, ranks.rank, list(ranks.wards), self.keep)
+        else:
+            logger.warning("local step %d is incomplete and will not be restored: %s", item.step, decided)
+            for part in [layout.own_part(item.step, ranks.rank)] + [layout.copy_of(item.step, w) for w in ranks.wards]:
+                layout.remove_part(self.tree, part)
+
+    def _copy(self, item: _Step, problem: str | None) -> str | None:
+        """Send this rank's part to its partner and receive its wards' copies; what went wrong with the copies
+        received (a peer that died raises)."""
+        ranks = self.ranks
+        send = None if ranks.partner is None else (ranks.partner, None if problem else self.part_path(item.step))
+        for ward in ranks.wards:
+            layout.remove_part(self.tree, layout.copy_of(item.step, ward))
+        incoming = [transfer.Incoming(w, join(self.directory, layout.copy_of(item.step, w))) for w in ranks.wards]
+        sent = transfer.move(ranks.group, item.tag, send, incoming)
+        for part in incoming:
+            if sent[part.peer] is not None:
+                return f"the copy of rank {part.peer}'s part: {sent[part.peer]}"
+            wrong = transfer.verified(part.dest)
+            if wrong is not None:
+                return f"the copy of rank {part.peer}'s part does not verify: {wrong}"
+        return None
+
+    def _agree(self, item: _Step, problem: str | None) -> str | None:
+        """None when every rank's part and copies of ``item`` are complete, else why not (the same on every rank)."""
+        ranks = self.ranks
+        if ranks.group is None:
+            return problem
+
+        def decide(docs: list[Any]) -> Any:
+            wrong = [f"rank {r}: {p}" for r, p in enumerate(docs) if p is not None]
+            return "; ".join(wrong) if wrong else None
+
+        return exchange(ranks.group, problem, item.tag + 1, decide)
+
+    def _mark(self, step: int) -> None:
+        ranks = self.ranks
+        doc = {"step": step, "world_size": ranks.world_size}
+        layout.write_marker(self.tree, layout.own_part(step, ranks.rank), {**doc, "rank": ranks.rank})
+        for ward in ranks.wards:
+            layout.write_marker(self.tree, layout.copy_of(step, ward), {**doc, "rank": ward})

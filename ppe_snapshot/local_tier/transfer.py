@@ -1,0 +1,205 @@
+"""Moving a part (the files of a one-rank engine snapshot) from one rank to another through a gloo group.
+
+A sender first sends a header (its files and their sizes; ``failed``: it has no part to send), then the files'
+bytes as one stream in chunks of :data:`CHUNK` bytes: the memory a transfer holds is one chunk per direction,
+whatever the part's size. The receiver checks the header (relative names inside the part, sizes that add up to
+at most :data:`MAX_PART` bytes) before it writes anything, and writes the files where it is told; what it
+received is trusted only once verified against the part's own checksums (:func:`verified`).
+
+A rank may send one part and receive several in one call (:func:`move`), all chunk by chunk at once, so that a
+ring of ranks each sending to the next never waits on itself.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ppe_snapshot.engine import LOCAL, Snapshot
+from ppe_snapshot.errors import SnapshotAbortedError
+from ppe_snapshot.storage import BlobWriter, Storage, is_safe_relative, open_storage, open_tree
+
+#: Bytes per message of a transfer.
+CHUNK = 16 << 20
+#: The largest header a peer may send.
+MAX_HEADER = 1 << 20
+#: The largest part a peer may announce (1 TiB).
+MAX_PART = 1 << 40
+
+
+@dataclass
+class Incoming:
+    """A part to receive from ``peer`` into the directory ``dest`` (a local path)."""
+    peer: int
+    dest: str
+
+
+def files_of(path: str) -> list[tuple[str, int]]:
+    """The files under directory ``path``, relative, with their sizes (none where nothing is there)."""
+    tree = open_tree(path)
+    root = tree.root
+    found: list[tuple[str, int]] = []
+    pending = [root]
+    while pending:
+        for entry in tree.list(pending.pop()):
+            name = entry["name"].rstrip("/")
+            if entry.get("type") == "directory":
+                pending.append(name)
+            else:
+                found.append((name[len(root) + 1:], int(entry["size"])))
+    return sorted(found)
+
+
+def _check_header(doc: Any, peer: int) -> list[tuple[str, int]] | None:
+    """The files a header from ``peer`` announces (None: the peer has no part); ``SnapshotAbortedError`` when
+    the header is malformed."""
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, list) or not all(
+            isinstance(f, list) and len(f) == 2 and is_safe_relative(f[0]) and type(f[1]) is int and f[1] >= 0
+            for f in files) or sum(f[1] for f in files) > MAX_PART:
+        raise SnapshotAbortedError(f"rank {peer} sent a malformed part header")
+    return None if doc.get("failed") else [(name, size) for name, size in files]
+
+
+def _send_doc(group: Any, doc: Any, peer: int, tag: int) -> list[Any]:
+    data = json.dumps(doc).encode()
+    return [group.send([torch.tensor([len(data)], dtype=torch.int64)], peer, tag),
+            group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, tag)]
+
+
+def _receive_doc(group: Any, peer: int, tag: int) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    group.recv([size], peer, tag).wait()
+    if not 0 < int(size) <= MAX_HEADER:
+        raise SnapshotAbortedError(f"rank {peer} sent a header of {int(size)} bytes")
+    data = torch.empty(int(size), dtype=torch.uint8)
+    group.recv([data], peer, tag).wait()
+    return json.loads(bytes(data.numpy()))
+
+
+class _Stream:
+    """The files of a part as one stream of bytes, read or written one chunk at a time."""
+
+    def __init__(self, storage: Storage, files: list[tuple[str, int]]) -> None:
+        self.storage, self.files = storage, files
+        self.total = sum(size for _, size in files)
+        self.chunks = -(-self.total // CHUNK)
+        self.sizes = dict(files)
+        self._writers: dict[str, BlobWriter] = {}
+        #: What failed on this side (the transfer goes on to its end, so the peer is never left waiting).
+        self.problem: str | None = None
+
+    def _spans(self, index: int) -> list[tuple[str, int, int, int]]:
+        """(file, offset in the file, offset in the chunk, bytes) of each piece of chunk ``index``."""
+        start, end = index * CHUNK, min((index + 1) * CHUNK, self.total)
+        spans, at = [], 0
+        for name, size in self.files:
+            lo, hi = max(start, at), min(end, at + size)
+            if lo < hi:
+                spans.append((name, lo - at, lo - start, hi - lo))
+            at += size
+        return spans
+
+    def chunk_bytes(self, index: int) -> int:
+        return min(CHUNK, self.total - index * CHUNK)
+
+    def read(self, index: int, out: memoryview) -> None:
+        """Chunk ``index`` into ``out``; a file that cannot be read sends zeros (the copy then fails its checks:
+        the peer still gets every chunk it expects)."""
+        for name, offset, at, size in self._spans(index):
+            try:
+                self.storage.read_into(name, offset, out[at:at + size])
+            except OSError as e:
+                self.problem = self.problem or f"reading {name}: {e}"
+                out[at:at + size] = bytes(size)
+
+    def write(self, index: int, data: memoryview) -> None:
+        """Chunk ``index`` into the files; after a failure (a full tmpfs) the rest is received and dropped."""
+        if self.problem is not None:
+            return
+        try:
+            for name, offset, at, size in self._spans(index):
+                writer = self._writers.get(name)
+                if writer is None:
+                    writer = self._writers[name] = self.storage.open_writer(name, self.sizes[name])
+                writer.write([data[at:at + size]])
+                if offset + size == self.sizes[name]:
+                    self._writers.pop(name).close()
+        except OSError as e:
+            self.problem = f"writing {name}: {e}"
+
+    def finish(self) -> None:
+        """Create the empty files (no chunk names them) and close what is open."""
+        try:
+            for name, size in self.files:
+                if size == 0 and self.problem is None:
+                    self.storage.open_writer(name, 0).close()
+        except OSError as e:
+            self.problem = f"writing {name}: {e}"
+        for writer in self._writers.values():
+            writer.abort()
+
+
+def move(group: Any, tag: int, send: tuple[int, str | None] | None,
+         receive: list[Incoming]) -> dict[int, str | None]:
+    """Send the part at ``send[1]`` (None: this rank has none; its peer learns so) to rank ``send[0]``, and
+    receive the parts ``receive`` names, in one go. Returns, per peer received from, None where its part was
+    written at its ``dest`` (still to be :func:`verified`), else why not. Local file errors never stop a transfer
+    half way; a peer that died or broke the protocol raises :class:`~ppe_snapshot.errors.SnapshotAbortedError`."""
+    try:
+        return _move(group, tag, send, receive)
+    except RuntimeError as e:  # gloo: the peer's connection closed, or a wait timed out
+        raise SnapshotAbortedError(f"a partner copy was cut off: {e}") from e
+
+
+def _move(group: Any, tag: int, send: tuple[int, str | None] | None,
+          receive: list[Incoming]) -> dict[int, str | None]:
+    outgoing = None
+    if send is not None and send[1] is not None:
+        try:
+            outgoing = _Stream(open_storage(send[1]), files_of(send[1]))
+        except OSError:  # the peer hears that there is no part
+            outgoing = None
+    files = [] if outgoing is None else outgoing.files
+    pending = [] if send is None else _send_doc(group, {"failed": outgoing is None, "files": files}, send[0], tag)
+    incoming: dict[int, _Stream | None] = {}
+    for part in receive:
+        files = _check_header(_receive_doc(group, part.peer, tag), part.peer)
+        incoming[part.peer] = None if files is None else _Stream(open_storage(part.dest), files)
+    for work in pending:
+        work.wait()
+    out_buffer = torch.empty(CHUNK if outgoing is not None and outgoing.total else 0, dtype=torch.uint8)
+    in_buffers = {peer: torch.empty(CHUNK, dtype=torch.uint8) for peer, s in incoming.items() if s and s.total}
+    rounds = max([s.chunks for s in [outgoing, *incoming.values()] if s is not None], default=0)
+    for index in range(rounds):
+        works = []
+        if outgoing is not None and index < outgoing.chunks:
+            view = out_buffer[: outgoing.chunk_bytes(index)]
+            outgoing.read(index, memoryview(view.numpy()))
+            works.append(group.send([view], send[0], tag))
+        received = []
+        for peer, stream in incoming.items():
+            if stream is not None and index < stream.chunks:
+                view = in_buffers[peer][: stream.chunk_bytes(index)]
+                works.append(group.recv([view], peer, tag))
+                received.append((stream, view))
+        for work in works:
+            work.wait()
+        for stream, view in received:
+            stream.write(index, memoryview(view.numpy()))
+    for stream in incoming.values():
+        if stream is not None:
+            stream.finish()
+    return {peer: "it had no part to send" if stream is None else stream.problem for peer, stream in incoming.items()}
+
+
+def verified(path: str) -> str | None:
+    """None when the part at ``path`` is a committed snapshot whose every chunk matches its checksum, else what is
+    wrong."""
+    try:
+        Snapshot(path, pg=LOCAL).verify(deep=True)
+    except Exception as e:  # noqa: BLE001 - any failure means the copy is not usable
+        return f"{type(e).__name__}: {e}"
+    return None

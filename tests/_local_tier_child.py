@@ -1,0 +1,80 @@
+"""One rank of a training run with a local tier, simulated nodes on one machine: run as a script.
+
+``python tests/_local_tier_child.py RANK WORLD PORT SPEC_JSON``: joins a gloo group on 127.0.0.1:PORT and trains
+a small model (gradients all-reduced every iteration, so a dead rank stops the others) for ``spec["iterations"]``
+iterations with the snapshot extension in ``spec["mode"]`` (``default``, ``distributed``, ``sharded``), its
+``spec["writer"]``, durable snapshots every ``spec["durable"]`` iterations under ``<dir>/out`` and a local tier
+every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node, ``PPE_SNAPSHOT_NODE``).
+``spec["kill"]`` maps a rank to the iteration at whose end it SIGKILLs itself, ``spec["delay"]`` seconds later.
+At the end it writes ``<dir>/result-rank<r>.pt``: the iteration, where autoload resumed from, the model's and the
+optimizer's state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+import pytorch_pfn_extras as ppe  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import ppe_snapshot  # noqa: E402
+from ppe_snapshot import writing  # noqa: E402
+
+MODES = {"default": ppe.training.extensions.SnapshotMode.DEFAULT,
+         "distributed": ppe.training.extensions.SnapshotMode.DISTRIBUTED,
+         "sharded": ppe.training.extensions.SnapshotMode.SHARDED}
+WRITERS = {"simple": writing.SimpleWriter, "thread": writing.ThreadWriter, "process": writing.ProcessWriter}
+
+
+def main(rank: int, world: int, port: int, spec: dict) -> None:
+    import faulthandler
+    faulthandler.dump_traceback_later(spec.get("dump_after", 3600), exit=True)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+    node = os.environ.get("PPE_SNAPSHOT_NODE", "0")
+    torch.manual_seed(0 if spec["mode"] != "sharded" else rank)
+    width = spec.get("width", 16)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    manager = ppe.training.ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=spec["iterations"],
+                                             out_dir=os.path.join(spec["dir"], "out"))
+    tier = ppe_snapshot.LocalTier(directory=os.path.join(spec["dir"], f"node{node}"),
+                                  trigger=(spec["local"], "iteration"), n_retains=2)
+    extension = ppe_snapshot.snapshot(autoload=True, snapshot_mode=MODES[spec["mode"]],
+                                      saver_rank=0 if spec["mode"] == "distributed" else None,
+                                      writer=WRITERS[spec["writer"]](), local=tier)
+    manager.extend(extension, trigger=(spec["durable"], "iteration"))
+    kill_at = {int(r): i for r, i in spec.get("kill", {}).items()}.get(rank)
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            x = torch.randn(8, width)
+            loss = model(x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            if world > 1:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            optimizer.step()
+        if manager.iteration == kill_at:
+            time.sleep(spec.get("delay", 0.0))
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.save({"iteration": manager.iteration, "resumed_from": extension.resumed_from,
+                "model": model.state_dict(), "optimizer": optimizer.state_dict()},
+               os.path.join(spec["dir"], f"result-rank{rank}.pt"))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))

@@ -1,0 +1,91 @@
+"""The local tier's rules that need no second process: its arguments, its triggers, partners, the choice of step."""
+from __future__ import annotations
+
+import pytest
+import pytorch_pfn_extras as ppe
+import torch
+
+import ppe_snapshot
+from ppe_snapshot import LocalTier
+from ppe_snapshot.local_tier import check_triggers, partners, wards
+from ppe_snapshot.local_tier.recovery import choose
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="n_retains=0"):
+        LocalTier(n_retains=0)
+    with pytest.raises(ValueError, match="partners=2"):
+        LocalTier(partners=2)
+    with pytest.raises(ValueError, match="period > 0"):
+        LocalTier(trigger=(0, "iteration"))
+    with pytest.raises(ValueError, match="whole number"):
+        LocalTier(trigger=(1.5, "iteration"))
+    with pytest.raises(TypeError, match="LocalTier or a dict"):
+        ppe_snapshot.snapshot(local="/dev/shm/x")
+    with pytest.raises(ValueError, match="savefun"):
+        ppe_snapshot.snapshot(savefun=torch.save, local=LocalTier())
+    assert ppe_snapshot.snapshot(local={"n_retains": 3}).local_tier == LocalTier(n_retains=3)
+
+
+class _Interval:
+    def __init__(self, period, unit):
+        self.period, self.unit = period, unit
+
+
+@pytest.mark.parametrize("local, durable, iters_per_epoch", [
+    ((4, "iteration"), (8, "iteration"), None),
+    ((1, "iteration"), (1, "epoch"), 10),
+    ((0.5, "epoch"), (2, "epoch"), 10),
+])
+def test_a_local_trigger_more_frequent_and_dividing_is_accepted(local, durable, iters_per_epoch):
+    check_triggers(local, _Interval(*durable), iters_per_epoch)
+
+
+@pytest.mark.parametrize("local, durable, why", [
+    ((8, "iteration"), (8, "iteration"), "more frequent"),
+    ((3, "iteration"), (8, "iteration"), "divide"),
+    ((16, "iteration"), (8, "iteration"), "more frequent"),
+    ((3, "iteration"), (1, "epoch"), "divide"),
+])
+def test_a_local_trigger_that_does_not_fit_is_refused(local, durable, why):
+    with pytest.raises(ValueError, match=why):
+        check_triggers(local, _Interval(*durable), 10)
+
+
+def test_a_trigger_that_is_no_interval_is_refused():
+    with pytest.raises(ValueError, match="not an interval"):
+        check_triggers((1, "iteration"), lambda manager: True, 10)
+
+
+def test_the_extension_refuses_a_local_trigger_that_does_not_divide_its_own(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), max_epochs=1,
+                                             iters_per_epoch=10, out_dir=str(tmp_path))
+    manager.extend(ppe_snapshot.snapshot(local=LocalTier(directory=str(tmp_path / "local"), trigger=(3, "iteration"))),
+                   trigger=(5, "iteration"))
+    with pytest.raises(ValueError, match=r"\(3, 'iteration'\).*divide"):
+        with manager.run_iteration():
+            pass
+
+
+def test_partners_form_a_ring_over_the_nodes():
+    assert partners(["a", "a", "b", "b"]) == {0: 2, 1: 3, 2: 0, 3: 1}
+    assert partners(["a", "a", "a"]) == {}
+    ring = partners(["a", "b", "c"])
+    assert ring == {0: 1, 1: 2, 2: 0}
+    uneven = partners(["a", "a", "b"])
+    assert uneven == {0: 2, 1: 2, 2: 0}
+    assert wards(uneven, 2) == [0, 1] and wards(uneven, 0) == [2]
+    assert all(n != m for (r, p) in partners(["a", "b", "a", "b"]).items() for n, m in [("ab"[r % 2], "ab"[p % 2])])
+
+
+def test_the_newest_step_every_rank_can_restore_is_chosen():
+    held = [{"own": [2, 4], "copies": {"2": [2, 4]}}, {"own": [2, 4], "copies": {"3": [2, 4]}},
+            {"own": [2], "copies": {"0": [2, 4]}}, {"own": [], "copies": {"1": [2, 4]}}]
+    # Rank 2 lacks step 4 and rank 3 every step: their partners (0 and 1) hold copies.
+    assert choose(held, 4, durable=None) == {"step": 4, "fetch": {"2": 0, "3": 1}}
+    assert choose(held, 4, durable=4) is None  # not newer than the durable snapshot
+    held[0]["copies"] = {"2": [2]}
+    assert choose(held, 4, durable=None) == {"step": 2, "fetch": {"3": 1}}
+    held[1]["copies"] = {}
+    assert choose(held, 4, durable=None) is None
