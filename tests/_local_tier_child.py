@@ -5,13 +5,18 @@ a small model (gradients all-reduced every iteration, so a dead rank stops the o
 iterations with the snapshot extension in ``spec["mode"]`` (``default``, ``distributed``, ``sharded``), its
 ``spec["writer"]``, durable snapshots every ``spec["durable"]`` iterations under ``<dir>/out`` and a local tier
 every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node, ``PPE_SNAPSHOT_NODE``).
-``spec["kill"]`` maps a rank to the iteration at whose end it SIGKILLs itself, ``spec["delay"]`` seconds later.
+``spec["kill"]`` maps a rank to the iteration at whose end it SIGKILLs itself, once its part of local step
+``spec["complete"]`` (if given) is marked complete;
+``spec["kill_in_copy"]`` (``[rank, step]``) has that rank SIGKILL itself while it sends its part of that local
+step to its partner (after the header, before the first chunk).
 At the end it writes ``<dir>/result-rank<r>.pt``: the iteration, where autoload resumed from, the model's and the
 optimizer's state.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import os
 import signal
 import sys
@@ -35,8 +40,9 @@ WRITERS = {"simple": writing.SimpleWriter, "thread": writing.ThreadWriter, "proc
 
 
 def main(rank: int, world: int, port: int, spec: dict) -> None:
-    import faulthandler
-    faulthandler.dump_traceback_later(spec.get("dump_after", 3600), exit=True)
+    faulthandler.dump_traceback_later(spec.get("dump_after", 300), exit=True)  # never hang a test
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
+    logging.getLogger("ppe_snapshot.extension.resuming").setLevel(logging.INFO)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
@@ -54,6 +60,8 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
                                       writer=WRITERS[spec["writer"]](), local=tier)
     manager.extend(extension, trigger=(spec["durable"], "iteration"))
     kill_at = {int(r): i for r, i in spec.get("kill", {}).items()}.get(rank)
+    if spec.get("kill_in_copy", [None])[0] == rank:
+        _die_in_copy(f"step_{spec['kill_in_copy'][1]}/")
     while not manager.stop_trigger:
         with manager.run_iteration():
             x = torch.randn(8, width)
@@ -66,7 +74,8 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
                     p.grad /= world
             optimizer.step()
         if manager.iteration == kill_at:
-            time.sleep(spec.get("delay", 0.0))
+            if "complete" in spec:
+                _wait_for(os.path.join(spec["dir"], f"node{node}", f"step_{spec['complete']}", f"rank{rank}.complete"))
             os.kill(os.getpid(), signal.SIGKILL)
     torch.save({"iteration": manager.iteration, "resumed_from": extension.resumed_from,
                 "model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -74,6 +83,26 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _wait_for(path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _die_in_copy(step: str) -> None:
+    """SIGKILL this process when it first reads its part of local ``step`` to send it to its partner."""
+    from ppe_snapshot.local_tier import transfer
+
+    read = transfer._Stream.read
+
+    def read_or_die(self, index, out):
+        if step in self.storage.url:
+            os.kill(os.getpid(), signal.SIGKILL)
+        read(self, index, out)
+
+    transfer._Stream.read = read_or_die
 
 
 if __name__ == "__main__":

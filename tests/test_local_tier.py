@@ -1,8 +1,10 @@
 """The local tier (``snapshot(..., local=LocalTier(...))``) with real processes, real SIGKILL and real gloo groups.
 
-Four ranks simulate two nodes of two (``PPE_SNAPSHOT_NODE``, one local directory per node) and train a small
-model whose gradients are all-reduced every iteration; durable snapshots every 8 iterations, local steps every 2.
-A run is killed (a rank, a node), restarted whole with autoload, and must end bit-exact with an uninterrupted run.
+Ranks simulate nodes (``PPE_SNAPSHOT_NODE``, one local directory per node: ``tests/_local_tier_child.py``) and train
+a small model whose gradients are all-reduced every iteration; durable snapshots every 8 iterations, local steps
+every 2. A run is killed (a rank, a node, a rank in the middle of a partner copy), restarted whole with autoload,
+and must end bit-exact with an uninterrupted run; a tier that fails (a full tmpfs, a damaged part) costs the tier
+only.
 """
 from __future__ import annotations
 
@@ -21,16 +23,18 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_local_tier_ch
 ITERATIONS, DURABLE, LOCAL = 20, 8, 2
 
 
-def run_ranks(spec: dict, world: int = 4, per_node: int = 2, timeout: float = 120.0) -> list[tuple[int, str]]:
-    """Each rank's exit status and output; every process is gone when it returns."""
+def run_ranks(spec: dict, world: int, per_node: int = 1, wrap=lambda rank: [],
+              timeout: float = 120.0) -> list[tuple[int, str]]:
+    """Each rank's exit status and output (``wrap(rank)``: a command the rank's process runs under); every
+    process is gone when it returns."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, PPE_SNAPSHOT_NODE=str(rank // per_node), OMP_NUM_THREADS="1",
                    GLOO_SOCKET_IFNAME="lo")
-        procs.append(subprocess.Popen([sys.executable, CHILD, str(rank), str(world), str(port), json.dumps(spec)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results = []
+        command = [*wrap(rank), sys.executable, CHILD, str(rank), str(world), str(port), json.dumps(spec)]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    statuses = []
     for proc in procs:
         try:
             out, _ = proc.communicate(timeout=timeout)
@@ -38,15 +42,16 @@ def run_ranks(spec: dict, world: int = 4, per_node: int = 2, timeout: float = 12
             for other in procs:
                 other.kill()
             out, _ = proc.communicate()
-        results.append((proc.returncode, out))
-    return results
+        statuses.append((proc.returncode, out))
+    return statuses
 
 
-def results(directory: str, world: int = 4) -> list[dict]:
+def ends(directory, world: int) -> list[dict]:
     return [torch.load(os.path.join(directory, f"result-rank{r}.pt"), weights_only=True) for r in range(world)]
 
 
 def assert_same_end(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
     for rank, (a, b) in enumerate(zip(got, want)):
         assert a["iteration"] == b["iteration"] == ITERATIONS
         for name, tensor in b["model"].items():
@@ -57,54 +62,116 @@ def assert_same_end(got: list[dict], want: list[dict]) -> None:
 
 def spec_for(directory, mode: str, writer: str = "thread", **more) -> dict:
     return {"dir": str(directory), "mode": mode, "writer": writer, "iterations": ITERATIONS, "durable": DURABLE,
-            "local": LOCAL, "dump_after": 100, **more}
+            "local": LOCAL, **more}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Each mode's end without any failure (a run of its own, local tier on)."""
-    ends = {}
+    """A mode's end at a world size without any failure (a run of its own, the local tier on)."""
+    known: dict[tuple[str, int], list[dict]] = {}
 
-    def end(mode: str) -> list[dict]:
-        if mode not in ends:
-            directory = tmp_path_factory.mktemp(f"whole-{mode}")
-            statuses = run_ranks(spec_for(directory, mode))
-            assert [s for s, _ in statuses] == [0] * 4, statuses
-            ends[mode] = results(str(directory))
-        return ends[mode]
+    def end(mode: str, world: int, per_node: int = 1) -> list[dict]:
+        if (mode, world) not in known:
+            directory = tmp_path_factory.mktemp(f"whole-{mode}-{world}")
+            statuses = run_ranks(spec_for(directory, mode), world, per_node)
+            assert [s for s, _ in statuses] == [0] * world, statuses
+            known[mode, world] = ends(directory, world)
+        return known[mode, world]
     return end
 
 
-def kill_and_resume(directory, spec: dict, wipe: list[int] = ()) -> list[tuple[int, str]]:
-    """Run with ``spec["kill"]``, wipe the local directories of nodes ``wipe``, run again without kills."""
-    first = run_ranks(spec)
-    victims = {int(r) for r in spec["kill"]}
-    for rank, (status, out) in enumerate(first):
-        if rank in victims:
-            assert status == -9, out[-3000:]
+def kill_and_resume(directory, spec: dict, world: int, per_node: int = 1, wipe=(), between=lambda: None,
+                    wrap=lambda rank: []) -> list[tuple[int, str]]:
+    """Run with ``spec``'s kills; the victims died by SIGKILL. Wipe the local directories of nodes ``wipe``, call
+    ``between()``, run again without kills: every rank ends normally. Returns the second run's statuses."""
+    first = run_ranks(spec, world, per_node, wrap)
+    victims = {int(r) for r in spec.get("kill", {})} | ({spec["kill_in_copy"][0]} if "kill_in_copy" in spec else set())
+    for rank in victims:
+        assert first[rank][0] == -9, first[rank][1][-3000:]
     for node in wipe:
         shutil.rmtree(os.path.join(directory, f"node{node}"))
-    again = run_ranks({k: v for k, v in spec.items() if k != "kill"})
-    assert [s for s, _ in again] == [0] * 4, [out[-3000:] for _, out in again]
+    between()
+    again = run_ranks({k: v for k, v in spec.items() if k not in ("kill", "kill_in_copy")}, world, per_node, wrap)
+    assert [s for s, _ in again] == [0] * world, [out[-3000:] for _, out in again]
     return again
 
 
-def resumed_steps(directory) -> list[str | None]:
-    return [r["resumed_from"] for r in results(str(directory))]
+def resumed(directory, world: int) -> list[str | None]:
+    return [end["resumed_from"] for end in ends(directory, world)]
 
 
-@pytest.mark.parametrize("mode", ["distributed", "sharded"])
-def test_a_rank_killed_resumes_from_its_own_local_part(tmp_path, uninterrupted, mode):
-    spec = spec_for(tmp_path, mode, kill={"3": 11}, delay=0.3)
-    kill_and_resume(tmp_path, spec)
-    assert_same_end(results(str(tmp_path)), uninterrupted(mode))
-    # Step 10 was complete (the kill came after iteration 11): newer than the durable snapshot of iteration 8.
-    assert resumed_steps(tmp_path) == [str(tmp_path / f"node{r // 2}" / "step_10" / f"rank{r}") for r in range(4)]
+def part(directory, step: int, rank: int, per_node: int = 1) -> str:
+    return str(directory / f"node{rank // per_node}" / f"step_{step}" / f"rank{rank}")
+
+
+def test_one_process_resumes_from_its_local_step(tmp_path, uninterrupted):
+    """DEFAULT mode: the tier is a second directory that survives the process (here with the SimpleWriter)."""
+    spec = spec_for(tmp_path, "default", "simple", kill={"0": 11}, complete=10)
+    out = kill_and_resume(tmp_path, spec, 1)
+    assert_same_end(ends(tmp_path, 1), uninterrupted("default", 1))
+    assert resumed(tmp_path, 1) == [part(tmp_path, 10, 0)]
+    assert "resumed from local step 10 (its own local part" in out[0][1]
+
+
+@pytest.mark.parametrize("mode, writer", [("distributed", "process"), ("sharded", "thread")])
+def test_a_rank_killed_resumes_from_the_local_parts(tmp_path, uninterrupted, mode, writer):
+    spec = spec_for(tmp_path, mode, writer, kill={"1": 11}, complete=10)
+    kill_and_resume(tmp_path, spec, 2)
+    assert_same_end(ends(tmp_path, 2), uninterrupted(mode, 2))
+    # Step 10 was complete (the victim waited for it): newer than the durable snapshot of iteration 8.
+    assert resumed(tmp_path, 2) == [part(tmp_path, 10, r) for r in range(2)]
 
 
 def test_a_node_lost_resumes_from_the_partners_copies(tmp_path, uninterrupted):
-    spec = spec_for(tmp_path, "sharded", kill={"2": 13, "3": 13}, delay=0.3)
-    out = kill_and_resume(tmp_path, spec, wipe=[1])
-    assert_same_end(results(str(tmp_path)), uninterrupted("sharded"))
-    assert resumed_steps(tmp_path) == [str(tmp_path / f"node{r // 2}" / "step_12" / f"rank{r}") for r in range(4)]
-    assert "partner copy from rank 0" in out[2][1] or True
+    """Four ranks, two nodes of two; node 1 (ranks 2 and 3) is killed and its local directory wiped."""
+    spec = spec_for(tmp_path, "sharded", kill={"2": 13, "3": 13}, complete=12)
+    out = kill_and_resume(tmp_path, spec, 4, per_node=2, wipe=[1])
+    assert_same_end(ends(tmp_path, 4), uninterrupted("sharded", 4, 2))
+    assert resumed(tmp_path, 4) == [part(tmp_path, 12, r, per_node=2) for r in range(4)]
+    assert "(a partner copy from rank 0" in out[2][1] and "(a partner copy from rank 1" in out[3][1]
+    assert "(its own local part" in out[0][1]
+
+
+def test_a_rank_killed_during_a_partner_copy_leaves_the_step_incomplete(tmp_path, uninterrupted):
+    """Rank 1 dies while sending its part of step 12: no rank marks step 12 complete; the run resumes from 10."""
+    spec = spec_for(tmp_path, "sharded", kill_in_copy=[1, 12])
+
+    def no_marker_of_step_12():
+        assert not [p for p in tmp_path.rglob("step_12/*.complete")]
+    kill_and_resume(tmp_path, spec, 2, between=no_marker_of_step_12)
+    assert_same_end(ends(tmp_path, 2), uninterrupted("sharded", 2))
+    assert resumed(tmp_path, 2) == [part(tmp_path, 10, r) for r in range(2)]
+
+
+def test_a_damaged_local_part_falls_back_to_the_durable_snapshot(tmp_path, uninterrupted):
+    spec = spec_for(tmp_path, "distributed", kill={"1": 11}, complete=10)
+
+    def damage():
+        data = tmp_path / "node1" / "step_10" / "rank1" / "data" / "rank0.bin"
+        raw = bytearray(data.read_bytes())
+        raw[100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    out = kill_and_resume(tmp_path, spec, 2, between=damage)
+    assert_same_end(ends(tmp_path, 2), uninterrupted("distributed", 2))
+    assert resumed(tmp_path, 2) == [str(tmp_path / "out" / "snapshot_iter_8")] * 2
+    assert "the local tier was not used: local step 10: rank 1: CorruptSnapshotError" in out[1][1]
+
+
+def _small_tmpfs(directory, rank: int) -> list[str]:
+    """Rank 1 runs with its node's local directory on a tmpfs of 4 KiB (its own mount namespace)."""
+    if rank != 1:
+        return []
+    os.makedirs(directory, exist_ok=True)
+    return ["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=4k tmpfs {directory} && exec \"$@\"", "sh"]
+
+
+def test_a_full_local_tmpfs_costs_the_tier_only(tmp_path, uninterrupted):
+    probe = subprocess.run(_small_tmpfs(str(tmp_path / "probe"), 1) + ["true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here: {probe.stderr.decode()[-300:]}")
+    spec = spec_for(tmp_path, "sharded", kill={"1": 11}, complete=10)
+    out = kill_and_resume(tmp_path, spec, 2, wrap=lambda rank: _small_tmpfs(str(tmp_path / "node1"), rank))
+    assert_same_end(ends(tmp_path, 2), uninterrupted("sharded", 2))
+    assert not [p for p in tmp_path.rglob("*.complete")]  # rank 0's parts were never agreed complete
+    assert resumed(tmp_path, 2) == [str(tmp_path / "out" / "snapshot_iter_8")] * 2
+    assert "No space left on device" in out[1][1] or "ENOSPC" in out[1][1]
