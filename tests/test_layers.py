@@ -30,7 +30,7 @@ PACKAGES = ("ppe_snapshot.storage", "ppe_snapshot.engine", "ppe_snapshot.writing
 #: The one public submodule: the engine's format pieces (entries, chunk reads, value encoding, payload appending,
 #: committing a manifest one builds), documented as such. The DCP adapters need them; the CLI's inspect and verify
 #: show and check entries one by one. Any module may import it: a public module, like the package itself; what
-#: stays private is every ``_``-prefixed module of the engine.
+#: stays private is every ``_``-prefixed module and subpackage of the engine.
 PUBLIC_SUBMODULES = {"ppe_snapshot.engine.codec"}
 
 
@@ -117,7 +117,7 @@ def test_the_engine_surface_is_narrow():
         assert len(set(module.__all__)) == len(module.__all__), module.__name__
         assert [name for name in module.__all__ if not hasattr(module, name)] == [], module.__name__
     assert {m for m in MODULES if _package(m) == "ppe_snapshot.engine" and m != "ppe_snapshot.engine"
-            and not m.rpartition(".")[2].startswith("_")} == PUBLIC_SUBMODULES
+            and not any(part.startswith("_") for part in m.split(".")[2:])} == PUBLIC_SUBMODULES
 
 
 def test_dcp_uses_the_engine_and_its_codec_only():
@@ -127,8 +127,8 @@ def test_dcp_uses_the_engine_and_its_codec_only():
 
 
 _VERSION_NAME = re.compile(r"(?i)(format_)?version")
-_VERSIONS_HOME = "ppe_snapshot.engine._format"  # defines FORMAT_VERSION, the newest
-_VERSIONS_BRANCH = "ppe_snapshot.engine._versions"  # picks each step per version
+_VERSIONS_HOME = "ppe_snapshot.engine._format.names"  # defines FORMAT_VERSION, the newest
+_VERSIONS_BRANCH = "ppe_snapshot.engine._versions.table"  # picks each step per version
 
 
 def _is_version(node: ast.AST) -> bool:
@@ -205,10 +205,11 @@ def test_no_import_cycle():
 #: Names defined at the top level of several modules on purpose, with one meaning: why.
 SHARED_NAMES = {
     "add_parsers": "each CLI command module's hook adding its subcommands to the parser (cli/__init__ calls each)",
-    "expected_shared": "engine/_versions picks, per format version, the step of this name; engine/_commit_v2 "
+    "expected_shared": "engine/_versions/table picks, per format version, the step of this name; "
+                       "engine/_versions/commit_v2 "
                        "defines version 2's",
-    "publish": "as expected_shared: a format version's step, picked by engine/_versions",
-    "merge_and_commit": "as expected_shared: a format version's step, picked by engine/_versions",
+    "publish": "as expected_shared: a format version's step, picked by engine/_versions/table",
+    "merge_and_commit": "as expected_shared: a format version's step, picked by engine/_versions/table",
     "PROFILE": "each store's module under storage/stores/ names its registered profile so (the recipe 'Adding a "
                "store')",
 }
@@ -383,7 +384,7 @@ _FILE_MODULES = ("shutil", "fsspec", "tempfile")
 #: Above the storage floor, the file operations that are no storage (module -> the calls and why).
 _NOT_STORAGE = {
     # this process's identity for the writer records (/proc/self/ns/pid, /proc/<pid>/stat): no snapshot file
-    "ppe_snapshot.engine._writers": {"readlink", "open"},
+    "ppe_snapshot.engine._take.writers": {"readlink", "open"},
     # which host memory is mapped how (/proc/self/maps), to pin staging buffers
     "ppe_snapshot.writing._pinning": {"open"},
     # --quiet points stdout at /dev/null

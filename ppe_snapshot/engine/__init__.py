@@ -33,19 +33,13 @@ A snapshot in storage
     take at ``path`` (another snapshot in the same directory).
 """
 from ppe_snapshot.engine._format import INDEX_DIR, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME
-from ppe_snapshot.engine._incremental import check_base
-from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._hostmem import new_shared_buffer
-from ppe_snapshot.engine._packing import align
-from ppe_snapshot.engine._rank_channel import agree_max, exchange, side_group
-from ppe_snapshot.engine._ranks import LOCAL, group_rank
+from ppe_snapshot.engine._take import TakeJob, check_base, judge_writers, new_staging_buffer, prepare_take
+from ppe_snapshot.engine._util import gc_paused, new_shared_buffer
+from ppe_snapshot.engine._files import align
+from ppe_snapshot.engine._ranks import LOCAL, agree_max, exchange, group_rank, side_group
 from ppe_snapshot.engine._snapshot import PendingSnapshot, Snapshot
-from ppe_snapshot.engine._staging import new_staging_buffer
-from ppe_snapshot.engine._stateful import OptimizerState, RNGState, Stateful, StateDict
-from ppe_snapshot.engine._take import TakeJob, prepare_take
-from ppe_snapshot.engine._versions import read_manifest
-from ppe_snapshot.engine._versions import upgrade as upgrade_snapshot
-from ppe_snapshot.engine._writers import judge_writers
+from ppe_snapshot.engine._state import OptimizerState, RNGState, Stateful, StateDict
+from ppe_snapshot.engine._versions import read_manifest, upgrade as upgrade_snapshot
 
 __all__ = [
     # taking and restoring

@@ -29,15 +29,12 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine._format import Raw
-from ppe_snapshot.engine._index import chunk_list
-from ppe_snapshot.engine._flatten import Payload
-from ppe_snapshot.engine._manifest import Chunk, Manifest, ShardedTensorEntry
-from ppe_snapshot.engine._packing import (
+from ppe_snapshot.engine._format import Chunk, Manifest, Raw, ShardedTensorEntry, chunk_list
+from ppe_snapshot.engine._state import Payload, ShardPlan
+from ppe_snapshot.engine._files import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
-from ppe_snapshot.engine._sparse_references import Kept, copy_sparse_references
-from ppe_snapshot.engine._sharded import ShardPlan
+from ppe_snapshot.engine._take.sparse_references import Kept, copy_sparse_references
 from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, absolute, open_storage, shared_pool, split_reference

@@ -17,10 +17,10 @@ from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._format import EntryType, Raw
-from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._validation import (
+from ppe_snapshot.engine._format import jsonio
+from ppe_snapshot.engine._format.names import EntryType, Raw
+from ppe_snapshot.engine._util import gc_paused
+from ppe_snapshot.engine._format.validation import (
     CHECKSUM_ALGORITHM, FORMAT_NAME, check_document, check_entry, tensor_chunks,
 )
 from ppe_snapshot.errors import CorruptSnapshotError

@@ -12,15 +12,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ppe_snapshot.engine import _commit as commit_protocol
-from ppe_snapshot.engine import _commit_v2 as commit_v2
-from ppe_snapshot.engine._format import DEFAULT_VERSION, INCREMENTAL_VERSION, MANIFEST_NAME
-from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._manifest import Chunk, Manifest, Shard, ShardedTensorEntry, parse_document
-from ppe_snapshot.engine._manifest_v2 import read as read_v2
-from ppe_snapshot.engine._manifest_v2 import write_manifest as write_v2
-from ppe_snapshot.engine._referenced import copy_spans, referenced_spans
-from ppe_snapshot.engine._validation import document_problem, document_v2_problem, document_v3_problem
+from ppe_snapshot.engine._format import (
+    DEFAULT_VERSION, INCREMENTAL_VERSION, MANIFEST_NAME, Chunk, Manifest, Shard, ShardedTensorEntry, document_problem,
+    document_v2_problem, document_v3_problem, parse_document,
+)
+from ppe_snapshot.engine._util import gc_paused
+from ppe_snapshot.engine._versions import commit_v2
+from ppe_snapshot.engine._versions import protocol as commit_protocol
+from ppe_snapshot.engine._versions.manifest_v2 import read as read_v2
+from ppe_snapshot.engine._versions.manifest_v2 import write_manifest as write_v2
+from ppe_snapshot.engine._versions.referenced import copy_spans, referenced_spans
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, SnapshotNotFoundError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, split_reference

@@ -23,12 +23,9 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine._entry_columns import ShapeColumns
-from ppe_snapshot.engine._flatten import Payload, PlainTensors
-from ppe_snapshot.engine._format import Raw
-from ppe_snapshot.engine._hostmem import MEMORY
-from ppe_snapshot.engine._manifest import Chunk
-from ppe_snapshot.engine._serialization import PLAIN_TENSOR_TYPES
+from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Chunk, Raw, ShapeColumns
+from ppe_snapshot.engine._state import Payload, PlainTensors
+from ppe_snapshot.engine._util import MEMORY
 from ppe_snapshot.storage import BlobWriter, Storage
 
 ALIGNMENT = 64

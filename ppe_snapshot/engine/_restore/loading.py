@@ -25,18 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppe_snapshot.engine._bulk import BulkTensors
-from ppe_snapshot.engine._flatten import LoadLeaf, check_tensor_target, escape, inflate
-from ppe_snapshot.engine._format import Raw
-from ppe_snapshot.engine._manifest import (
-    BytesEntry, Entry, Manifest, PickleEntry, Shard, ShardedTensorEntry, TensorEntry,
+from ppe_snapshot.engine._restore.bulk import BulkTensors
+from ppe_snapshot.engine._state import (
+    LoadLeaf, check_tensor_target, dtensor_class, escape, inflate, is_sharded, sharded_tensor_class, state_of,
 )
-from ppe_snapshot.engine import _packing as packing
-from ppe_snapshot.engine._packing import is_direct, tensor_bytes
-from ppe_snapshot.engine._reads import ChunkReader, ReadBatch, check_stored, fill, read_into, read_through_host
-from ppe_snapshot.engine._serialization import torch_dtype
-from ppe_snapshot.engine._sharded import dtensor_class, is_sharded, sharded_tensor_class
-from ppe_snapshot.engine._stateful import state_of
+from ppe_snapshot.engine._format import (
+    BytesEntry, Entry, Manifest, PickleEntry, Raw, Shard, ShardedTensorEntry, TensorEntry, torch_dtype,
+)
+from ppe_snapshot.engine._files import (
+    ChunkReader, ReadBatch, check_stored, chunk_limit, fill, is_direct, read_into, read_through_host, tensor_bytes,
+)
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 from ppe_snapshot.storage import Storage
 
@@ -93,6 +91,7 @@ def leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None,
     Tensors go into the template's tensor when it fits (reads may be left to ``reads``: complete after its
     ``join()``); host buffers for device targets stay under ``budget``; pickles load only with ``allow_pickle``.
     """
+
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, TensorEntry) and not is_sharded(template):  # most leaves; checked first
             return load_tensor(storage, path, entry, template, budget, reads)
@@ -286,7 +285,7 @@ def _stream_shard(storage: Storage, path: str, shard: Shard, items: list[Any], d
     span = [i for i, (s, c) in enumerate(zip(starts, shard.chunks)) if s < need[1] and s + c.nbytes > need[0]]
     begin, end = starts[span[0]], starts[span[-1]] + shard.chunks[span[-1]].nbytes
     reader = ChunkReader(storage, shard.chunks[span[0]:span[-1] + 1], path)
-    rows = max(1, (budget or packing.CHUNK_BYTES) // row)  # read at call time: tests shrink it
+    rows = max(1, (budget or chunk_limit(None)) // row)  # read at call time: tests shrink it
     buffer = torch.empty(max(rows * row, 1), dtype=torch.uint8)
     position = begin
     while position < end:

@@ -11,11 +11,9 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine._format import Raw
-from ppe_snapshot.engine._hostmem import MEMORY, new_private_buffer
-from ppe_snapshot.engine._manifest import Chunk
-from ppe_snapshot.engine import _packing as packing
-from ppe_snapshot.engine._packing import FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
+from ppe_snapshot.engine._format import Chunk, Raw
+from ppe_snapshot.engine._util import MEMORY, new_private_buffer
+from ppe_snapshot.engine._files import chunk_limit, FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
 from ppe_snapshot.storage import Storage
 
 PAGE = 4096
@@ -113,7 +111,7 @@ def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor, blo
     written: Written = []
 
     def hash_image() -> None:
-        add, digest, most = written.append, xxhash.xxh3_64_intdigest, packing.chunk_limit(block_bytes)
+        add, digest, most = written.append, xxhash.xxh3_64_intdigest, chunk_limit(block_bytes)
         for offset, n in zip(layout.offsets, layout.sizes):
             if n <= most:
                 add(digest(image[offset:offset + n]))

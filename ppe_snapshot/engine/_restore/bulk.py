@@ -27,12 +27,10 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine._flatten import child_path
-from ppe_snapshot.engine._hostmem import MEMORY
-from ppe_snapshot.engine._index import Index, IndexTable
-from ppe_snapshot.engine._manifest import Manifest
-from ppe_snapshot.engine._reads import ReadBatch, mismatch_error, read_file_into, read_views_into
-from ppe_snapshot.engine._serialization import PLAIN_TENSOR_TYPES, torch_dtype
+from ppe_snapshot.engine._state import child_path
+from ppe_snapshot.engine._util import MEMORY
+from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, IndexTable, Manifest, torch_dtype
+from ppe_snapshot.engine._files import ReadBatch, mismatch_error, read_file_into, read_views_into
 from ppe_snapshot.storage import Storage
 
 #: Neighbouring chunks share a read as in every batch of reads.

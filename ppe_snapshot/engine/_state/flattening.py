@@ -19,13 +19,11 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from ppe_snapshot.engine._format import Container, Raw
-from ppe_snapshot.engine._manifest import ContainerEntry, Entry, ObjectEntry, TensorEntry
-from ppe_snapshot.engine._sharded import ShardedPayload, is_sharded, sharded_payload
-from ppe_snapshot.engine._serialization import (
-    PLAIN_TENSOR_TYPES, RAW_DTYPE_NAMES, can_store_raw, decode_value, dtype_name, encode_value, is_raw_array,
-    raw_storage_problem, torch_dtype,
+from ppe_snapshot.engine._format import (
+    PLAIN_TENSOR_TYPES, RAW_DTYPE_NAMES, Container, ContainerEntry, Entry, ObjectEntry, Raw, TensorEntry,
+    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, raw_storage_problem, torch_dtype,
 )
+from ppe_snapshot.engine._state.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from ppe_snapshot.engine._format import FORMAT_VERSION, Container, EntryType, Raw
-from ppe_snapshot.engine._serialization import torch_dtype
+from ppe_snapshot.engine._format.names import FORMAT_VERSION, Container, EntryType, Raw
+from ppe_snapshot.engine._format.serialization import torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import is_safe_relative
 

@@ -18,14 +18,14 @@ from typing import Any, Collection
 import numpy as np
 import xxhash
 
-from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._entry_columns import EntryColumns, ShapeColumns
-from ppe_snapshot.engine._index_checks import COLUMNS, columns_problem, header_problem
-from ppe_snapshot.engine._manifest import (
+from ppe_snapshot.engine._format import jsonio
+from ppe_snapshot.engine._format.entry_columns import EntryColumns, ShapeColumns
+from ppe_snapshot.engine._format.index_checks import COLUMNS, columns_problem, header_problem
+from ppe_snapshot.engine._format.manifest import (
     Chunk, ContainerEntry, Entry, LazyEntries, ObjectEntry, Shard, ShardedTensorEntry, TensorEntry, entry_from_json,
     entry_to_json,
 )
-from ppe_snapshot.engine._validation import check_entry, dtype_itemsize
+from ppe_snapshot.engine._format.validation import check_entry, dtype_itemsize
 from ppe_snapshot.errors import CorruptSnapshotError
 
 MAGIC = b"PPESIDX2"

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, NoReturn, Sequence
 
-from ppe_snapshot.engine import _commit as commit_protocol
-from ppe_snapshot.engine import _jsonio as jsonio
 from ppe_snapshot.engine import _versions as versions
-from ppe_snapshot.engine._format import MANIFEST_NAME
-from ppe_snapshot.engine._rank_channel import TakeChannel
-from ppe_snapshot.engine._writers import forget_quietly
+from ppe_snapshot.engine._format import load_json, MANIFEST_NAME
+from ppe_snapshot.engine._ranks import TakeChannel
+from ppe_snapshot.engine._take.writers import forget_quietly
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import BlobWriter, Storage
@@ -32,7 +30,7 @@ class Cancelled(SnapshotAbortedError):
 def mark_aborted(storage: Storage, take_id: str, reason: str) -> None:
     """Write the take's abort marker (any surviving rank may); when storage fails, try again at the next take."""
     try:
-        commit_protocol.abort(storage, take_id, reason)
+        versions.abort(storage, take_id, reason)
     except Exception:  # noqa: BLE001 - the storage itself is failing
         _unmarked.append((storage, take_id, reason))
 
@@ -95,7 +93,7 @@ def _error_text(rank: int, error: BaseException) -> str:
 def _committed_before(storage: Storage, take_id: str) -> bool:
     """Whether the manifest of take ``take_id`` is in storage (rank 0 died after writing it)."""
     try:
-        doc = jsonio.loads(storage.read_bytes(MANIFEST_NAME))
+        doc = load_json(storage.read_bytes(MANIFEST_NAME))
     except (ValueError, OSError):
         return False
     return type(doc) is dict and doc.get("take_id") == take_id

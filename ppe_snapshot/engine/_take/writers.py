@@ -18,8 +18,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._format import PARTS_DIR, parse_parts_name, takes_in_progress
+from ppe_snapshot.engine._format import dump_json, load_json, PARTS_DIR, parse_parts_name, takes_in_progress
 from ppe_snapshot.storage import Storage
 
 #: What :func:`judge_writers` says of a directory's takes.
@@ -67,7 +66,7 @@ def record_writer(storage: Storage, take_id: str, rank: int, world_size: int, pr
     pids = dict.fromkeys([os.getpid(), preparer])
     processes = [{"pid": pid, "start": _start_time(pid)} for pid in pids]
     storage.put_atomic(writer_name(take_id, rank),
-                       jsonio.dumps({**this_machine(), "world_size": world_size, "processes": processes}))
+                       dump_json({**this_machine(), "world_size": world_size, "processes": processes}))
 
 
 def forget_writers(storage: Storage, take_id: str, rank: int) -> None:
@@ -138,7 +137,7 @@ def _judge(names: list[str], read: Callable[[str], bytes]) -> Writers:
         take_id, _, rest = name.partition(".")
         if rest.startswith("writer-rank") and rest.endswith(".json"):
             try:
-                processes = _processes(jsonio.loads(read(name)), take_id, rest.removesuffix(".json").split("-")[1])
+                processes = _processes(load_json(read(name)), take_id, rest.removesuffix(".json").split("-")[1])
             except (OSError, ValueError):  # removed meanwhile, or unreadable: cannot be checked
                 processes = None
             if not processes:

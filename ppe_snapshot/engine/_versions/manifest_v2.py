@@ -14,13 +14,11 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Callable
 
-from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._format import INCREMENTAL_VERSION, MANIFEST_NAME, SHARED_INDEX, data_file_rank, rank_index
-from ppe_snapshot.engine._index import Index, IndexBuilder, IndexTable, decode_index
-from ppe_snapshot.engine._manifest import (
-    Entry, LazyEntries, Manifest, Shard, ShardedTensorEntry, commit_stamp, read_stamp,
+from ppe_snapshot.engine._format import (
+    CHECKSUM_ALGORITHM, FORMAT_NAME, INCREMENTAL_VERSION, MANIFEST_NAME, SHARED_INDEX, Entry, Index, IndexBuilder,
+    IndexTable, LazyEntries, Manifest, Shard, ShardedTensorEntry, commit_stamp, data_file_rank, decode_index,
+    dump_json, rank_index, read_stamp,
 )
-from ppe_snapshot.engine._validation import CHECKSUM_ALGORITHM, FORMAT_NAME
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage, split_reference
 
@@ -63,7 +61,7 @@ def top_bytes(world_size: int, take_id: str, metadata: dict[str, Any], files: It
     extra = {"version": INCREMENTAL_VERSION, "references": references} if references else {"version": 2}
     doc = {"format": FORMAT_NAME, **extra, "checksum_algorithm": CHECKSUM_ALGORITHM,
            "world_size": world_size, "take_id": take_id, "metadata": metadata, **commit_stamp()}
-    return jsonio.dumps(doc, free_form=metadata)
+    return dump_json(doc, free_form=metadata)
 
 
 def writer_rank(shard: Shard, world_size: int) -> int:

@@ -16,16 +16,12 @@ from typing import Callable
 
 import numpy as np
 
-from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._entry_columns import EntryColumns
-from ppe_snapshot.engine._flatten import child_path, child_paths
-from ppe_snapshot.engine._format import MANIFEST_NAME, RETIRED_NAME, Container, abort_name, part_name
-from ppe_snapshot.engine._manifest import (
-    Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, ShardedTensorEntry, TensorEntry, entries_from_json,
-    entries_to_json,
+from ppe_snapshot.engine._format import (
+    MANIFEST_NAME, RETIRED_NAME, Chunk, Container, ContainerEntry, Entry, EntryColumns, Manifest, ObjectEntry,
+    ShardedTensorEntry, TensorEntry, abort_name, decode_value, dump_json, entries_from_json, entries_to_json,
+    load_json, part_name,
 )
-from ppe_snapshot.engine._serialization import decode_value
-from ppe_snapshot.engine._sharded import merge_sharded
+from ppe_snapshot.engine._state import child_path, child_paths, merge_sharded
 from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage
@@ -43,7 +39,7 @@ class RankPart:
     sharded: dict[str, Entry] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
-        return jsonio.dumps({
+        return dump_json({
             "rank": self.rank, "error": self.error, "files": self.files,
             "entries": entries_to_json(self.entries), "replicated": entries_to_json(self.replicated),
             "sharded": entries_to_json(self.sharded),
@@ -85,7 +81,7 @@ def gather_documents(storage: Storage, take_id: str, world_size: int, timeout: f
         for r in range(world_size):
             if r not in parts:
                 try:  # no exists() first: one call per rank and poll, thousands of ranks
-                    doc = jsonio.loads(storage.read_bytes(part_name(take_id, r)))
+                    doc = load_json(storage.read_bytes(part_name(take_id, r)))
                     if type(doc) is dict and "rank" in doc and "error" in doc:
                         parts[r] = doc
                 except (ValueError, OSError):  # not there yet, or still being written: read it again later

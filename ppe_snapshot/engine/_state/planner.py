@@ -15,9 +15,9 @@ from typing import Any, Iterable
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ppe_snapshot.engine._flatten import FlatItem, Payload, PlainTensors, escape
+from ppe_snapshot.engine._state.flattening import FlatItem, Payload, PlainTensors, escape
 from ppe_snapshot.engine._format import Raw
-from ppe_snapshot.engine._sharded import ShardedPayload, ShardPlan, plan_sharded
+from ppe_snapshot.engine._state.sharded import ShardedPayload, ShardPlan, plan_sharded
 
 
 def replicated_patterns(app_state: dict[str, Any], replicated: Iterable[str] | None) -> list[str]:

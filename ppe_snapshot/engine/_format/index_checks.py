@@ -9,8 +9,8 @@ from typing import Any, Collection
 
 import numpy as np
 
-from ppe_snapshot.engine._format import Raw
-from ppe_snapshot.engine._validation import dtype_itemsize
+from ppe_snapshot.engine._format.names import Raw
+from ppe_snapshot.engine._format.validation import dtype_itemsize
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import is_safe_relative, split_reference
 

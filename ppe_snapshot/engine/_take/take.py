@@ -8,26 +8,24 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ppe_snapshot.engine import _commit as commit_protocol
 from ppe_snapshot.engine import _versions as versions
-from ppe_snapshot.engine._entry_columns import EntryColumns, ShapeColumns, dtype_key
-from ppe_snapshot.engine._flatten import Payload, PlainTensors, flatten, mark_replicated
-from ppe_snapshot.engine._format import Raw, data_file, new_take_id
-from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._incremental import (
+from ppe_snapshot.engine._format import (
+    Chunk, Entry, EntryColumns, PickleEntry, Raw, ShapeColumns, TensorEntry, can_store_raw, data_file, dtype_key,
+    new_take_id, raw_storage_problem,
+)
+from ppe_snapshot.engine._state import (
+    Payload, PlainTensors, RankPlan, ShardPlan, flatten, is_shard_key, mark_replicated, plan_rank,
+    replicated_patterns, sharded_entries, sharded_state_patterns, take_states,
+)
+from ppe_snapshot.engine._util import gc_paused
+from ppe_snapshot.engine._take.incremental import (
     IncrementalWrite, block_size, check_base, check_version, open_base, write_incremental,
 )
-from ppe_snapshot.engine._manifest import Chunk, Entry, PickleEntry, TensorEntry
-from ppe_snapshot.engine._packing import FileLayout, Written, lay_out, payload_chunks, write_from_sources
-from ppe_snapshot.engine._planner import RankPlan, plan_rank, replicated_patterns
-from ppe_snapshot.engine._rank_channel import SideGroup, TakeChannel, exchange, side_group
-from ppe_snapshot.engine._ranks import group_rank
-from ppe_snapshot.engine._serialization import can_store_raw, raw_storage_problem
-from ppe_snapshot.engine._sharded import ShardPlan, is_shard_key, sharded_entries, sharded_state_patterns
-from ppe_snapshot.engine._staging import new_staging_buffer, stage, write_staged
-from ppe_snapshot.engine._stateful import take_states
-from ppe_snapshot.engine._take_end import Watched, abandon, conclude, retry_marks
-from ppe_snapshot.engine._writers import forget_quietly, record_writer
+from ppe_snapshot.engine._files import FileLayout, Written, lay_out, payload_chunks, write_from_sources
+from ppe_snapshot.engine._ranks import SideGroup, TakeChannel, exchange, group_rank, side_group
+from ppe_snapshot.engine._take.staging import new_staging_buffer, stage, write_staged
+from ppe_snapshot.engine._take.take_end import Watched, abandon, conclude, retry_marks
+from ppe_snapshot.engine._take.writers import forget_quietly, record_writer
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 
@@ -118,7 +116,7 @@ class TakeJob:
         """Write this rank's data and commit (several ranks: :meth:`write_part`, then :meth:`conclude`)."""
         if self.world_size == 1:
             try:
-                versions.commit(self.storage, commit_protocol.merge([self._written()], self.take_id, self.metadata),
+                versions.commit(self.storage, versions.merge([self._written()], self.take_id, self.metadata),
                                 self.version)
             finally:  # committed, or failed here: either way no process writes it any more
                 forget_quietly(self.storage, self.take_id, 0)
@@ -152,7 +150,7 @@ class TakeJob:
             return self.channel.failure()
         return self.stopped() if self.stopped is not None else None
 
-    def _written(self) -> commit_protocol.RankPart:
+    def _written(self) -> versions.RankPart:
         """Write this rank's data; its part. The staging buffer is let go of either way."""
         try:
             return self._part(self._write())
@@ -179,12 +177,12 @@ class TakeJob:
             return write_from_sources(storage, self.layout, block_bytes)
 
     @gc_paused()
-    def _part(self, written: Written) -> commit_protocol.RankPart:
+    def _part(self, written: Written) -> versions.RankPart:
         """This rank's entries, now that its data is written: its tensors and arrays stored in one chunk as
         columns (no object per tensor), every other entry as an object."""
         layout, raw = self.layout, {Raw.TENSOR, Raw.NDARRAY}
         files = self.incremental.files if self.incremental is not None else {layout.file: layout.size}
-        part = commit_protocol.RankPart(self.rank, files=files if layout.paths else {})
+        part = versions.RankPart(self.rank, files=files if layout.paths else {})
         paths, payloads = layout.paths, layout.payloads
         shards = {path for path in paths if is_shard_key(path)} if self.sharded else set()
         if self.sharded:
@@ -240,7 +238,7 @@ def _agree(path: str, storage: Storage, rank: int, world_size: int, side: SideGr
                                 "version": version}
     if rank == 0 and local_error is None:
         try:
-            commit_protocol.refuse_overwrite(storage)
+            versions.refuse_overwrite(storage)
         except SnapshotExistsError as e:  # raised on every rank, after the exchange
             proposal["exists"] = str(e)
     if side is None:

@@ -17,12 +17,14 @@ from typing import Any, Iterable
 import numpy as np
 import xxhash
 
-from ppe_snapshot.engine import _jsonio as jsonio
-from ppe_snapshot.engine._commit import RankPart, check_sizes, gather_documents
-from ppe_snapshot.engine._format import MANIFEST_NAME, SHARED_INDEX, detail_name, part_name, rank_index
-from ppe_snapshot.engine._index import decode_index
-from ppe_snapshot.engine._manifest import ContainerEntry, Entry, entries_from_json, entries_to_json, entry_to_json
-from ppe_snapshot.engine._manifest_v2 import referenced_snapshots, rank_index_bytes, shared_index_bytes, top_bytes
+from ppe_snapshot.engine._versions.protocol import RankPart, check_sizes, gather_documents
+from ppe_snapshot.engine._format import (
+    MANIFEST_NAME, SHARED_INDEX, ContainerEntry, Entry, decode_index, detail_name, dump_json, entries_from_json,
+    entries_to_json, entry_to_json, load_json, part_name, rank_index,
+)
+from ppe_snapshot.engine._versions.manifest_v2 import (
+    referenced_snapshots, rank_index_bytes, shared_index_bytes, top_bytes,
+)
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import Storage
 
@@ -30,8 +32,8 @@ from ppe_snapshot.storage import Storage
 def shared_digest(paths: Iterable[str], containers: dict[str, Any]) -> str:
     """A digest of the shared state: the sorted paths and the keys of the replicated containers (JSON)."""
     digest = xxhash.xxh3_64()
-    digest.update(jsonio.dumps(sorted(paths)))
-    digest.update(jsonio.dumps(sorted(containers.items())))
+    digest.update(dump_json(sorted(paths)))
+    digest.update(dump_json(sorted(containers.items())))
     return digest.hexdigest()
 
 
@@ -54,19 +56,19 @@ def publish(storage: Storage, take_id: str, part: RankPart, shared: tuple[list[s
     doc = {
         "rank": part.rank, "error": part.error, "files": part.files,
         "replicated": entries_to_json(part.replicated),
-        "sharded_digest": xxhash.xxh3_64_hexdigest(jsonio.dumps(table)),
+        "sharded_digest": xxhash.xxh3_64_hexdigest(dump_json(table)),
         # little-endian int64 in base64: decoded in one call by rank 0, where a JSON list costs per number
         "covered": base64.b64encode(np.array([sum(math.prod(s.sizes) for s in e.shards)
                                               for e in part.sharded.values()], dtype="<i8").tobytes()).decode(),
         "shared_digest": shared_digest(*shared),
     }
     # Read by rank 0 only for the first rank and where a rank differs from it: a file of its own.
-    storage.put_atomic(detail_name(take_id, part.rank), jsonio.dumps({"sharded": table, "shared": shared[0]}))
-    storage.put_atomic(part_name(take_id, part.rank), jsonio.dumps(doc))
+    storage.put_atomic(detail_name(take_id, part.rank), dump_json({"sharded": table, "shared": shared[0]}))
+    storage.put_atomic(part_name(take_id, part.rank), dump_json(doc))
 
 
 def _detail(storage: Storage, take_id: str, part: dict[str, Any]) -> dict[str, Any]:
-    return jsonio.loads(storage.read_bytes(detail_name(take_id, part["rank"])))
+    return load_json(storage.read_bytes(detail_name(take_id, part["rank"])))
 
 
 def clean_details(storage: Storage, take_id: str, world_size: int) -> None:

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from ppe_snapshot.engine._manifest import Chunk, Shard, ShardedTensorEntry
-from ppe_snapshot.engine._serialization import PLAIN_TENSOR_TYPES, dtype_name
+from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Chunk, Shard, ShardedTensorEntry, dtype_name
 from ppe_snapshot.errors import SnapshotError, UnsupportedValueError
 
 #: Separates a sharded tensor's path from a shard's number in a rank's file layout; ``%``

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppe_snapshot.engine._format import Raw
-from ppe_snapshot.engine._manifest import Chunk, Entry, LazyEntries, TensorEntry
-from ppe_snapshot.engine._serialization import dtype_name
+from ppe_snapshot.engine._format.names import Raw
+from ppe_snapshot.engine._format.manifest import Chunk, Entry, LazyEntries, TensorEntry
+from ppe_snapshot.engine._format.serialization import dtype_name
 
 _DIM = torch.Tensor.dim
 
