@@ -212,6 +212,8 @@ SHARED_NAMES = {
     "merge_and_commit": "as expected_shared: a format version's step, picked by engine/_versions/table",
     "PROFILE": "each store's module under storage/stores/ names its registered profile so (the recipe 'Adding a "
                "store')",
+    "VERSION": "each format version's module under engine/_versions/ names its record so, for the table's row "
+               "(the recipe 'Adding a format version')",
 }
 
 

@@ -184,6 +184,11 @@ class LazyEntries(Mapping[str, Entry]):
     def get(self, path: str, default: Any = None) -> Any:  # type: ignore[override]
         raise NotImplementedError
 
+    def for_rank(self, rank: int, path: str) -> Entry | None:
+        """The entry of ``path`` as rank ``rank`` restores it: a sharded entry with at least that rank's shards
+        (``ShardedTensorEntry.complete`` then gives them all); by default the whole entry."""
+        return self.get(path)
+
     def __getitem__(self, path: str) -> Entry:
         entry = self.get(path)
         if entry is None:
@@ -286,8 +291,10 @@ class Manifest:
         shared = self.replicated.get(path)
         if shared is not None:
             return shared
-        for_rank = getattr(self.sharded, "for_rank", None) if own_shards else None
-        return for_rank(rank, path) if for_rank is not None else self.sharded.get(path)
+        sharded = self.sharded  # a read manifest's table, or a dict being built
+        if own_shards and isinstance(sharded, LazyEntries):
+            return sharded.for_rank(rank, path)
+        return sharded.get(path)
 
     def check_entries(self) -> None:
         """Check every entry now: raises :class:`CorruptSnapshotError` for a malformed one."""

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import xxhash
 
+from ppe_snapshot.engine._files import ReadBatch, mismatch_error, read_file_into, read_views_into
+from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, Manifest, torch_dtype
 from ppe_snapshot.engine._state import child_path
 from ppe_snapshot.engine._util import MEMORY
-from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, IndexTable, Manifest, torch_dtype
-from ppe_snapshot.engine._files import ReadBatch, mismatch_error, read_file_into, read_views_into
+from ppe_snapshot.engine._versions import version_of
 from ppe_snapshot.storage import Storage
 
 #: Neighbouring chunks share a read as in every batch of reads.
@@ -56,7 +57,7 @@ class _Lookup:
     """
 
     def __init__(self, indexes: list[Index], owned: bool) -> None:
-        self.indexes = indexes
+        self.tables = indexes  # each table's index file, read as columns
         self.bases = np.cumsum([0] + [len(index.tensor_rows) for index in indexes])
         self.fits: list[tuple[torch.dtype, tuple[int, ...], int] | None] = []
         for index in indexes:
@@ -114,11 +115,8 @@ class BulkTensors:
             owned = self._rank < self._manifest.world_size
             tables = [self._manifest.ranks[self._rank]] if owned else []
             tables.append(self._manifest.replicated)
-            indexes = []
-            for table in tables:
-                table = getattr(table, "table", table)
-                if isinstance(table, IndexTable):
-                    indexes.append(table.index)
+            columns = version_of(self._manifest.version).columns
+            indexes = [index for index in map(columns, tables) if index is not None]
             self._lookup = _Lookup(indexes, owned and len(indexes) == len(tables))
         return self._lookup
 
@@ -128,7 +126,7 @@ class BulkTensors:
         if type(template) is not dict and not isinstance(template, Mapping):  # (an ABC check costs 1 us)
             return {}
         lookup = self._tables()
-        if not lookup.indexes:
+        if not lookup.tables:
             return {}
         get, strided, code_of, fits = template.get, torch.strided, lookup.codes.get, lookup.fits
         loaded: dict[str, torch.Tensor] = {}
@@ -171,11 +169,11 @@ class BulkTensors:
     def _submit(self, lookup: _Lookup, codes: list[int], pointers: list[int]) -> None:
         """Hand picked tensors to the read pool, in runs of neighbouring bytes of a file."""
         picked = np.array(codes, dtype=np.int64)
-        if len(lookup.indexes) == 1:
-            self._submit_rows(lookup.indexes[0], picked, pointers)
+        if len(lookup.tables) == 1:
+            self._submit_rows(lookup.tables[0], picked, pointers)
             return
         which = np.searchsorted(lookup.bases, picked, side="right") - 1
-        for number, index in enumerate(lookup.indexes):
+        for number, index in enumerate(lookup.tables):
             mine = np.flatnonzero(which == number)
             if len(mine):
                 self._submit_rows(index, picked[mine] - lookup.bases[number], [pointers[i] for i in mine.tolist()])

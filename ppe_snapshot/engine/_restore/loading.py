@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from ppe_snapshot.engine._format import (
 from ppe_snapshot.engine._files import (
     ChunkReader, ReadBatch, check_stored, chunk_limit, fill, is_direct, read_into, read_through_host, tensor_bytes,
 )
+from ppe_snapshot.engine._versions import FormatVersion, version_of
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
 from ppe_snapshot.storage import Storage
 
@@ -50,10 +51,11 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
                budget: int | None = None) -> Any:
     """The value stored at logical ``path`` (and everything under it), into ``obj_out`` where it fits."""
     reads = ReadBatch()
-    bulk = BulkTensors(storage, manifest, rank, reads) if manifest.indexes is not None else None
+    version = version_of(manifest.version)
+    bulk = BulkTensors(storage, manifest, rank, reads) if version.indexed else None
     try:
         value = inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
-                        leaf_loader(storage, allow_pickle, budget, reads), obj_out,
+                        leaf_loader(storage, allow_pickle, budget, reads, version), obj_out,
                         load_children=bulk.children if bulk is not None else None)
         if bulk is not None:
             bulk.flush()
@@ -85,18 +87,21 @@ def _too_deep(storage: Storage, path: str) -> CorruptSnapshotError:
 
 
 def leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None,
-                reads: ReadBatch | None = None) -> LoadLeaf:
+                reads: ReadBatch | None = None, version: FormatVersion | None = None) -> LoadLeaf:
     """The loader of one stored value, chosen by its kind (``inflate`` handles containers and inline objects).
 
     Tensors go into the template's tensor when it fits (reads may be left to ``reads``: complete after its
     ``join()``); host buffers for device targets stay under ``budget``; pickles load only with ``allow_pickle``.
+    ``version``: the record of the manifest the entries come from, where a sharded entry may hold only this
+    rank's shards (looked up with ``own_shards``); by default every entry is whole.
     """
+    more_shards = version_of(None).more_shards if version is None else version.more_shards
 
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, TensorEntry) and not is_sharded(template):  # most leaves; checked first
             return load_tensor(storage, path, entry, template, budget, reads)
         if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded entry, or a sharded target
-            return load_sharded(storage, path, entry, template, budget, reads)
+            return load_sharded(storage, path, entry, template, budget, reads, more_shards)
         if isinstance(entry, PickleEntry):
             return load_pickle(storage, path, entry, allow_pickle)
         return load_bytes(storage, path, entry)  # the last kind of leaf
@@ -183,17 +188,21 @@ def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) ->
 
 
 def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,
-                 budget: int | None = None, batch: ReadBatch | None = None) -> Any:
+                 budget: int | None = None, batch: ReadBatch | None = None,
+                 more_shards: Callable[[ShardedTensorEntry], Callable[[], list[Shard]] | None] | None = None) -> Any:
     """Load the saved sharded tensor into ``target`` in place (a DTensor, ShardedTensor or
     full-size tensor); without a tensor target, into a new full tensor.
 
-    A whole saved tensor (``TensorEntry``) loads as one shard, e.g. into a DTensor.
+    A whole saved tensor (``TensorEntry``) loads as one shard, e.g. into a DTensor. ``more_shards``: the
+    question of the manifest's version record (``FormatVersion.more_shards``) where ``entry`` may hold only this
+    rank's own shards.
     """
     if isinstance(entry, TensorEntry):
         entry = ShardedTensorEntry(entry.dtype, entry.shape, [Shard([0] * len(entry.shape), entry.shape, entry.chunks)])
+    more = None if more_shards is None else more_shards(entry)
     if not isinstance(target, torch.Tensor):
-        if entry.complete is not None:  # the whole tensor: every rank's shards
-            entry = ShardedTensorEntry(entry.dtype, entry.shape, entry.complete())
+        if more is not None:  # the whole tensor: every rank's shards
+            entry = ShardedTensorEntry(entry.dtype, entry.shape, more())
         check_stored(storage, [c for shard in entry.shards for c in shard.chunks], path)
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     _check_target(path, entry, target)
@@ -201,8 +210,8 @@ def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | Tensor
     if not regions:
         return target
     reads = _read_items(path, entry, target, regions)
-    if entry.complete is not None and _uncovered(reads, regions):  # version 2: beyond this rank's own shards
-        entry = ShardedTensorEntry(entry.dtype, entry.shape, entry.complete())
+    if more is not None and _uncovered(reads, regions):  # beyond this rank's own shards
+        entry = ShardedTensorEntry(entry.dtype, entry.shape, more())
         reads = _read_items(path, entry, target, regions)
     _check_covered(path, reads, regions)
     by_shard: dict[int, list[Any]] = defaultdict(list)

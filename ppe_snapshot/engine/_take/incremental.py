@@ -35,7 +35,7 @@ from ppe_snapshot.engine._files import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
 from ppe_snapshot.engine._take.sparse_references import Kept, copy_sparse_references
-from ppe_snapshot.engine._versions import can_reference, read_manifest, write_version
+from ppe_snapshot.engine._versions import FormatVersion, can_reference, read_manifest, version_of, write_version
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, absolute, open_storage, shared_pool, split_reference
 
@@ -110,7 +110,7 @@ def open_base(location: str, new_location: str, rank: int, sharded: dict[str, Sh
     try:
         manifest = read_manifest(storage)
         base = Base()
-        sizes = _file_sizes(manifest, rank)
+        sizes = version_of(manifest.version).file_sizes(manifest, rank)
         for path, chunks in _base_chunks(manifest, rank, sharded, name):
             if chunks:
                 base.by_path[path] = chunks
@@ -128,18 +128,19 @@ def _base_chunks(manifest: Manifest, rank: int, sharded: dict[str, ShardPlan], n
     """The chunks (named as the new snapshot names them) of the base's entries that rank ``rank`` may match, by
     layout name: its own and the replicated ones, and its own shards of the sharded tensors it writes now (by
     their layout names, where the boxes agree)."""
+    version = version_of(manifest.version)
     if rank < manifest.world_size:
-        yield from _table_chunks(manifest.ranks[rank], name)
-    yield from _table_chunks(manifest.replicated, name)
-    for path, shard in _shards(manifest, rank, sharded):
+        yield from _table_chunks(version, manifest.ranks[rank], name)
+    yield from _table_chunks(version, manifest.replicated, name)
+    for path, shard in _shards(version, manifest, rank, sharded):
         yield path, [_rebased(c, name) for c in shard.chunks]
 
 
-def _table_chunks(table: Any, name: str) -> Iterator[tuple[str, list[Chunk]]]:
+def _table_chunks(version: FormatVersion, table: Any, name: str) -> Iterator[tuple[str, list[Chunk]]]:
     """Every entry's chunks of one table of the base: a version-2 index's tensor rows straight from its columns
     (no entry object per tensor: a state of 10^5 tensors), every other entry as it decodes."""
-    index = getattr(getattr(table, "table", None), "index", None)
-    if index is None:  # version 1: the entries are in memory
+    index = version.columns(table)
+    if index is None:  # the entries are held one by one
         for path, entry in table.items():
             yield from _entry_chunks(path, entry, name)
         return
@@ -179,13 +180,13 @@ def write_pieces(storage: Storage, file: str, pieces: list[tuple[str, Sequence[i
     return write_incremental(storage, lay_out(file, named), None, opened, block_bytes)
 
 
-def _shards(manifest: Manifest, rank: int, sharded: dict[str, ShardPlan]) -> Iterator[tuple[str, Any]]:
+def _shards(version: FormatVersion, manifest: Manifest, rank: int, sharded: dict[str, ShardPlan]
+            ) -> Iterator[tuple[str, Any]]:
     """The base's shards that rank ``rank`` writes again, by their layout names."""
     for path, plan in sharded.items():
         if path not in manifest.sharded:
             continue
-        for_rank = getattr(manifest.sharded, "for_rank", None)
-        entry = for_rank(rank, path) if for_rank is not None else manifest.sharded.get(path)
+        entry = version.own_shards(manifest, rank, path)
         if entry is None:
             continue
         boxes = {(tuple(s.offsets), tuple(s.sizes)): s for s in entry.shards}
@@ -193,18 +194,6 @@ def _shards(manifest: Manifest, rank: int, sharded: dict[str, ShardPlan]) -> Ite
             shard = boxes.get((tuple(offsets), tuple(sizes)))
             if shard is not None:
                 yield layout_name, shard
-
-
-def _file_sizes(manifest: Manifest, rank: int) -> dict[str, int]:
-    """The sizes of the base's data files rank ``rank`` may reference (version 2 and up: those of its own and
-    the shared index, without reading every rank's)."""
-    indexes = manifest.indexes
-    if indexes is None:
-        return dict(manifest.files)
-    sizes = dict(indexes.shared().files)
-    if rank < manifest.world_size:
-        sizes.update(indexes.rank(rank).files)
-    return sizes
 
 
 def _rebased_name(name: str, base_name: str) -> str:

@@ -168,6 +168,16 @@ def check_restorable(manifest: Manifest) -> None:
                 _check_chunks(path, entry.chunks, files)
 
 
+def check_commit(storage: Storage, manifest: Manifest) -> None:
+    """Before a manifest built in one process is written: it restores (:func:`check_restorable`) and every data
+    file has its recorded size."""
+    try:
+        check_restorable(manifest)
+    except SnapshotError as e:
+        raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
+    check_sizes(storage, manifest.files)
+
+
 def check_sizes(storage: Storage, files: dict[str, int]) -> None:
     """Raise unless every data file holds the bytes its manifest will record."""
     for name, size in files.items():

@@ -1,78 +1,37 @@
-"""The format versions, in one place: which one a take writes, and every step that differs between them.
+"""The format versions' table, one row per version, and what the rest of the engine calls with the version at hand.
 
-``FORMAT_VERSION`` (``_format.py``) is the newest: this code reads every version up to it. Takes write
-``DEFAULT_VERSION`` unless ``PPE_SNAPSHOT_FORMAT_VERSION`` says otherwise. Version 1 is one JSON manifest holding
-every entry; version 2 a small manifest over index files (``docs/format.md``, section 11); version 3 an
-incremental snapshot, version 2 whose index files also name data files of sibling snapshots (section 12). The
-rest of the engine calls the functions below with the version at hand and never compares version numbers itself.
+``FORMAT_VERSION`` (``_format/names.py``) is the newest: this code reads every version up to it. Takes write
+``DEFAULT_VERSION`` unless ``PPE_SNAPSHOT_FORMAT_VERSION`` says otherwise. Each version is one module (``v1.py``,
+``v2.py``, ``v3.py``) defining its :class:`FormatVersion`; :func:`version_of` gives a manifest's, and the rest of the
+engine asks it (or calls the functions below) and never compares version numbers nor tests a version's types.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ppe_snapshot.engine._format import (
-    DEFAULT_VERSION, INCREMENTAL_VERSION, MANIFEST_NAME, Chunk, Manifest, Shard, ShardedTensorEntry, document_problem,
-    document_v2_problem, document_v3_problem, parse_document,
+    DEFAULT_VERSION, INCREMENTAL_VERSION, MANIFEST_NAME, Chunk, Manifest, Shard, ShardedTensorEntry, parse_document,
 )
 from ppe_snapshot.engine._util import gc_paused
-from ppe_snapshot.engine._versions import commit_v2
+from ppe_snapshot.engine._versions import commit_v2, v1, v2, v3
 from ppe_snapshot.engine._versions import protocol as commit_protocol
-from ppe_snapshot.engine._versions.manifest_v2 import read as read_v2
-from ppe_snapshot.engine._versions.manifest_v2 import write_manifest as write_v2
 from ppe_snapshot.engine._versions.referenced import copy_spans, referenced_spans
-from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, SnapshotNotFoundError
+from ppe_snapshot.engine._versions.version import FormatVersion, Shared
+from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage, split_reference
 
-#: What a rank of a multi-rank take expects of the state written once for all (see ``_commit_v2.expected_shared``).
-Shared = tuple[list[str], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class _Version:
-    """The steps of one format version."""
-    #: What is wrong with a manifest's fields beyond :func:`check_document`'s (None: nothing).
-    problem: Callable[[dict[str, Any]], str | None]
-    #: ``(storage, checked document, where)``: the manifest read.
-    read: Callable[[Storage, dict[str, Any], str], Manifest]
-    #: Write a manifest built in one process, checked to restore, its ``manifest.json`` last.
-    write: Callable[[Storage, Manifest], None]
-    #: A rank of a multi-rank take publishes its part, once its data is durable.
-    publish: Callable[[Storage, str, commit_protocol.RankPart, Shared], None]
-    #: Rank 0 of a multi-rank take: merge the parts every rank published and commit.
-    merge_and_commit: Callable[[Storage, str, int, dict[str, Any], float | None], None]
-    #: Remove what a committed take left under ``.parts/``.
-    clean: Callable[[Storage, str, int], None]
-    #: Whether the ranks of a multi-rank take publish the :data:`Shared` state they expect.
-    shares: bool
-
-
-def _merge_and_commit_v1(storage: Storage, take_id: str, world_size: int, metadata: dict[str, Any],
-                         timeout: float | None) -> None:
-    parts = commit_protocol.gather_parts(storage, take_id, world_size, timeout)
-    commit(storage, commit_protocol.merge(parts, take_id, metadata), 1)
-
-
-def _clean_v2(storage: Storage, take_id: str, world_size: int) -> None:
-    commit_protocol.remove_parts(storage, take_id, world_size)
-    commit_v2.clean_details(storage, take_id, world_size)
-
-
-_VERSIONS = {
-    1: _Version(problem=document_problem, read=lambda storage, doc, where: Manifest.from_doc(doc, where),
-                write=lambda storage, manifest: storage.put_atomic(MANIFEST_NAME, manifest.to_bytes()),
-                publish=lambda storage, take_id, part, shared: commit_protocol.publish_part(storage, take_id, part),
-                merge_and_commit=_merge_and_commit_v1, clean=commit_protocol.remove_parts, shares=False),
-    2: _Version(problem=document_v2_problem, read=read_v2, write=write_v2, publish=commit_v2.publish,
-                merge_and_commit=commit_v2.merge_and_commit, clean=_clean_v2, shares=True),
-}
-# Version 3 is version 2 whose index files name data files of sibling snapshots too: version 2's steps write it
-# whenever a take's files include such references (``_manifest_v2.top_bytes``); it reads with its own check.
-_VERSIONS[INCREMENTAL_VERSION] = dataclasses.replace(_VERSIONS[2], problem=document_v3_problem)
+#: Every format version this code reads, by number: one row each.
+VERSIONS: dict[int, FormatVersion] = {version.number: version for version in (v1.VERSION, v2.VERSION, v3.VERSION)}
 #: The versions ``PPE_SNAPSHOT_FORMAT_VERSION`` may ask takes to write (version 3 is written by incremental takes).
-_WRITTEN = (1, 2)
+_WRITTEN = tuple(number for number, version in VERSIONS.items() if version.written)
+
+
+def version_of(number: int | None) -> FormatVersion:
+    """The record of format version ``number`` (a manifest's ``version``); None, a manifest built in memory, is
+    asked as version 1 is: every entry in memory, whole."""
+    return VERSIONS[number or 1]
 
 
 def write_version() -> int:
@@ -87,7 +46,7 @@ def write_version() -> int:
 
 def can_reference(version: int) -> bool:
     """Whether a take writing ``version`` can reference a base's data files (index files: version 2 and up)."""
-    return version in (2, INCREMENTAL_VERSION)
+    return VERSIONS[version].references
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -108,7 +67,7 @@ def read_manifest(storage: Storage) -> Manifest:
     where = f"{storage.url}/{MANIFEST_NAME}"
     with gc_paused():
         doc = parse_document(data, where)
-        version = _VERSIONS[doc["version"]]
+        version = VERSIONS[doc["version"]]
         problem = version.problem(doc)
         if problem:
             raise CorruptSnapshotError(f"{where} is malformed: {problem}; the snapshot is damaged")
@@ -118,36 +77,32 @@ def read_manifest(storage: Storage) -> Manifest:
 def commit(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
     """Make a manifest built in one process visible: check it restores and every data file's size, then write it
     as format ``version`` (by default :func:`write_version`), ``manifest.json`` last."""
-    write = _VERSIONS[version or write_version()].write
-    try:
-        commit_protocol.check_restorable(manifest)
-    except SnapshotError as e:
-        raise SnapshotError(f"snapshot {storage.url} not committed, it would not restore: {e}") from None
-    commit_protocol.check_sizes(storage, manifest.files)
-    write(storage, manifest)
+    record = VERSIONS[version or write_version()]
+    commit_protocol.check_commit(storage, manifest)
+    record.write(storage, manifest)
 
 
 def expected_shared(items: dict[str, Any], world_size: int, version: int) -> Shared:
     """What this rank of a take of ``items`` expects of the state written once for all (nothing to say for one
     rank, or where ``version`` does not check it)."""
-    return commit_v2.expected_shared(items) if _VERSIONS[version].shares and world_size > 1 else ([], {})
+    return commit_v2.expected_shared(items) if VERSIONS[version].shares and world_size > 1 else ([], {})
 
 
 def publish(storage: Storage, take_id: str, part: commit_protocol.RankPart, shared: Shared, version: int) -> None:
     """A rank's share of a multi-rank take's commit, once its data is durable."""
-    _VERSIONS[version].publish(storage, take_id, part, shared)
+    VERSIONS[version].publish(storage, take_id, part, shared)
 
 
 def merge_and_commit(storage: Storage, take_id: str, world_size: int, metadata: dict[str, Any],
                      timeout: float | None, version: int) -> None:
     """Rank 0, once every rank said its part is published: merge the parts, check them and commit (waiting for
     them at most ``timeout``, None: the settings')."""
-    _VERSIONS[version].merge_and_commit(storage, take_id, world_size, metadata, timeout)
+    VERSIONS[version].merge_and_commit(storage, take_id, world_size, metadata, timeout)
 
 
 def clean_parts(storage: Storage, take_id: str, world_size: int, version: int) -> None:
     """Remove what the ranks of committed take ``take_id`` published under ``.parts/``."""
-    _VERSIONS[version].clean(storage, take_id, world_size)
+    VERSIONS[version].clean(storage, take_id, world_size)
 
 
 def upgrade(source: Storage, dest: Storage) -> None:
