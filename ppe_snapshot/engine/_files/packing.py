@@ -9,7 +9,7 @@ serves both ways of writing:
 * straight from the live tensors (sync take: no copy of the state), here, and
 * from a staging buffer that is the exact image of the file (async take:
   the caller pays one copy, the background writes one sequential buffer),
-  see :mod:`~ppe_snapshot.engine._staging`.
+  see :mod:`~ppe_snapshot.engine._take.staging`.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ _KIND, _DATA, _NBYTES, _IS_CUDA = map(operator.attrgetter, ("kind", "data", "nby
 class FileLayout:
     """Where the payloads of a rank's data file go, one row per payload in file order, as columns (a state of
     10^5 tensors makes no object per payload here): first the plain tensors (``tensors`` with their ``dtypes``,
-    see :class:`~ppe_snapshot.engine._flatten.PlainTensors`), then every other payload (``payloads``);
+    see :class:`~ppe_snapshot.engine._state.flattening.PlainTensors`), then every other payload (``payloads``);
     ``paths``, ``offsets`` and ``sizes`` cover all rows."""
     file: str
     paths: list[str]

@@ -9,7 +9,7 @@ library does the work, so the documents stay the same:
 * orjson writes a non-finite float as ``null`` and refuses integers beyond
   64 bits and non-string keys; ``json`` writes ``NaN``, any integer, and
   keys as strings. Only the user's ``metadata`` can hold such values (the
-  entries encode them, see ``_serialization.py``).
+  entries encode them, see ``serialization.py``).
 * orjson reads an integer beyond 64 bits as a float and refuses ``NaN``: a
   document with a run of 19 digits (any integer from 2**63 up has one) or
   with a token orjson refuses is read by ``json``.

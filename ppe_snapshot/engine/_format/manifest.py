@@ -75,7 +75,7 @@ class ShardedTensorEntry:
 
 @dataclass(slots=True)
 class ObjectEntry:
-    """A non-tensor value, encoded inline as tagged JSON (see _serialization.py)."""
+    """A non-tensor value, encoded inline as tagged JSON (see serialization.py)."""
     value: Any
     replicated: bool = False
 

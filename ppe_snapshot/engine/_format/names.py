@@ -10,7 +10,7 @@ import re
 import uuid
 from typing import Final, NamedTuple
 
-#: The newest format version: the one this code reads up to (what differs between versions: ``_versions.py``).
+#: The newest format version: the one this code reads up to (what differs between versions: ``_versions/``).
 FORMAT_VERSION: Final = 3
 #: The version takes write unless ``PPE_SNAPSHOT_FORMAT_VERSION`` says otherwise, or the take is incremental.
 DEFAULT_VERSION: Final = 2

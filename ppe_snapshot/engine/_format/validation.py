@@ -54,7 +54,7 @@ def _is_count(value: Any) -> bool:
 
 def check_document(doc: Any, where: str) -> None:
     """Check what every version's manifest has at its top level: format, version and checksum algorithm (the
-    fields of each version: ``_versions.read_manifest``, with :func:`document_problem` or
+    fields of each version: ``_versions/table.read_manifest``, with :func:`document_problem` or
     :func:`document_v2_problem`)."""
     if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
         raise CorruptSnapshotError(f"{where} is not a {FORMAT_NAME} manifest")
@@ -72,8 +72,8 @@ def check_document(doc: Any, where: str) -> None:
 
 
 def document_v2_problem(doc: dict[str, Any]) -> str | None:
-    """What is wrong with a version-2 manifest's fields (its entries are in index files: ``_manifest_v2.py``,
-    ``_index.py``); None when nothing is."""
+    """What is wrong with a version-2 manifest's fields (its entries are in index files: ``_versions/manifest_v2.py``,
+    ``index.py``); None when nothing is."""
     world_size, take_id = doc.get("world_size"), doc.get("take_id")
     if type(world_size) is not int or world_size < 1:
         return f"world_size {world_size!r:.60} is not a positive integer"
@@ -299,7 +299,7 @@ def _check_chunks(data: dict[str, Any], files: dict[str, int]) -> None:
 
 
 def _check_object(data: dict[str, Any], files: dict[str, int]) -> None:
-    data["value"]  # noqa: B018 - present; its encoding is checked when decoded (_serialization.py)
+    data["value"]  # noqa: B018 - present; its encoding is checked when decoded (serialization.py)
 
 
 def _check_container(data: dict[str, Any], files: dict[str, int]) -> None:

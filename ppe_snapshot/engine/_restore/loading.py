@@ -3,7 +3,7 @@
 ``leaf_loader`` picks the loader of one stored value by its kind (tensor or
 array, sharded tensor, pickle, raw bytes); ``Snapshot`` and the DCP reader
 both use it. Reads go straight into the target's memory where they can (see
-:mod:`~ppe_snapshot.engine._reads`), checksums verified.
+:mod:`~ppe_snapshot.engine._files.reads`), checksums verified.
 
 Sharded tensors: the target decides what to read: its local shard for a
 DTensor or ShardedTensor, the whole tensor for a plain tensor (or

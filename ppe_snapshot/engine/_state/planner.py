@@ -4,7 +4,7 @@ Per-rank state is written by its rank. Replicated state (glob patterns, and
 every DistributedDataParallel module, inferred) is identical on all ranks,
 so it is written once in total: each payload goes to the least-loaded rank,
 largest first. Sharded tensors (DTensor, ShardedTensor) are written shard by
-shard, each shard by one of the ranks holding it (see _sharded.py). Every rank
+shard, each shard by one of the ranks holding it (see sharded.py). Every rank
 computes the same assignment from its own copy, so no communication is needed.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ tensors. Each rank's part lists the shards it wrote; ``merge_sharded`` joins
 them into one :class:`ShardedTensorEntry` per tensor, in the manifest's
 ``sharded`` section, which every rank of any world size sees.
 
-Restore: see :mod:`~ppe_snapshot.engine._loading` (``load_sharded``).
+Restore: see :mod:`~ppe_snapshot.engine._restore.loading` (``load_sharded``).
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ written: the new snapshot's chunk names the file and offset where the base holds
 ``../<base name>/data/rank<r>.bin``, or where the base itself referenced them (references never chain). Every
 other block is appended to this rank's data file (a changed base chunk larger than ``block_bytes`` cut into
 blocks of ``block_bytes``), and so are the blocks kept of a base file that would be referenced for less than
-half its bytes (:mod:`~ppe_snapshot.engine._sparse_references`). Readers check every chunk's checksum, referenced or not,
-so a block taken as unchanged by a hash collision (about 2^-64 per block compared) is the only way to a wrong
-byte.
+half its bytes (:mod:`~ppe_snapshot.engine._take.sparse_references`). Readers check every chunk's checksum,
+referenced or not, so a block taken as unchanged by a hash collision (about 2^-64 per block compared) is the only
+way to a wrong byte.
 
 The base must be a snapshot beside the new one (the same run directory): references are relative and never
 leave it (``docs/format.md``, section 12).

@@ -1,6 +1,6 @@
 """Staging: the async take's copy of a rank's payloads into a buffer that is the exact image of its data file,
 and the write of that image (one sequential pass, checksums hashed beside it). See
-:mod:`~ppe_snapshot.engine._packing` for the layout.
+:mod:`~ppe_snapshot.engine._files.packing` for the layout.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
     """A zeroed, page-aligned host buffer for one rank's file image.
 
     Page alignment lets O_DIRECT write it as it is. Unpinned buffers are
-    private memory that a fork leaves alone (see :mod:`~ppe_snapshot.engine._hostmem`):
+    private memory that a fork leaves alone (see :mod:`~ppe_snapshot.engine._util.hostmem`):
     a copy-on-write page would fault at the next staging copy.
     """
     if pin and torch.cuda.is_available():

@@ -73,7 +73,7 @@ class TakeJob:
     #: An incremental take, once written: what it wrote and referenced.
     incremental: IncrementalWrite | None = None
     #: The process that prepared the job (and concludes it): recorded beside the one that writes it, where that
-    #: is another (a ProcessWriter's worker), see ``_writers.py``.
+    #: is another (a ProcessWriter's worker), see ``writers.py``.
     preparer: int = field(default_factory=os.getpid)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -339,7 +339,7 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     may replace each plain tensor by the one to store (the seed's
     ``_custom_tensor_prepare_func``). Refuses to write over a committed snapshot. ``base``: an incremental
     take, referencing the blocks of snapshot ``base`` (beside ``path``) that did not change (see
-    :mod:`~ppe_snapshot.engine._incremental`). ``block_bytes`` (default ``PPE_SNAPSHOT_BLOCK_KB``): every take
+    :mod:`~ppe_snapshot.engine._take.incremental`). ``block_bytes`` (default ``PPE_SNAPSHOT_BLOCK_KB``): every take
     writes its payloads in chunks of at most this size, which the next incremental take compares.
     """
     rank, world_size = group_rank(pg)

@@ -1,7 +1,7 @@
 """How a multi-rank take ends: statuses over the rank channel, then rank 0's commit from the parts in storage.
 
 Every rank writes its data and publishes its part in storage (as before), then :func:`conclude` runs where the
-rank's :class:`~ppe_snapshot.engine._rank_channel.TakeChannel` lives (the training process: a ProcessWriter's
+rank's :class:`~ppe_snapshot.engine._ranks.rank_channel.TakeChannel` lives (the training process: a ProcessWriter's
 worker writes, its parent concludes). Rank 0 waits for every status and commits; the others wait for its
 verdict. A failure anywhere aborts the take on every rank: each raises :class:`SnapshotAbortedError` naming the
 rank and its error (the rank that failed raises its own error), writes the abort marker under ``.parts/`` (so

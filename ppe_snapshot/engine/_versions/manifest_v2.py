@@ -1,7 +1,7 @@
 """Format version 2: a small JSON manifest (the commit point) over per-rank index files (``docs/format.md``).
 
 ``manifest.json`` holds what every reader needs and nothing per entry or per rank: the take id, the world
-size, the metadata. The entries are in index files (:mod:`~ppe_snapshot.engine._index`):
+size, the metadata. The entries are in index files (:mod:`~ppe_snapshot.engine._format.index`):
 ``index/rank<r>.idx`` (rank ``r``'s own entries and the shards of sharded tensors it wrote, written by that
 rank) and ``index/shared.idx`` (the replicated entries and the table of sharded tensors, written by the
 committing rank). A restoring rank reads the manifest, the shared index and its own rank's index; it reads

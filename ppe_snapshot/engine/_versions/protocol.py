@@ -2,7 +2,7 @@
 
 Every rank makes its data files durable, then publishes a small *part*
 (its entries and file sizes) under ``.parts/``. Rank 0 reads all parts once
-every rank said (through the take's rank channel, ``_rank_channel.py``) that
+every rank said (through the take's rank channel, ``_ranks/rank_channel.py``) that
 its part is published, checks them and writes the manifest, the commit
 point; when the take fails the ranks write an abort marker instead, so
 that a listing does not take it for a take in progress.
