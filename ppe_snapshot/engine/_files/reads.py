@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import xxhash
 
-from ppe_snapshot.engine._format import Chunk, Entry, Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._files.packing import CHUNK_BYTES, checksum, row_major_blocks, tensor_bytes
+from ppe_snapshot.engine._format import Chunk, Entry, Manifest, ShardedTensorEntry
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage, shared_pool
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppe_snapshot.engine._format.names import Raw
 from ppe_snapshot.engine._format.manifest import Chunk, Entry, LazyEntries, TensorEntry
+from ppe_snapshot.engine._format.names import Raw
 from ppe_snapshot.engine._format.serialization import dtype_name
 
 _DIM = torch.Tensor.dim

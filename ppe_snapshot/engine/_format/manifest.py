@@ -19,10 +19,10 @@ import torch
 
 from ppe_snapshot.engine._format import jsonio
 from ppe_snapshot.engine._format.names import EntryType, Raw
-from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.engine._format.validation import (
     CHECKSUM_ALGORITHM, FORMAT_NAME, check_document, check_entry, tensor_chunks,
 )
+from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.errors import CorruptSnapshotError
 
 

@@ -25,15 +25,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ppe_snapshot.engine._restore.bulk import BulkTensors
-from ppe_snapshot.engine._state import (
-    LoadLeaf, check_tensor_target, dtensor_class, escape, inflate, is_sharded, sharded_tensor_class, state_of,
+from ppe_snapshot.engine._files import (
+    ChunkReader, ReadBatch, check_stored, chunk_limit, fill, is_direct, read_into, read_through_host, tensor_bytes,
 )
 from ppe_snapshot.engine._format import (
     BytesEntry, Entry, Manifest, PickleEntry, Raw, Shard, ShardedTensorEntry, TensorEntry, torch_dtype,
 )
-from ppe_snapshot.engine._files import (
-    ChunkReader, ReadBatch, check_stored, chunk_limit, fill, is_direct, read_into, read_through_host, tensor_bytes,
+from ppe_snapshot.engine._restore.bulk import BulkTensors
+from ppe_snapshot.engine._state import (
+    LoadLeaf, check_tensor_target, dtensor_class, escape, inflate, is_sharded, sharded_tensor_class, state_of,
 )
 from ppe_snapshot.engine._versions import FormatVersion, version_of
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError

@@ -15,8 +15,8 @@ from typing import Any, Iterable
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ppe_snapshot.engine._state.flattening import FlatItem, Payload, PlainTensors, escape
 from ppe_snapshot.engine._format import Raw
+from ppe_snapshot.engine._state.flattening import FlatItem, Payload, PlainTensors, escape
 from ppe_snapshot.engine._state.sharded import ShardedPayload, ShardPlan, plan_sharded
 
 

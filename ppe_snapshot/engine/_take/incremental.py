@@ -29,11 +29,11 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine._format import Chunk, Manifest, Raw, ShardedTensorEntry, chunk_list
-from ppe_snapshot.engine._state import Payload, ShardPlan
 from ppe_snapshot.engine._files import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, align, is_copyable_raw, lay_out, tensor_bytes,
 )
+from ppe_snapshot.engine._format import Chunk, Manifest, Raw, ShardedTensorEntry, chunk_list
+from ppe_snapshot.engine._state import Payload, ShardPlan
 from ppe_snapshot.engine._take.sparse_references import Kept, copy_sparse_references
 from ppe_snapshot.engine._versions import FormatVersion, can_reference, read_manifest, version_of, write_version
 from ppe_snapshot.settings import SETTINGS

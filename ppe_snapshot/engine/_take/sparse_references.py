@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppe_snapshot.engine._format import Chunk
 from ppe_snapshot.engine._files import PayloadAppender, checksum, coalesced, mismatch_error, read_file_into
+from ppe_snapshot.engine._format import Chunk
 from ppe_snapshot.storage import Storage
 
 #: A base file an incremental take would reference for less than this share of its bytes is not referenced.

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import xxhash
 
+from ppe_snapshot.engine._files import chunk_limit, FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
 from ppe_snapshot.engine._format import Chunk, Raw
 from ppe_snapshot.engine._util import MEMORY, new_private_buffer
-from ppe_snapshot.engine._files import chunk_limit, FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
 from ppe_snapshot.storage import Storage
 
 PAGE = 4096

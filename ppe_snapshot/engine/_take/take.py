@@ -9,23 +9,23 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ppe_snapshot.engine import _versions as versions
+from ppe_snapshot.engine._files import FileLayout, Written, lay_out, payload_chunks, write_from_sources
 from ppe_snapshot.engine._format import (
     Chunk, Entry, EntryColumns, PickleEntry, Raw, ShapeColumns, TensorEntry, can_store_raw, data_file, dtype_key,
     new_take_id, raw_storage_problem,
 )
+from ppe_snapshot.engine._ranks import SideGroup, TakeChannel, exchange, group_rank, side_group
 from ppe_snapshot.engine._state import (
     Payload, PlainTensors, RankPlan, ShardPlan, flatten, is_shard_key, mark_replicated, plan_rank,
     replicated_patterns, sharded_entries, sharded_state_patterns, take_states,
 )
-from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.engine._take.incremental import (
     IncrementalWrite, block_size, check_base, check_version, open_base, write_incremental,
 )
-from ppe_snapshot.engine._files import FileLayout, Written, lay_out, payload_chunks, write_from_sources
-from ppe_snapshot.engine._ranks import SideGroup, TakeChannel, exchange, group_rank, side_group
 from ppe_snapshot.engine._take.staging import new_staging_buffer, stage, write_staged
 from ppe_snapshot.engine._take.take_end import Watched, abandon, conclude, retry_marks
 from ppe_snapshot.engine._take.writers import forget_quietly, record_writer
+from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 

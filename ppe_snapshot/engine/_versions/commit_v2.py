@@ -17,7 +17,6 @@ from typing import Any, Iterable
 import numpy as np
 import xxhash
 
-from ppe_snapshot.engine._versions.protocol import RankPart, check_sizes, gather_documents
 from ppe_snapshot.engine._format import (
     MANIFEST_NAME, SHARED_INDEX, ContainerEntry, Entry, decode_index, detail_name, dump_json, entries_from_json,
     entries_to_json, entry_to_json, load_json, part_name, rank_index,
@@ -25,6 +24,7 @@ from ppe_snapshot.engine._format import (
 from ppe_snapshot.engine._versions.manifest_v2 import (
     referenced_snapshots, rank_index_bytes, shared_index_bytes, top_bytes,
 )
+from ppe_snapshot.engine._versions.protocol import RankPart, check_sizes, gather_documents
 from ppe_snapshot.errors import SnapshotError
 from ppe_snapshot.storage import Storage
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ppe_snapshot.engine._format import Manifest, ShardedTensorEntry
 from ppe_snapshot.engine._files import align, coalesced, read_file_into
+from ppe_snapshot.engine._format import Manifest, ShardedTensorEntry
 from ppe_snapshot.storage import Storage, split_reference
 
 #: A referenced file's distinct chunks: their offsets (ascending) and sizes.
