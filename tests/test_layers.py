@@ -625,10 +625,12 @@ def test_the_file_operation_check_sees_them():
 _TOY_VERSION = '''"""Format version 99, a toy: version 2's steps under another number, and a table type of its own."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from ppe_snapshot.engine._format import document_v2_problem
+from ppe_snapshot.engine._format import MANIFEST_NAME, Manifest, document_v2_problem
 from ppe_snapshot.engine._versions.v2 import Version2
+from ppe_snapshot.storage import Storage
 
 
 class Toy99Table(dict):
@@ -642,9 +644,30 @@ class Version99(Version2):
     def problem(self, doc: dict[str, Any]) -> str | None:
         return document_v2_problem(doc)
 
+    def write(self, storage: Storage, manifest: Manifest) -> None:
+        super().write(storage, manifest)  # version 2's index files and manifest.json, then stamped 99
+        doc = json.loads(storage.read_bytes(MANIFEST_NAME))
+        storage.put_atomic(MANIFEST_NAME, json.dumps({**doc, "version": self.number}).encode())
+
 
 VERSION = Version99()
 '''
+
+#: Run with the copy first on the path and PPE_SNAPSHOT_FORMAT_VERSION=99: a take and a restore in version 99.
+_ROUND_TRIP = """
+import json, sys
+import torch
+from ppe_snapshot import Snapshot, StateDict
+from ppe_snapshot.engine._versions import version_of
+
+saved = {"w": torch.randn(1000), "opt": {"step": 3, "m": torch.arange(7)}}
+Snapshot.take(sys.argv[1], {"model": StateDict(saved)})
+model = StateDict({"w": torch.zeros(1000), "opt": {"step": 0, "m": torch.zeros(7, dtype=torch.int64)}})
+Snapshot(sys.argv[1]).restore({"model": model})
+got = model.state_dict()
+assert torch.equal(got["w"], saved["w"]) and torch.equal(got["opt"]["m"], saved["opt"]["m"]) and got["opt"]["step"] == 3
+print(json.load(open(sys.argv[1] + "/manifest.json"))["version"], type(version_of(99)).__name__)
+"""
 
 
 def _edit(path: pathlib.Path, old: str, new: str) -> None:
@@ -678,19 +701,18 @@ def layer_problems(root: pathlib.Path) -> list[str]:
 
 
 def test_a_format_version_added_by_the_recipe_passes_the_layer_checks(tmp_path):
-    """Version 99 added to a copy of the package by the recipe: the layer checks accept it and the engine finds
-    its record; the same copy with a read path that tests the version's type is rejected."""
+    """Version 99 added to a copy of the package by the recipe: the layer checks accept it, a take and a restore
+    run in it (bit-exact; its manifest says 99); the same copy with a read path that tests the version's type is
+    rejected."""
     import subprocess
     import sys
 
     root = _with_version_99(tmp_path)
     assert layer_problems(root) == []
-    probe = ("from ppe_snapshot.engine._versions import version_of; from ppe_snapshot.engine._versions.table "
-             "import write_version; v = version_of(99); print(v.number, v.indexed, write_version())")
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path), "PPE_SNAPSHOT_FORMAT_VERSION": "99"}
-    done = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
-    assert done.stdout.split() == ["99", "True", "99"], done.stderr
+    done = subprocess.run([sys.executable, "-c", _ROUND_TRIP, str(tmp_path / "snap")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["99", "Version99"], done.stderr
 
     bulk = root / "engine" / "_restore" / "bulk.py"
     bulk.write_text(bulk.read_text() + "\n\ndef _is_toy(table):\n    return isinstance(table, Toy99Table)\n")
