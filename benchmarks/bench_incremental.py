@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, drop_cache, emit, fsync_path, gib, mib, secs, tree_bytes  # noqa: E402
 
 from ppe_snapshot import Snapshot, StateDict  # noqa: E402
-from ppe_snapshot.engine._incremental import HASH_THREADS  # noqa: E402
+from ppe_snapshot.engine._take.incremental import HASH_THREADS  # noqa: E402
 from ppe_snapshot.writing import ThreadWriter  # noqa: E402
 
 MIB = 1 << 20

@@ -4,9 +4,9 @@ The model: ``--params`` parameters (default 333: with Adam's exp_avg and exp_avg
 tensors, each row-sharded over the N ranks as FSDP2's ``Shard(0)`` does) plus a replicated ``step`` tensor
 per parameter and the containers above them. Every simulated rank's part goes through the engine's own
 code: its shards' entries (``sharded.sharded_entries`` from a ``ShardPlan``), the owners of the replicated
-tensors (``planner.assign_replicated``), what it expects of the shared state (``_versions.expected_shared``)
-and its publication (``_versions.publish``: its index file and its part); rank 0's merge is
-``_versions.merge_and_commit``, timed. A restoring rank (rank N/2) then reads the manifest and looks up every
+tensors (``planner.assign_replicated``), what it expects of the shared state (``_versions.table.expected_shared``)
+and its publication (``_versions.table.publish``: its index file and its part); rank 0's merge is
+``_versions.table.merge_and_commit``, timed. A restoring rank (rank N/2) then reads the manifest and looks up every
 entry it restores (``Manifest.lookup(..., own_shards=True)``), timed, counting the bytes it read. With
 ``--v1-up-to N`` the same parts also go through format version 1 (one JSON manifest) up to N ranks.
 
@@ -30,15 +30,15 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import emit  # noqa: E402
 
-from ppe_snapshot.engine import _commit as commit_v1  # noqa: E402
-from ppe_snapshot.engine import _versions as versions  # noqa: E402
-from ppe_snapshot.engine._flatten import Payload  # noqa: E402
-from ppe_snapshot.engine._gcpause import gc_paused  # noqa: E402
-from ppe_snapshot.engine._format import MANIFEST_NAME, Container, Raw, data_file, new_take_id  # noqa: E402
-from ppe_snapshot.engine._manifest import Chunk, ContainerEntry, TensorEntry  # noqa: E402
+from ppe_snapshot.engine._versions import protocol as commit_v1  # noqa: E402
+from ppe_snapshot.engine._versions import table as versions  # noqa: E402
+from ppe_snapshot.engine._state.flattening import Payload  # noqa: E402
+from ppe_snapshot.engine._util.gcpause import gc_paused  # noqa: E402
+from ppe_snapshot.engine._format.names import MANIFEST_NAME, Container, Raw, data_file, new_take_id  # noqa: E402
+from ppe_snapshot.engine._format.manifest import Chunk, ContainerEntry, TensorEntry  # noqa: E402
 from ppe_snapshot.engine import read_manifest  # noqa: E402
-from ppe_snapshot.engine._planner import assign_replicated  # noqa: E402
-from ppe_snapshot.engine._sharded import ShardedPayload, ShardPlan, shard_key, sharded_entries  # noqa: E402
+from ppe_snapshot.engine._state.planner import assign_replicated  # noqa: E402
+from ppe_snapshot.engine._state.sharded import ShardedPayload, ShardPlan, shard_key, sharded_entries  # noqa: E402
 from ppe_snapshot.storage import open_storage  # noqa: E402
 
 ROWS, COLS = 8192, 512  # every parameter: a [ROWS, COLS] float32 matrix (sharded by rows)

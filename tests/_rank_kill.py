@@ -46,7 +46,7 @@ def _die(out: str, rank: int, how: str) -> None:
 
 def _slow_storage(seconds: float) -> None:
     """This process's storage sleeps ``seconds`` before every data write call (a slow disk or link)."""
-    from ppe_snapshot.engine import _take_end as take_end
+    from ppe_snapshot.engine._take import take_end
 
     inner_write = take_end._WatchedWriter.write
 
@@ -58,7 +58,7 @@ def _slow_storage(seconds: float) -> None:
 
 
 def _kill_after_manifest(out: str, rank: int, save: int, counter: list[int]) -> None:
-    from ppe_snapshot.engine import _versions as versions
+    from ppe_snapshot.engine import _versions as versions  # the face take_end calls through
 
     merge = versions.merge_and_commit
 

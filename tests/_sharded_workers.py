@@ -19,7 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ppe_snapshot import Snapshot, StateDict
-from ppe_snapshot.engine import LOCAL, _packing as packing
+from ppe_snapshot.engine import LOCAL
+from ppe_snapshot.engine._files import packing
 from ppe_snapshot.dcp import SnapshotStorageWriter
 
 #: Global shapes and dtypes of the DTensor snapshot's tensors.

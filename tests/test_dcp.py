@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
 from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotExistsError, SnapshotNotFoundError, StateDict
-from ppe_snapshot.engine import _packing as packing
-from ppe_snapshot.engine._manifest import BytesEntry, ShardedTensorEntry, TensorEntry
+from ppe_snapshot.engine._files import packing
+from ppe_snapshot.engine._format.manifest import BytesEntry, ShardedTensorEntry, TensorEntry
 from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
 from _asserts import manifest_doc
 

@@ -191,7 +191,7 @@ def test_value_needing_pickle_is_named_by_every_writer(tmp_path, writer_name):
 def test_a_part_still_being_written_is_read_again(tmp_path):
     import threading
 
-    from ppe_snapshot.engine import _commit as commit
+    from ppe_snapshot.engine._versions import protocol as commit
     from ppe_snapshot.storage import open_storage
 
     storage = open_storage(str(tmp_path / "snap"))

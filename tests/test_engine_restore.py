@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from ppe_snapshot import CorruptSnapshotError, Snapshot, SnapshotNotFoundError, StateDict, StateMismatchError
-from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._packing import HOST_COPY_BYTES
-from ppe_snapshot.engine._reads import ReadBatch
+from ppe_snapshot.engine._util.gcpause import gc_paused
+from ppe_snapshot.engine._files.packing import HOST_COPY_BYTES
+from ppe_snapshot.engine._files.reads import ReadBatch
 
 MiB = 1 << 20
 needs_peak_reset = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),

@@ -8,7 +8,7 @@ import ppe_snapshot.dcp
 import ppe_snapshot.storage
 from ppe_snapshot import SnapshotExistsError, SnapshotNotFoundError, StateDict
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, Snapshot, prepare_take, read_manifest
-from ppe_snapshot.engine._format import (
+from ppe_snapshot.engine._format.names import (
     abort_name, data_file, new_take_id, parse_parts_name, part_name, takes_in_progress,
 )
 from ppe_snapshot.settings import Settings

@@ -21,8 +21,8 @@ from torch import nn
 
 import ppe_snapshot
 from ppe_snapshot import RNGState, Snapshot, StateDict
-from ppe_snapshot.engine._manifest import ContainerEntry, ObjectEntry, TensorEntry
-from ppe_snapshot.engine._serialization import _TORCH_DTYPES
+from ppe_snapshot.engine._format.manifest import ContainerEntry, ObjectEntry, TensorEntry
+from ppe_snapshot.engine._format.serialization import _TORCH_DTYPES
 
 # torch.equal is not implemented on CPU for these dtypes; their bytes are compared instead.
 _NO_TORCH_EQUAL = {torch.complex32} | {d for n, d in _TORCH_DTYPES.items() if n.startswith("float8")}

@@ -31,23 +31,28 @@ PACKAGES = ("ppe_snapshot.storage", "ppe_snapshot.engine", "ppe_snapshot.writing
 #: The one public submodule: the engine's format pieces (entries, chunk reads, value encoding, payload appending,
 #: committing a manifest one builds), documented as such. The DCP adapters need them; the CLI's inspect and verify
 #: show and check entries one by one. Any module may import it: a public module, like the package itself; what
-#: stays private is every ``_``-prefixed module of the engine.
+#: stays private is every ``_``-prefixed module and subpackage of the engine.
 PUBLIC_SUBMODULES = {"ppe_snapshot.engine.codec"}
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _module_name(path: pathlib.Path, package: pathlib.Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def modules_of(package: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Every module under ``package`` (a copy of ``ppe_snapshot/`` anywhere) by its dotted name."""
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
 
 
-def _imports(name: str) -> set[str]:
+MODULES = modules_of(PACKAGE)
+
+
+def _imports(name: str, modules: dict[str, pathlib.Path] = MODULES) -> set[str]:
     """The modules of ours that module ``name`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
-    path = MODULES[name]
+    path = modules[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -58,14 +63,19 @@ def _imports(name: str) -> set[str]:
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
             for alias in node.names:
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             found.add(node.args[0].value)
-    return {m for m in found if m in MODULES and m != name}
+    return {m for m in found if m in modules and m != name}
 
 
-GRAPH = {name: _imports(name) for name in MODULES}
+def graph_of(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Which module of ``modules`` imports which."""
+    return {name: _imports(name, modules) for name in modules}
+
+
+GRAPH = graph_of(MODULES)
 
 
 def _floor(module: str) -> int:
@@ -118,7 +128,7 @@ def test_the_engine_surface_is_narrow():
         assert len(set(module.__all__)) == len(module.__all__), module.__name__
         assert [name for name in module.__all__ if not hasattr(module, name)] == [], module.__name__
     assert {m for m in MODULES if _package(m) == "ppe_snapshot.engine" and m != "ppe_snapshot.engine"
-            and not m.rpartition(".")[2].startswith("_")} == PUBLIC_SUBMODULES
+            and not any(part.startswith("_") for part in m.split(".")[2:])} == PUBLIC_SUBMODULES
 
 
 def test_dcp_uses_the_engine_and_its_codec_only():
@@ -128,8 +138,10 @@ def test_dcp_uses_the_engine_and_its_codec_only():
 
 
 _VERSION_NAME = re.compile(r"(?i)(format_)?version")
-_VERSIONS_HOME = "ppe_snapshot.engine._format"  # defines FORMAT_VERSION, the newest
-_VERSIONS_BRANCH = "ppe_snapshot.engine._versions"  # picks each step per version
+_VERSIONS_HOME = "ppe_snapshot.engine._format.names"  # defines FORMAT_VERSION, the newest
+#: The format versions' package: its modules alone tell versions apart (its ``table`` picks each step per version,
+#: each version's module holds that version's steps and types).
+VERSIONS_PACKAGE = "ppe_snapshot.engine._versions"
 
 
 def _is_version(node: ast.AST) -> bool:
@@ -146,26 +158,37 @@ def _is_int(node: ast.AST | None) -> bool:
     return isinstance(node, ast.Constant) and type(node.value) is int
 
 
-def test_the_format_version_is_defined_once():
-    """Only ``_format`` binds a version name to a number (a module constant, a class field's default), and only
-    ``_versions`` tells versions apart (``version == 2``): everything else asks it."""
-    defined, branches = set(), set()
-    for name, path in MODULES.items():
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def version_number_problems(modules: dict[str, pathlib.Path]) -> list[str]:
+    """Only ``_format/names`` binds a version name to a number (a module constant, a class field's default), and
+    only the modules of ``engine/_versions/`` tell versions apart (``version == 2``): everything else asks them."""
+    problems = []
+    for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                if _is_int(node.value) and any(_is_version(t) for t in targets):
-                    defined.add((name, node.lineno))
+                if _is_int(node.value) and any(_is_version(t) for t in targets) and name != _VERSIONS_HOME:
+                    problems.append(f"{name}:{node.lineno}: binds a format version number")
             elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
                 operands = [node.left, *node.comparators]
-                if any(map(_is_version, operands)) and any(map(_is_int, operands)):
-                    branches.add((name, node.lineno))
-    assert {name for name, _ in defined} == {_VERSIONS_HOME}, defined
-    assert {name for name, _ in branches} <= {_VERSIONS_BRANCH}, branches
+                if (any(map(_is_version, operands)) and any(map(_is_int, operands))
+                        and not _in_package(name, VERSIONS_PACKAGE)):
+                    problems.append(f"{name}:{node.lineno}: compares a format version number")
+    return problems
 
 
-def _cycles() -> list[set[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
+def test_the_format_version_is_defined_once():
+    assert version_number_problems(MODULES) == []
+    binds = [node.lineno for node in ast.walk(ast.parse(MODULES[_VERSIONS_HOME].read_text()))
+             if isinstance(node, ast.AnnAssign) and _is_version(node.target) and _is_int(node.value)]
+    assert binds, "FORMAT_VERSION moved: update _VERSIONS_HOME"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -176,7 +199,7 @@ def _cycles() -> list[set[str]]:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for target in sorted(GRAPH[node]):
+        for target in sorted(graph[node]):
             if target not in index:
                 visit(target)
                 low[node] = min(low[node], low[target])
@@ -193,25 +216,196 @@ def _cycles() -> list[set[str]]:
             if len(component) > 1:
                 found.append(component)
 
-    for node in sorted(GRAPH):
+    for node in sorted(graph):
         if node not in index:
             visit(node)
     return found
 
 
 def test_no_import_cycle():
-    assert _cycles() == []
+    assert _cycles(GRAPH) == []
+
+
+# -- the engine's subpackages ----------------------------------------------------------------------------------
+ENGINE = "ppe_snapshot.engine"
+#: The engine's subpackages, bottom up. A module imports the modules of its own subpackage directly and a lower
+#: floor's subpackage only through its face (the subpackage's ``__init__``); subpackages of one floor never import
+#: each other. Every subpackage is private (``_``-prefixed) and its modules are named without ``_``.
+ENGINE_FLOORS = {
+    "_util": 0,  # pausing the garbage collector, host memory
+    "_ranks": 0,  # LOCAL, group_rank; how the ranks of a take speak
+    "_format": 1,  # the bytes on disk and their checks: names, JSON, values, the manifest, entry columns, indexes
+    "_state": 2,  # app state <-> entries: flatten / inflate, sharded tensors, state objects, the planner
+    "_files": 3,  # data files: layout and writing (packing), verified reads
+    "_versions": 4,  # the format versions: the record the read paths ask, each version's steps, commit, upgrade
+    "_restore": 5,  # loading stored values, the bulk path
+    "_take": 5,  # prepare, stage, write (incremental too), end a take; who writes it
+}
+#: The engine's top: its two public modules and the Snapshot facade, above every subpackage (named as before the
+#: split: ``_``-prefixed but for the public ``codec``).
+ENGINE_TOP = {ENGINE, f"{ENGINE}.codec", f"{ENGINE}._snapshot"}
+
+
+def _unit(module: str) -> str:
+    """The engine subpackage of an engine module (``"_format"``), or ``""`` for the engine's top."""
+    rest = module[len(ENGINE) + 1:].split(".") if module != ENGINE else []
+    return rest[0] if len(rest) > 1 or (rest and rest[0] in ENGINE_FLOORS) else ""
+
+
+def engine_problems(modules: dict[str, pathlib.Path], graph: dict[str, set[str]]) -> list[str]:
+    """What breaks the engine's subpackage floors in ``modules`` (empty: nothing)."""
+    problems = []
+    engine = sorted(m for m in modules if _in_package(m, ENGINE))
+    for module in engine:
+        parts = module[len(ENGINE) + 1:].split(".") if module != ENGINE else []
+        if len(parts) == 1 and module not in ENGINE_TOP and parts[0] not in ENGINE_FLOORS:
+            problems.append(f"{module}: neither a subpackage in ENGINE_FLOORS nor in ENGINE_TOP")
+        if len(parts) == 2 and (parts[0] not in ENGINE_FLOORS or parts[1].startswith("_")):
+            problems.append(f"{module}: a module of a subpackage in ENGINE_FLOORS, named without a leading _")
+        if len(parts) > 2:
+            problems.append(f"{module}: the engine's subpackages hold modules, not packages")
+        source = _unit(module)
+        for target in sorted(t for t in graph[module] if _in_package(t, ENGINE)):
+            unit = _unit(target)
+            if unit == source:
+                continue
+            if not unit:
+                problems.append(f"{module} imports the engine's top ({target})")
+            elif source and ENGINE_FLOORS.get(unit, 99) >= ENGINE_FLOORS.get(source, 99):
+                problems.append(f"{module} imports {target}, not on a lower floor")
+            elif target != f"{ENGINE}.{unit}":
+                problems.append(f"{module} imports {target}, not through the face {ENGINE}.{unit}")
+    units = {_unit(m) for m in engine}
+    between = {u: {_unit(t) for m in engine if _unit(m) == u for t in graph[m] if _in_package(t, ENGINE)} - {u}
+               for u in units}
+    problems += [f"a cycle between the engine's subpackages {sorted(c)}" for c in _cycles(between)]
+    return problems
+
+
+def test_engine_subpackages_keep_their_floors():
+    assert engine_problems(MODULES, GRAPH) == []
+    assert {_unit(m) for m in MODULES if _in_package(m, ENGINE)} == {"", *ENGINE_FLOORS}
+
+
+def test_the_engine_check_sees_a_reach_past_a_face():
+    graph = {m: set(targets) for m, targets in GRAPH.items()}
+    graph[f"{ENGINE}._restore.bulk"].add(f"{ENGINE}._format.index")  # past the face
+    graph[f"{ENGINE}._format.names"].add(f"{ENGINE}._state")  # upward: a cycle between subpackages
+    problems = engine_problems(MODULES, graph)
+    assert any("not through the face" in p for p in problems)
+    assert any("not on a lower floor" in p for p in problems)
+    assert any("a cycle between" in p for p in problems)
+
+
+# -- versions told apart only by the version record ---------------------------------------------------------------
+#: A version module: a module of engine/_versions/ named for its version (``v2``, ``manifest_v2``). Every class it
+#: defines is version-specific; so are the types below, defined elsewhere (name: its home, and why).
+_VERSION_MODULE = re.compile(r"(\w+_)?v\d+")
+VERSION_TYPES = {
+    "EntryTable": ("ppe_snapshot.engine._format.manifest", "version 1's tables: entries decoded from the JSON"),
+    "IndexTable": ("ppe_snapshot.engine._format.index", "versions 2 and 3: one index file's entries (its columns "
+                   "as .index)"),
+}
+#: Attributes only some versions' objects have (name: its home, and why). ``getattr`` / ``hasattr`` / ``setattr``
+#: of them is a version test anywhere; so is ``x.name`` in the engine, but for the names in _NAMES_BESIDE.
+VERSION_ATTRIBUTES = {
+    "complete": ("ppe_snapshot.engine._format.manifest", "a version-2 sharded entry looked up for one rank: what "
+                 "gives every rank's shards (None otherwise)"),
+    "indexes": ("ppe_snapshot.engine._format.manifest", "a version-2 manifest's index files (None in version 1)"),
+    "table": ("ppe_snapshot.engine._versions.manifest_v2", "a version-2 table whose index file is read on first use"),
+    "index": ("ppe_snapshot.engine._format.index", "an IndexTable's index file"),
+}
+#: Version attributes whose name also means something else in the engine: only getattr and friends are checked.
+_NAMES_BESIDE = {"index": "torch DCP's read items name a shard's position so (item.storage_index.index)"}
+
+
+def _version_types(modules: dict[str, pathlib.Path]) -> dict[str, str]:
+    """Every version-specific type of ``modules``: its name and home."""
+    types = {name: home for name, (home, _) in VERSION_TYPES.items()}
+    for module, path in modules.items():
+        if _in_package(module, VERSIONS_PACKAGE) and _VERSION_MODULE.fullmatch(module.rpartition(".")[2]):
+            tree = ast.parse(path.read_text(), str(path))
+            types.update((node.name, module) for node in tree.body if isinstance(node, ast.ClassDef))
+    return types
+
+
+def _type_names(node: ast.AST) -> set[str]:
+    """The names a type argument gives (``T``, ``mod.T``, ``(T, U)``)."""
+    if isinstance(node, ast.Tuple):
+        return {n for element in node.elts for n in _type_names(element)}
+    return {node.id} if isinstance(node, ast.Name) else {node.attr} if isinstance(node, ast.Attribute) else set()
+
+
+def version_tests_in(tree: ast.AST, types: dict[str, str], attribute_access: bool = True
+                     ) -> list[tuple[int, str, str]]:
+    """The version tests in ``tree`` as (line, form, name): ``isinstance`` / ``issubclass`` / ``type(x) is`` of a
+    version-specific type, ``getattr`` / ``hasattr`` / ``setattr`` of a version-specific attribute, and
+    (``attribute_access``) the attribute itself."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+            if node.func.id in ("isinstance", "issubclass"):
+                found.update((node.lineno, node.func.id, t) for t in _type_names(node.args[1]) & set(types))
+            elif (node.func.id in ("getattr", "hasattr", "setattr") and isinstance(node.args[1], ast.Constant)
+                  and node.args[1].value in VERSION_ATTRIBUTES):
+                found.add((node.lineno, node.func.id, node.args[1].value))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq))
+                                                   for op in node.ops):
+            names = {n for operand in (node.left, *node.comparators) for n in _type_names(operand)}
+            found.update((node.lineno, "type compared", t) for t in names & set(types))
+        elif (attribute_access and isinstance(node, ast.Attribute) and node.attr in VERSION_ATTRIBUTES
+              and node.attr not in _NAMES_BESIDE):
+            found.add((node.lineno, "attribute", node.attr))
+    return sorted(found)
+
+
+def version_test_problems(modules: dict[str, pathlib.Path]) -> list[str]:
+    """The version tests outside ``engine/_versions/`` and the tested name's home (empty: none)."""
+    types = _version_types(modules)
+    homes = {**types, **{name: home for name, (home, _) in VERSION_ATTRIBUTES.items()}}
+    problems = []
+    for module, path in modules.items():
+        if _in_package(module, VERSIONS_PACKAGE):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        problems += [f"{module}:{line}: {form} of version-specific {name}" for line, form, name
+                     in version_tests_in(tree, types, attribute_access=_in_package(module, ENGINE))
+                     if homes[name] != module]
+    return problems
+
+
+def test_versions_are_told_apart_only_in_the_version_modules():
+    """No read path tests a manifest's types or attributes to know its version: it asks the version record
+    (``version_of(manifest.version)``, a ``FormatVersion``)."""
+    assert version_test_problems(MODULES) == []
+    assert {"Version1", "Version2", "Version3", "ShardedTable"} <= set(_version_types(MODULES))
+
+
+def test_the_version_check_catches_the_old_forms():
+    """The checker itself, on the three version tests the read paths made before the version record."""
+    types = _version_types(MODULES)
+    bulk = "if isinstance(getattr(table, 'table', table), IndexTable):\n    indexes.append(table.index)\n"
+    incremental = "index = getattr(getattr(table, 'table', None), 'index', None)\n"
+    loading = "if entry.complete is not None:\n    shards = entry.complete()\n"
+    assert version_tests_in(ast.parse(bulk), types) == [(1, "getattr", "table"), (1, "isinstance", "IndexTable")]
+    assert version_tests_in(ast.parse(incremental), types) == [(1, "getattr", "index"), (1, "getattr", "table")]
+    assert version_tests_in(ast.parse(loading), types) == [(1, "attribute", "complete"), (2, "attribute", "complete")]
+    assert version_tests_in(ast.parse("ok = type(t) is ShardedTable\n"), types) == [
+        (1, "type compared", "ShardedTable")]
 
 
 #: Names defined at the top level of several modules on purpose, with one meaning: why.
 SHARED_NAMES = {
     "add_parsers": "each CLI command module's hook adding its subcommands to the parser (cli/__init__ calls each)",
-    "expected_shared": "engine/_versions picks, per format version, the step of this name; engine/_commit_v2 "
+    "expected_shared": "engine/_versions/table picks, per format version, the step of this name; "
+                       "engine/_versions/commit_v2 "
                        "defines version 2's",
-    "publish": "as expected_shared: a format version's step, picked by engine/_versions",
-    "merge_and_commit": "as expected_shared: a format version's step, picked by engine/_versions",
+    "publish": "as expected_shared: a format version's step, picked by engine/_versions/table",
+    "merge_and_commit": "as expected_shared: a format version's step, picked by engine/_versions/table",
     "PROFILE": "each store's module under storage/stores/ names its registered profile so (the recipe 'Adding a "
                "store')",
+    "VERSION": "each format version's module under engine/_versions/ names its record so, for the table's row "
+               "(the recipe 'Adding a format version')",
 }
 
 
@@ -384,7 +578,7 @@ _FILE_MODULES = ("shutil", "fsspec", "tempfile")
 #: Above the storage floor, the file operations that are no storage (module -> the calls and why).
 _NOT_STORAGE = {
     # this process's identity for the writer records (/proc/self/ns/pid, /proc/<pid>/stat): no snapshot file
-    "ppe_snapshot.engine._writers": {"readlink", "open"},
+    "ppe_snapshot.engine._take.writers": {"readlink", "open"},
     # which host memory is mapped how (/proc/self/maps), to pin staging buffers
     "ppe_snapshot.writing._pinning": {"open"},
     # --quiet points stdout at /dev/null
@@ -426,3 +620,103 @@ def test_the_file_operation_check_sees_them():
     assert "import shutil" in _file_operations("ppe_snapshot.storage.trees")
     assert {"unlink", "path.lexists"} <= _file_operations("ppe_snapshot.storage.trees")
     assert "import fsspec" in _file_operations("ppe_snapshot.storage.fsspec")
+
+
+# -- the recipe "Adding a format version" (docs/architecture.md), followed on a copy of the package ----------------
+_TOY_VERSION = '''"""Format version 99, a toy: version 2's steps under another number, and a table type of its own."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ppe_snapshot.engine._format import MANIFEST_NAME, Manifest, document_v2_problem
+from ppe_snapshot.engine._versions.v2 import Version2
+from ppe_snapshot.storage import Storage
+
+
+class Toy99Table(dict):
+    """A table that only version 99 has."""
+
+
+class Version99(Version2):
+    number = 99
+    written = True
+
+    def problem(self, doc: dict[str, Any]) -> str | None:
+        return document_v2_problem(doc)
+
+    def write(self, storage: Storage, manifest: Manifest) -> None:
+        super().write(storage, manifest)  # version 2's index files and manifest.json, then stamped 99
+        doc = json.loads(storage.read_bytes(MANIFEST_NAME))
+        storage.put_atomic(MANIFEST_NAME, json.dumps({**doc, "version": self.number}).encode())
+
+
+VERSION = Version99()
+'''
+
+#: Run with the copy first on the path and PPE_SNAPSHOT_FORMAT_VERSION=99: a take and a restore in version 99.
+_ROUND_TRIP = """
+import json, sys
+import torch
+from ppe_snapshot import Snapshot, StateDict
+from ppe_snapshot.engine._versions import version_of
+
+saved = {"w": torch.randn(1000), "opt": {"step": 3, "m": torch.arange(7)}}
+Snapshot.take(sys.argv[1], {"model": StateDict(saved)})
+model = StateDict({"w": torch.zeros(1000), "opt": {"step": 0, "m": torch.zeros(7, dtype=torch.int64)}})
+Snapshot(sys.argv[1]).restore({"model": model})
+got = model.state_dict()
+assert torch.equal(got["w"], saved["w"]) and torch.equal(got["opt"]["m"], saved["opt"]["m"]) and got["opt"]["step"] == 3
+print(json.load(open(sys.argv[1] + "/manifest.json"))["version"], type(version_of(99)).__name__)
+"""
+
+
+def _edit(path: pathlib.Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path}: {old!r} moved; update the recipe and this test"
+    path.write_text(text.replace(old, new, 1))
+
+
+def _with_version_99(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A copy of ``ppe_snapshot/`` under ``tmp_path`` with format version 99 added as the recipe says."""
+    import shutil
+
+    root = tmp_path / "ppe_snapshot"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
+    versions = root / "engine" / "_versions"
+    (versions / "v99.py").write_text(_TOY_VERSION)  # 1. the version's module
+    _edit(versions / "table.py", "import commit_v2, v1, v2, v3\n", "import commit_v2, v1, v2, v3, v99\n")  # 2. its row
+    _edit(versions / "table.py", "(v1.VERSION, v2.VERSION, v3.VERSION)",
+          "(v1.VERSION, v2.VERSION, v3.VERSION, v99.VERSION)")
+    _edit(root / "engine" / "_format" / "names.py", "FORMAT_VERSION: Final = 3", "FORMAT_VERSION: Final = 99")  # 3.
+    return root
+
+
+def layer_problems(root: pathlib.Path) -> list[str]:
+    """The checks of this file that concern the engine's packages and versions, over the package at ``root``."""
+    modules = modules_of(root)
+    graph = graph_of(modules)
+    return (engine_problems(modules, graph) + version_test_problems(modules) + version_number_problems(modules)
+            + [f"import cycle {sorted(c)}" for c in _cycles(graph)]
+            + [f"{m}: over 400 lines" for m, p in modules.items() if len(p.read_text().splitlines()) > 400])
+
+
+def test_a_format_version_added_by_the_recipe_passes_the_layer_checks(tmp_path):
+    """Version 99 added to a copy of the package by the recipe: the layer checks accept it, a take and a restore
+    run in it (bit-exact; its manifest says 99); the same copy with a read path that tests the version's type is
+    rejected."""
+    import subprocess
+    import sys
+
+    root = _with_version_99(tmp_path)
+    assert layer_problems(root) == []
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path), "PPE_SNAPSHOT_FORMAT_VERSION": "99"}
+    done = subprocess.run([sys.executable, "-c", _ROUND_TRIP, str(tmp_path / "snap")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["99", "Version99"], done.stderr
+
+    bulk = root / "engine" / "_restore" / "bulk.py"
+    bulk.write_text(bulk.read_text() + "\n\ndef _is_toy(table):\n    return isinstance(table, Toy99Table)\n")
+    line = len(bulk.read_text().splitlines())
+    assert layer_problems(root) == [
+        f"ppe_snapshot.engine._restore.bulk:{line}: isinstance of version-specific Toy99Table"]

@@ -12,7 +12,8 @@ import xxhash
 from _asserts import assert_same, manifest_doc
 from _crafted import RANK0, read_index
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError
-from ppe_snapshot.engine import _bulk as bulk, _packing as packing
+from ppe_snapshot.engine._restore import bulk
+from ppe_snapshot.engine._files import packing
 from ppe_snapshot.writing import ProcessWriter
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ppe_snapshot import Snapshot, StateDict
-from ppe_snapshot.engine._format import PARTS_DIR
+from ppe_snapshot.engine._format.names import PARTS_DIR
 from ppe_snapshot.retention import Candidate, FilenameFormat, list_snapshots, prune, select_prunable
 from ppe_snapshot.storage import join
 

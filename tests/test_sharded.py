@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import _sharded_workers as W
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError
-from ppe_snapshot.engine._manifest import ShardedTensorEntry
+from ppe_snapshot.engine._format.manifest import ShardedTensorEntry
 from _asserts import assert_same, manifest_doc
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ppe_snapshot import Snapshot
 from ppe_snapshot.engine import LOCAL, MANIFEST_NAME, StateDict, new_shared_buffer, new_staging_buffer, prepare_take
-from ppe_snapshot.engine._staging import SMALL_COPY_BYTES, stage
+from ppe_snapshot.engine._take.staging import SMALL_COPY_BYTES, stage
 from ppe_snapshot.writing import ProcessQueueWriter, ProcessWriter, ThreadQueueWriter, ThreadWriter
 from _asserts import assert_same
 

@@ -22,8 +22,8 @@ import torch
 from _asserts import manifest_doc
 import ppe_snapshot
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedValueError
-from ppe_snapshot.engine._manifest import ObjectEntry, PickleEntry
-from ppe_snapshot.engine._serialization import decode_value, encode_value
+from ppe_snapshot.engine._format.manifest import ObjectEntry, PickleEntry
+from ppe_snapshot.engine._format.serialization import decode_value, encode_value
 
 
 class Color(enum.Enum):
@@ -292,7 +292,7 @@ def test_valid_tags_still_decode():
     array = np.arange(6, dtype=">i2").reshape(2, 3)
     decoded = decode_value(encode_value(array))
     assert decoded.dtype == array.dtype and decoded.tobytes() == array.tobytes() and decoded.shape == (2, 3)
-    assert ppe_snapshot.engine._serialization.MAX_DEPTH >= 100
+    assert ppe_snapshot.engine._format.serialization.MAX_DEPTH >= 100
     nested = _deep(50, lambda v: [v])
     assert decode_value(nested) == nested
 
@@ -321,7 +321,7 @@ def test_deeply_nested_containers_in_a_manifest_are_corrupt(tmp_path):
 @pytest.mark.parametrize("wrap", [lambda v: [v], lambda v: (v,), lambda v: {"k": v}, lambda v: Pair(v, 0)],
                          ids=["list", "tuple", "dict", "namedtuple"])
 def test_what_a_reader_would_refuse_as_too_deep_is_not_written(tmp_path, wrap):
-    from ppe_snapshot.engine._serialization import MAX_DEPTH
+    from ppe_snapshot.engine._format.serialization import MAX_DEPTH
 
     fits = _deep(MAX_DEPTH - 1, wrap)
     assert decode_value(encode_value(fits)) == fits

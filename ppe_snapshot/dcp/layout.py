@@ -17,7 +17,7 @@ Layout of a snapshot written through DCP (same files, checksums and commit as th
 
 * ``manifest.metadata["dcp"]`` holds, as JSON, what DCP needs beyond the entries:
   ``adapter_version``, DCP's metadata ``version``, the planner's ``planner_data`` (tagged JSON,
-  see ``engine/_serialization.py``) and the ``TensorProperties`` that differ from the defaults.
+  see ``engine/_format/serialization.py``) and the ``TensorProperties`` that differ from the defaults.
 """
 from __future__ import annotations
 

@@ -1,8 +1,12 @@
 """The snapshot engine: flatten app state, plan, stage, write, commit; restore in place.
 
 The floors above (``writing/``, ``dcp/``, ``run_dir/``, ``retention``, ``cli``, the extension) import this
-package, and :mod:`ppe_snapshot.engine.codec` for the format's pieces; every other module here is private
-(``_``-prefixed). docs/architecture.md gives each module's job.
+package, and :mod:`ppe_snapshot.engine.codec` for the format's pieces; everything else here is private. Inside,
+one ``_``-prefixed subpackage per concern, each entered through its ``__init__`` (its face), bottom up:
+``_util`` and ``_ranks``, ``_format`` (the bytes on disk and their checks), ``_state`` (app state <-> entries),
+``_files`` (data files), ``_versions`` (the format versions: the record every read path asks), ``_restore`` and
+``_take``; ``_snapshot`` (the facade) on top. docs/architecture.md gives each module's job and the recipe for
+adding a format version.
 
 Taking and restoring
     :class:`Snapshot` (``take``, ``async_take``, ``restore``, ``read_object``, ``verify``, ``get_manifest``),
@@ -32,20 +36,14 @@ A snapshot in storage
     files others reference; ``check_base(base, path)`` raises unless ``base`` may be the base of an incremental
     take at ``path`` (another snapshot in the same directory).
 """
+from ppe_snapshot.engine._files import align
 from ppe_snapshot.engine._format import INDEX_DIR, MANIFEST_NAME, PARTS_DIR, RETIRED_NAME
-from ppe_snapshot.engine._incremental import check_base
-from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._hostmem import new_shared_buffer
-from ppe_snapshot.engine._packing import align
-from ppe_snapshot.engine._rank_channel import agree_max, exchange, side_group
-from ppe_snapshot.engine._ranks import LOCAL, group_rank
+from ppe_snapshot.engine._ranks import LOCAL, agree_max, exchange, group_rank, side_group
 from ppe_snapshot.engine._snapshot import PendingSnapshot, Snapshot
-from ppe_snapshot.engine._staging import new_staging_buffer
-from ppe_snapshot.engine._stateful import OptimizerState, RNGState, Stateful, StateDict
-from ppe_snapshot.engine._take import TakeJob, prepare_take
-from ppe_snapshot.engine._versions import read_manifest
-from ppe_snapshot.engine._versions import upgrade as upgrade_snapshot
-from ppe_snapshot.engine._writers import judge_writers
+from ppe_snapshot.engine._state import OptimizerState, RNGState, Stateful, StateDict
+from ppe_snapshot.engine._take import TakeJob, check_base, judge_writers, new_staging_buffer, prepare_take
+from ppe_snapshot.engine._util import gc_paused, new_shared_buffer
+from ppe_snapshot.engine._versions import read_manifest, upgrade as upgrade_snapshot
 
 __all__ = [
     # taking and restoring

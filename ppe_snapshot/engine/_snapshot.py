@@ -7,14 +7,15 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from ppe_snapshot.engine._gcpause import gc_paused
-from ppe_snapshot.engine._loading import load_state, read_value
-from ppe_snapshot.engine._manifest import Entry, Manifest
+from ppe_snapshot.engine._files import verify_chunks
+from ppe_snapshot.engine._format import Entry, Manifest
 from ppe_snapshot.engine._ranks import group_rank
-from ppe_snapshot.engine._reads import verify_chunks
-from ppe_snapshot.engine._stateful import check_app_state, restore_order
-from ppe_snapshot.engine._staging_pool import give_back, release_staging_buffers, take_staging_buffer
-from ppe_snapshot.engine._take import TakeJob, TensorPrepare, prepare_take
+from ppe_snapshot.engine._restore import load_state, read_value
+from ppe_snapshot.engine._state import check_app_state, restore_order
+from ppe_snapshot.engine._take import (
+    TakeJob, TensorPrepare, give_back, prepare_take, release_staging_buffers, take_staging_buffer,
+)
+from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.engine._versions import read_manifest
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage, open_storage

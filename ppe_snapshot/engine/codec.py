@@ -27,20 +27,18 @@ Committing
     ``new_take_id()``, ``refuse_overwrite(storage)``, ``commit_manifest(storage, manifest)`` (checks it restores,
     then writes it in the format version takes write, the manifest last).
 """
-from ppe_snapshot.engine._commit import refuse_overwrite
-from ppe_snapshot.engine._flatten import Payload, child_path, escape, inflate
-from ppe_snapshot.engine._format import Container, Raw, data_file, new_take_id
-from ppe_snapshot.engine._incremental import block_size, write_pieces
-from ppe_snapshot.engine._loading import leaf_loader
-from ppe_snapshot.engine._manifest import (
-    BytesEntry, Chunk, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Shard, ShardedTensorEntry,
-    TensorEntry,
+from ppe_snapshot.engine._files import (
+    PayloadAppender, host_copy_buffer, is_direct, needs_bounce, read_into, tensor_bytes,
 )
-from ppe_snapshot.engine._packing import PayloadAppender, host_copy_buffer, is_direct, needs_bounce, tensor_bytes
-from ppe_snapshot.engine._reads import read_into
-from ppe_snapshot.engine._referenced import referenced_bytes
-from ppe_snapshot.engine._serialization import can_store_raw, decode_value, dtype_name, encode_value, torch_dtype
-from ppe_snapshot.engine._versions import commit as commit_manifest
+from ppe_snapshot.engine._format import (
+    BytesEntry, Chunk, Container, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Raw, Shard,
+    ShardedTensorEntry, TensorEntry, can_store_raw, data_file, decode_value, dtype_name, encode_value, new_take_id,
+    torch_dtype,
+)
+from ppe_snapshot.engine._restore import leaf_loader
+from ppe_snapshot.engine._state import Payload, child_path, escape, inflate
+from ppe_snapshot.engine._take import block_size, write_pieces
+from ppe_snapshot.engine._versions import commit as commit_manifest, referenced_bytes, refuse_overwrite
 
 __all__ = [
     # the manifest and its entries
