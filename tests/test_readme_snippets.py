@@ -103,6 +103,35 @@ def test_incremental_snapshots(tmp_path):
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
 
+def test_the_local_tier(tmp_path):
+    """The snippet's run killed (abandoned without finalize) after iteration 1150: the restart resumes from local
+    step 1100, newer than the durable snapshot of iteration 1000, at the tier's default directory."""
+    local, = python_blocks("### The local tier: snapshots in memory, a partner's copy, durable storage behind")
+    ppe_snapshot = __import__("ppe_snapshot")
+    tier = ppe_snapshot.LocalTier().resolved_directory(str(tmp_path / "result"))
+    try:
+        model = _model()
+        manager = _manager(model, "result", epochs=1, per_epoch=1150)
+        first = _run(local, manager=manager, ppe_snapshot=ppe_snapshot)["extension"]
+        _train(manager, model, 1150)
+        first._local.saves.finish()  # the steps in flight end, as they would in the background of a live run
+        assert sorted(p.name for p in (tmp_path / "result").iterdir()) == ["snapshot_iter_1000"]
+        again = _model()
+        manager = _manager(again, "result", epochs=1, per_epoch=1200)
+        second = _run(local, manager=manager, ppe_snapshot=ppe_snapshot)["extension"]
+        with manager.run_iteration():
+            pass
+        assert second.resumed_from == f"{tier}/step_1100/rank0"
+        assert manager.iteration == 1101
+        saved = ppe_snapshot.Snapshot(second.resumed_from).read_object("0/state/models/main")
+        assert saved.keys() == again.state_dict().keys()
+        assert all(torch.equal(saved[k], v) for k, v in again.state_dict().items())
+        assert not all(torch.equal(saved[k], v) for k, v in model.state_dict().items())  # trained 50 more
+    finally:
+        import shutil
+        shutil.rmtree(tier, ignore_errors=True)
+
+
 def test_migrating_from_ppe_resumes_from_ppes_snapshot(tmp_path):
     migrating = python_blocks("### Migrating from ppe")[0]
     before, after = migrating.split("# after")

@@ -12,6 +12,7 @@ from ppe_snapshot.cli.common import (
     read_state, size_of,
 )
 from ppe_snapshot.cli.dcp_dirs import metadata_checked_reader
+from ppe_snapshot.cli.tier_listing import list_tier, print_tier
 from ppe_snapshot.engine import MANIFEST_NAME, read_manifest
 from ppe_snapshot.engine.codec import (
     BytesEntry, Container, ContainerEntry, ObjectEntry, PickleEntry, ShardedTensorEntry, TensorEntry,
@@ -19,7 +20,7 @@ from ppe_snapshot.engine.codec import (
 )
 from ppe_snapshot.retention import COMPLETE_KINDS, list_snapshots
 from ppe_snapshot.run_dir import leftover
-from ppe_snapshot.storage import Tree, open_storage, open_tree
+from ppe_snapshot.storage import Tree, local_path, open_storage, open_tree
 from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
@@ -168,6 +169,13 @@ def _human(n: int) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    tier = list_tier(args.run) if local_path(args.run, args.storage_options) is not None else None
+    if tier is not None and args.json:
+        print(json.dumps(tier, indent=2))
+    elif tier is not None:
+        print_tier(args.run, tier, _human)
+    if tier is not None:
+        return 0
     rows = list_run(args.run, args.storage_options, args.deep, args.filename)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -322,7 +330,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ls", parents=[common], help="list the snapshots of a run directory",
                        description="List every snapshot-like entry of a run directory (or URL): engine snapshots, "
                                    "DCP directories, ppe single files, in-progress leftovers; by training position. "
-                                   "The one autoload would resume from is marked with *.")
+                                   "The one autoload would resume from is marked with *. A local tier directory "
+                                   "(snapshot(local=...)) is listed by step: the ranks' parts and partner copies.")
     p.add_argument("run", help="the run (output) directory or URL")
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
     p.add_argument("--deep", action="store_true", help="also check every checksum (reads all data)")

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
 from typing import Any, Callable
 
-import torch.distributed as dist
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 from pytorch_pfn_extras.training.triggers import IntervalTrigger
 
 from ppe_snapshot import ppe_private
-from ppe_snapshot.engine import RNGState, StateDict, exchange
+from ppe_snapshot.engine import RNGState, StateDict, exchange, side_group
 from ppe_snapshot.local_tier import (
-    Fallback, LocalSaves, LocalTier, Ranks, Recovered, check_triggers, partners, recover, this_node, wards,
+    START_TAG, Fallback, LocalSaves, LocalTier, Ranks, Recovered, check_triggers, partners, recover, this_node,
+    wards,
 )
 from ppe_snapshot.extension.saved_state import RNG_KEY, STATE_KEY
 from ppe_snapshot.settings import SETTINGS
@@ -63,8 +62,8 @@ class LocalSteps:
     def start(cls, tier: LocalTier, extension: Any, manager: ExtensionsManagerProtocol, out_dir: str,
               rank: int, world_size: int) -> "LocalSteps | None":
         """The tier of ``extension`` (every rank calls it at ``initialize``): triggers checked (``ValueError``),
-        the manager entry's trigger wrapped, the ranks' group made and their partners chosen. None, with a
-        warning, where a rank cannot use its directory."""
+        the manager entry's trigger wrapped, each rank's node told to every rank over the ranks' side group and
+        the partners chosen. None, with a warning, where a rank cannot use its directory."""
         entry = next((e for _, e in ppe_private.extension_entries(manager) if e.extension is extension), None)
         if entry is None:
             raise ValueError("local=: the snapshot must be registered with manager.extend(...) for its local tier "
@@ -72,19 +71,17 @@ class LocalSteps:
         check_triggers(tier.trigger, entry.trigger, ppe_private.iters_per_epoch(manager))
         directory = tier.resolved_directory(out_dir)
         problem = _usable(directory)
-        group = None
         ranks = Ranks()
-        if world_size > 1:
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SETTINGS.commit_timeout))
-            nodes: list[Any] = [None] * world_size
-            dist.all_gather_object(nodes, this_node(rank))
+        if world_size > 1:  # the side group the ranks' takes speak over, made at initialize
+            group = side_group(None).group
+            docs = exchange(group, {"node": this_node(rank), "problem": problem}, START_TAG, lambda docs: docs)
+            nodes = [doc["node"] for doc in docs]
             partner_of = partners(nodes) if tier.partners != 0 else {}
             if tier.partners == 1 and not partner_of and rank == 0:
                 logger.warning("local=: every rank runs on node %r, so no partner copies are kept (a lost node "
                                "resumes from durable snapshots)", nodes[0])
             ranks = Ranks(rank, world_size, group, partner_of.get(rank), tuple(wards(partner_of, rank)))
-            problem = exchange(group, problem, 0, lambda docs: "; ".join(
-                f"rank {r}: {p}" for r, p in enumerate(docs) if p is not None) or None)
+            problem = "; ".join(f"rank {r}: {doc['problem']}" for r, doc in enumerate(docs) if doc["problem"]) or None
         if problem is not None:
             logger.warning("the local tier is off: %s; durable snapshots go on", problem)
             return None

@@ -61,6 +61,31 @@ def steps(tree: Tree) -> list[int]:
     return sorted(found)
 
 
+_PART = re.compile(r"(rank|copy-rank)(\d+)")
+
+
+def inventory(tree: Tree) -> list[dict[str, Any]]:
+    """What a tier directory holds, step by step (for ``ppe-snapshot ls``): per step its parts and partner copies
+    (rank -> whether marked complete), their bytes, and whether the step is complete here (every part and copy
+    present is marked)."""
+    rows = []
+    for step in steps(tree):
+        parts: dict[int, bool] = {}
+        copies: dict[int, bool] = {}
+        size = 0
+        for entry in tree.list(f"{tree.root}/{step_dir(step)}"):
+            match = _PART.fullmatch(entry["name"].rstrip("/").rpartition("/")[2])
+            if match is None or entry.get("type") != "directory":
+                continue
+            rank = int(match.group(2))
+            name = (own_part if match.group(1) == "rank" else copy_of)(step, rank)
+            (parts if match.group(1) == "rank" else copies)[rank] = read_marker(tree, name) is not None
+            size += tree.size(entry["name"])
+        rows.append({"step": step, "ranks": parts, "copies": copies, "bytes": size,
+                     "complete": bool(parts or copies) and all([*parts.values(), *copies.values()])})
+    return rows
+
+
 def read_marker(tree: Tree, part: str) -> dict[str, Any] | None:
     """The marker of ``part`` (relative), or None when it has none or an unreadable one."""
     try:

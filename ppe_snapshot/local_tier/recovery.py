@@ -16,14 +16,14 @@ from typing import Any, Callable
 
 from ppe_snapshot.engine import exchange
 from ppe_snapshot.local_tier import layout, transfer
-from ppe_snapshot.local_tier.saves import LocalSaves
+from ppe_snapshot.local_tier.saves import RESTORE_TAGS, LocalSaves
 from ppe_snapshot.run_dir import Unusable
 from ppe_snapshot.storage import join
 
 logger = logging.getLogger(__name__)
 
-#: The tier group's tags at restore (before any save): the plan, the parts fetched, the outcome.
-_PLAN, _FETCH, _OUTCOME = 1, 2, 3
+#: The tier's tags at restore (before any save): the plan, the parts fetched, the outcome.
+_PLAN, _FETCH, _OUTCOME = RESTORE_TAGS, RESTORE_TAGS + 1, RESTORE_TAGS + 2
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@
 part to be written, sends it to the rank's partner while receiving its wards' parts (:mod:`.transfer`), verifies
 what it received, and agrees with every rank that the step is complete (an ``exchange`` over the tier's gloo
 group, as a take's commit is agreed); only then does each rank write the markers of its part and copies, and
-prune its older steps. At most one step waits behind the one in progress: a third save waits for the first to
-end (the tier's memory stays bounded).
+prune its older steps. One step is in flight at a time: a save that finds the previous step still in flight
+waits for it (the tier's memory stays bounded, and the work a failure loses stays within about one interval).
 
 Whatever fails costs the tier only: a full or read-only directory, a copy cut off, a bad checksum leave the
 step incomplete (never restored) with a warning; a rank lost from the group stops the tier.
@@ -18,24 +18,29 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, exchange
+import torch
+
+from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, exchange, new_staging_buffer
 from ppe_snapshot.local_tier import layout, transfer
 from ppe_snapshot.storage import Tree, join, open_tree
 
 logger = logging.getLogger(__name__)
 
-#: The first tag of the tier group's messages; each step uses the next two (its copies, its agreement).
-_TAGS = 1 << 20
-#: Steps queued behind the one in progress before :meth:`LocalSaves.save` waits.
-_QUEUED = 1
+#: The tier's tags on the ranks' side group: above a take's own (at most 2^28, see the engine's rank channel) and
+#: below the side group's exchanges (from 2^29). The start's exchange, then the restore's (:mod:`.recovery`), then
+#: two per step (its copies, its agreement).
+START_TAG = (1 << 28) + 16
+RESTORE_TAGS = START_TAG + 1
+_TAGS = START_TAG + 16
 
 
 @dataclass
 class Ranks:
     """Where this rank stands among the ranks of the tier: its rank and the world size, the gloo group they speak
-    over (None: one process), its partner (None: no copy) and its wards (whose copies it holds)."""
+    over (the side group of the ranks' takes; None: one process), its partner (None: no copy) and its wards (whose
+    copies it holds)."""
     rank: int = 0
     world_size: int = 1
     group: Any = None
@@ -49,6 +54,7 @@ class _Step:
     tag: int
     pending: PendingSnapshot | None
     problem: str | None
+    staged: list[torch.Tensor]
 
 
 class LocalSaves:
@@ -58,8 +64,10 @@ class LocalSaves:
         self.directory, self.ranks, self.keep = directory, ranks, keep
         self.tree: Tree = open_tree(directory)
         self._queue: queue.Queue[_Step | None] = queue.Queue()
-        self._slots = threading.Semaphore(_QUEUED + 1)
+        self._slots = threading.Semaphore(1)  # one step in flight: a save waits for the previous one
         self._tags = 0
+        self._buffers: list[torch.Tensor] = []
+        self._buffers_lock = threading.Lock()
         #: Why the tier stopped (a rank lost from its group), or None.
         self.stopped: str | None = None
         #: The step and time (seconds) of the last local step every rank agreed complete.
@@ -77,13 +85,30 @@ class LocalSaves:
             return
         self._slots.acquire()
         self._tags += 1
-        pending, problem = None, None
+        pending, problem, staged = None, None, []
         try:
-            pending = Snapshot.async_take(self.part_path(step), app_state, pg=LOCAL,
+            pending = Snapshot.async_take(self.part_path(step), app_state, pg=LOCAL, staging=self._staging(staged),
                                           metadata={**metadata, "ppe_snapshot_local_step": step})
         except Exception as e:  # noqa: BLE001 - the tier fails alone; the other ranks still hear of it
             problem = f"{type(e).__name__}: {e}"
-        self._queue.put(_Step(step, _TAGS + 2 * self._tags, pending, problem))
+            with self._buffers_lock:
+                self._buffers.extend(staged)
+        self._queue.put(_Step(step, _TAGS + 2 * (self._tags % (1 << 26)), pending, problem, staged))
+
+    def _staging(self, taken: list[torch.Tensor]) -> Callable[[int], torch.Tensor]:
+        """The staging buffer of a save: one of the tier's own (a step's buffer comes back once its part is
+        written; at most one per step in flight), grown when the state grew; page-locked once CUDA is in use."""
+        def provide(nbytes: int) -> torch.Tensor:
+            with self._buffers_lock:
+                fits = [b for b in self._buffers if b.numel() >= nbytes]
+                if fits:
+                    self._buffers.remove(fits[0])
+                elif self._buffers:
+                    self._buffers.pop()  # too small: dropped for a larger one
+            buffer = fits[0] if fits else new_staging_buffer(nbytes, pin=torch.cuda.is_initialized())
+            taken.append(buffer)
+            return buffer[:nbytes]
+        return provide
 
     def finish(self, timeout: float | None = None) -> None:
         """Let the steps in flight end (their copies and agreement), then stop the worker."""
@@ -115,6 +140,8 @@ class LocalSaves:
                 item.pending.wait()
             except Exception as e:  # noqa: BLE001 - a full tmpfs, a read-only directory, ...
                 problem = f"{type(e).__name__}: {e}"
+            with self._buffers_lock:
+                self._buffers.extend(item.staged)
         if ranks.partner is not None or ranks.wards:
             problem = self._copy(item, problem) or problem
         decided = self._agree(item, problem)

@@ -1,0 +1,244 @@
+"""The local tier (issue 34): restore from node-local memory and from partners' copies, and what a local save
+blocks, beside the floors measured in the same run.
+
+    python benchmarks/bench_memory_tier.py [--rounds 3] [--mib 256] [--s3]
+
+Four gloo ranks simulate two nodes of two (``PPE_SNAPSHOT_NODE``, a local directory per node under /dev/shm), each
+with ``--mib`` MiB of state (16 tensors), SHARDED mode, the ThreadWriter, durable snapshots to local disk. Per
+round, each case in a fresh set of processes:
+
+- **blocking**: iterations of 0.5 s (a sleep standing for the training step); 6 iterations saving a local step each (local trigger 1, durable 1000) against 6 iterations saving an
+  async durable snapshot each with the same writer (no tier), and 3 iterations where both are due (local 1,
+  durable 1): the median time the loop waited per save.
+- **own parts**: a run saves local step 2 and stops (the tier intact); the restart's autoload (from the first
+  ``run_iteration``'s start to the training step) is timed on every rank, the slowest reported, against the floor:
+  each rank reading its part's bytes from /dev/shm into its tensors (``readinto``), the slowest rank.
+- **node lost**: the same, with node 1's directory wiped before the restart: ranks 2 and 3 fetch their parts from
+  ranks 0 and 1. Floor: the same bytes sent alone over a gloo group between the same pairs, 16 MiB at a time.
+- **S3** (``--s3``): one rank's part restored from a durable snapshot on S3 through ``s3_shaped.py`` (40 MB/s per
+  connection, 15 ms), against the same restore from the local tier, in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from common import free_port  # noqa: E402
+
+WORLD, PER_NODE, TENSORS = 4, 2, 16
+
+
+# -- a rank ------------------------------------------------------------------------------------------------------
+def _state(mib: int, rank: int):
+    import torch
+    torch.manual_seed(rank)
+    return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(mib * (1 << 20) // 4 // TENSORS))
+                                   for _ in range(TENSORS)])
+
+
+def rank_main(rank: int, port: int, spec: dict) -> None:
+    import pytorch_pfn_extras as ppe
+    import torch
+    import torch.distributed as dist
+
+    import ppe_snapshot
+    from ppe_snapshot import writing
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    node = rank // PER_NODE
+    if spec["case"] == "transfer":
+        _transfer_floor(rank, spec)
+        return
+    model = _state(spec["mib"], rank if spec["case"] != "restart" else 1000 + rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    manager = ppe.training.ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=100,
+                                             out_dir=os.path.join(spec["dir"], "out"))
+    local = spec.get("local")
+    tier = None if local is None else ppe_snapshot.LocalTier(directory=os.path.join(spec["dir"], f"node{node}"),
+                                                              trigger=(local, "iteration"), n_retains=1)
+    extension = ppe_snapshot.snapshot(autoload=True, snapshot_mode=ppe.training.extensions.SnapshotMode.SHARDED,
+                                      writer=writing.ThreadWriter(), local=tier)
+    manager.extend(extension, trigger=(spec["durable"], "iteration"))
+    waits = []
+    for _ in range(spec["iterations"]):
+        start = time.perf_counter()
+        with manager.run_iteration():
+            time.sleep(spec.get("compute_s", 0.0))  # the training step, during which background saves go on
+            first = time.perf_counter()
+        waits.append((first - start, time.perf_counter() - first))  # (initialize + autoload, the saves)
+    result = {"rank": rank, "autoload_s": waits[0][0], "save_waits": [w for _, w in waits],
+              "resumed_from": extension.resumed_from, "iteration": manager.iteration}
+    if extension._local is not None:
+        extension._local.saves.finish()  # the steps in flight complete: the next run finds them
+        if spec["case"] == "save":
+            result["floor_s"] = _read_floor(extension._local.saves.part_path(manager.iteration))
+    with open(os.path.join(spec["dir"], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    os._exit(0)  # no finalize: the run is cut off as a crash would cut it
+
+
+def _read_floor(part: str) -> float:
+    """Seconds to read the part's data files from tmpfs into tensors of their size (preallocated, touched)."""
+    import torch
+    files = [os.path.join(root, name) for root, _, names in os.walk(part) for name in names
+             if name.endswith(".bin")]
+    buffers = [torch.empty(os.path.getsize(p), dtype=torch.uint8) for p in files]
+    for b in buffers:
+        b.fill_(1)
+    start = time.perf_counter()
+    for path, buffer in zip(files, buffers):
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(memoryview(buffer.numpy()))
+    return time.perf_counter() - start
+
+
+def _transfer_floor(rank: int, spec: dict) -> None:
+    """Ranks 0 and 1 send ``mib`` MiB to ranks 2 and 3 over a fresh gloo group, 16 MiB per message."""
+    import torch
+    import torch.distributed as dist
+    group = dist.new_group(backend="gloo")
+    chunk = torch.ones(16 << 20, dtype=torch.uint8)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(spec["mib"] // 16):
+        if rank < 2:
+            group.send([chunk], rank + 2, 7).wait()
+        else:
+            group.recv([chunk], rank - 2, 7).wait()
+    seconds = time.perf_counter() - start
+    with open(os.path.join(spec["dir"], f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "transfer_s": seconds}, f)
+    dist.barrier()
+    os._exit(0)
+
+
+# -- the driver --------------------------------------------------------------------------------------------------
+def run_ranks(spec: dict) -> list[dict]:
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port), "--spec",
+                               json.dumps(spec)], env=dict(os.environ, PPE_SNAPSHOT_NODE=str(r // PER_NODE),
+                                                            OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+             for r in range(WORLD)]
+    for p in procs:
+        if p.wait(timeout=600) != 0:
+            raise RuntimeError(f"a rank exited with {p.returncode}")
+    results = []
+    for r in range(WORLD):
+        with open(os.path.join(spec["dir"], f"rank{r}.json")) as f:
+            results.append(json.load(f))
+        os.remove(os.path.join(spec["dir"], f"rank{r}.json"))
+    return results
+
+
+def one_round(base: str, mib: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    directory = tempfile.mkdtemp(dir=base)
+    shared = {"dir": directory, "mib": mib}
+    step = {"case": "blocking", "iterations": 7, "compute_s": 0.5}
+    local = run_ranks({**shared, **step, "local": 1, "durable": 1000})
+    out["local save blocking"] = statistics.median(w for r in local for w in r["save_waits"][1:])
+    shutil.rmtree(directory)
+    os.makedirs(directory)
+    durable = run_ranks({**shared, **step, "durable": 1})
+    out["async durable save blocking"] = statistics.median(w for r in durable for w in r["save_waits"][1:])
+    shutil.rmtree(directory)
+    os.makedirs(directory)
+    both = run_ranks({**shared, **step, "local": 1, "durable": 2})
+    out["local + durable, same step"] = statistics.median(r["save_waits"][i] for r in both for i in (3, 5))
+    shutil.rmtree(directory)
+    os.makedirs(directory)
+    saved = run_ranks({**shared, "case": "save", "local": 2, "durable": 1000, "iterations": 2})
+    out["read floor (tmpfs -> tensors)"] = max(r["floor_s"] for r in saved)
+    restart = run_ranks({**shared, "case": "restart", "local": 2, "durable": 1000, "iterations": 1})
+    assert all(r["resumed_from"] and "step_2" in r["resumed_from"] for r in restart), restart
+    out["restore, own parts"] = max(r["autoload_s"] for r in restart)
+    shutil.rmtree(os.path.join(directory, "node1"))
+    lost = run_ranks({**shared, "case": "restart", "local": 2, "durable": 1000, "iterations": 1})
+    assert all(r["resumed_from"] and "step_2" in r["resumed_from"] for r in lost), lost
+    out["restore, node lost"] = max(r["autoload_s"] for r in lost)
+    floor = run_ranks({**shared, "case": "transfer"})
+    out["transfer floor (gloo, alone)"] = max(r["transfer_s"] for r in floor)
+    shutil.rmtree(directory)
+    return out
+
+
+def s3_round(mib: int, rate_mb: float, latency_ms: float) -> dict[str, float]:
+    """One rank's part: restored from a durable snapshot on shaped S3, and from a local tier on tmpfs."""
+    import torch
+
+    import ppe_snapshot as ps
+    server = subprocess.Popen([sys.executable, os.path.join(HERE, "s3_shaped.py"), "--rate-mb", str(rate_mb),
+                               "--latency-ms", str(latency_ms)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        urls = json.loads(server.stdout.readline())
+        options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": urls["proxy"]}}
+        import s3fs
+        s3fs.S3FileSystem(**options).mkdir("bench")
+        state = {f"t{i}": t.data for i, t in enumerate(_state(mib, 0))}
+        ps.Snapshot.take("s3://bench/part", {"s": ps.StateDict(state)}, storage_options=options)
+        local = tempfile.mkdtemp(dir="/dev/shm")
+        ps.Snapshot.take(f"{local}/part", {"s": ps.StateDict(state)})
+        targets = {k: torch.empty_like(v) for k, v in state.items()}
+        start = time.perf_counter()
+        ps.Snapshot("s3://bench/part", storage_options=options).restore({"s": ps.StateDict(targets)})
+        s3 = time.perf_counter() - start
+        start = time.perf_counter()
+        ps.Snapshot(f"{local}/part").restore({"s": ps.StateDict(targets)})
+        tmpfs = time.perf_counter() - start
+        shutil.rmtree(local)
+        return {"restore from shaped S3": s3, "restore from tmpfs": tmpfs}
+    finally:
+        server.stdin.close()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--s3", action="store_true")
+    parser.add_argument("--rate-mb", type=float, default=40.0)
+    parser.add_argument("--latency-ms", type=float, default=15.0)
+    parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--spec")
+    args = parser.parse_args()
+    if args.rank is not None:
+        rank_main(args.rank, args.port, json.loads(args.spec))
+        return
+    rounds = [one_round(args.dir, args.mib) for _ in range(args.rounds)]
+    if args.s3:
+        for r, more in zip(rounds, [s3_round(args.mib, args.rate_mb, args.latency_ms) for _ in rounds]):
+            r.update(more)
+    print(f"4 ranks as 2 nodes of 2, {args.mib} MiB per rank, {args.rounds} rounds (median, min-max), seconds")
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        print(f"  {key:34s} {statistics.median(values):8.3f}  ({min(values):.3f}-{max(values):.3f})")
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print(f"  own parts / read floor: {med['restore, own parts'] / med['read floor (tmpfs -> tensors)']:.2f}x "
+          f"(target <= 1.3x)")
+    print(f"  node lost / transfer floor: {med['restore, node lost'] / med['transfer floor (gloo, alone)']:.2f}x "
+          f"(target <= 2x)")
+    print(f"  local save / async save blocking: "
+          f"{med['local save blocking'] / med['async durable save blocking']:.2f}x (target <= 1.1x)")
+    if args.s3:
+        print(f"  shaped S3 / own parts: {med['restore from shaped S3'] / med['restore, own parts']:.1f}x "
+              f"(target >= 5x)")
+
+
+if __name__ == "__main__":
+    main()
