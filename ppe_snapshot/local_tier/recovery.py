@@ -3,9 +3,10 @@
 Every rank says which complete parts and copies it holds (:class:`~.layout.Held`); rank 0 chooses the newest
 step newer than the newest durable snapshot for which every rank has its own part or some rank holds a copy of
 it (a copy counts only for the world size it was saved with: a resharding restore comes from durable snapshots).
-The holders send the missing parts to their ranks, who verify them against their checksums before use, then
-every rank restores its part and the ranks agree that all of them did; where any did not, every rank falls back
-to the durable snapshots together.
+The holders send the missing parts to their ranks, then every rank restores its part, every chunk checked
+against its checksum as it is read (and, where no durable snapshot exists to fall back to, the whole part checked
+before anything is loaded), and the ranks agree that all of them did; where any did not, every rank falls back to
+the durable snapshots together. A copy was verified whole when its partner received it.
 """
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str], Non
         return None
     step, fetch = plan["step"], {int(r): q for r, q in plan["fetch"].items()}
     problem = _fetch(saves, step, fetch)
+    if problem is None and durable is None:  # nothing to fall back to: every checksum checked before any load
+        problem = transfer.verified(saves.part_path(step))
     touched = False
     if problem is None:
         try:
@@ -111,8 +114,8 @@ def _outcome(docs: list[Any]) -> list[Any] | None:
 
 
 def _fetch(saves: LocalSaves, step: int, fetch: dict[int, int]) -> str | None:
-    """The parts of ``step`` the plan fetches, each from its holder to its rank (verified there and marked as
-    the rank's own); what went wrong on this rank, or None."""
+    """The parts of ``step`` the plan fetches, each from its holder to its rank (marked there as the rank's own;
+    its checksums are checked as it is restored); what went wrong on this rank, or None."""
     ranks, problem = saves.ranks, None
     for rank, holder in sorted(fetch.items()):
         if ranks.rank == holder:
@@ -124,7 +127,6 @@ def _fetch(saves: LocalSaves, step: int, fetch: dict[int, int]) -> str | None:
             except OSError as e:
                 problem = f"{type(e).__name__}: {e}"
             problem = transfer.move(ranks.group, _FETCH, None, [transfer.Incoming(holder, dest)])[holder] or problem
-            problem = problem or transfer.verified(dest)
             if problem is None:
                 try:
                     layout.write_marker(saves.tree, layout.own_part(step, rank),

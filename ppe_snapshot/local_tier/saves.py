@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -70,8 +69,6 @@ class LocalSaves:
         self._buffers_lock = threading.Lock()
         #: Why the tier stopped (a rank lost from its group), or None.
         self.stopped: str | None = None
-        #: The step and time (seconds) of the last local step every rank agreed complete.
-        self.last_complete: tuple[int, float] | None = None
         self._thread = threading.Thread(target=self._work, name="ppe-snapshot-local-tier", daemon=True)
         self._thread.start()
 
@@ -126,7 +123,7 @@ class LocalSaves:
             try:
                 if self.stopped is None:
                     self._complete(item)
-            except Exception as e:  # noqa: BLE001 - the tier stops; training goes on
+            except Exception as e:  # noqa: BLE001 - a peer lost: the tier stops; training goes on
                 self.stopped = f"{type(e).__name__}: {e}"
                 logger.warning("the local tier stopped at step %d: %s; durable snapshots go on", item.step,
                                self.stopped)
@@ -134,6 +131,8 @@ class LocalSaves:
                 self._slots.release()
 
     def _complete(self, item: _Step) -> None:
+        """Step ``item`` to its end on this rank: nothing on this rank's files may keep it from its part of the
+        copies and the agreement (the other ranks wait for it there); only a lost peer stops the tier."""
         ranks, problem = self.ranks, item.problem
         if item.pending is not None:
             try:
@@ -145,31 +144,37 @@ class LocalSaves:
         if ranks.partner is not None or ranks.wards:
             problem = self._copy(item, problem) or problem
         decided = self._agree(item, problem)
-        if decided is None:
-            self._mark(item.step)
-            self.last_complete = (item.step, time.time())
-            layout.prune_parts(self.tree, ranks.rank, list(ranks.wards), self.keep)
-        else:
+        mine = [layout.own_part(item.step, ranks.rank)] + [layout.copy_of(item.step, w) for w in ranks.wards]
+        try:
+            if decided is None:
+                self._mark(item.step)
+                layout.prune_parts(self.tree, ranks.rank, list(ranks.wards), self.keep)
+                return
             logger.warning("local step %d is incomplete and will not be restored: %s", item.step, decided)
-            for part in [layout.own_part(item.step, ranks.rank)] + [layout.copy_of(item.step, w) for w in ranks.wards]:
+            for part in mine:
                 layout.remove_part(self.tree, part)
+        except OSError as e:  # a part without its marker is never restored; the next start removes it
+            logger.warning("local step %d: %s: %s", item.step, type(e).__name__, e)
 
     def _copy(self, item: _Step, problem: str | None) -> str | None:
         """Send this rank's part to its partner and receive its wards' copies; what went wrong with the copies
         received (a peer that died raises)."""
         ranks = self.ranks
         send = None if ranks.partner is None else (ranks.partner, None if problem else self.part_path(item.step))
-        for ward in ranks.wards:
-            layout.remove_part(self.tree, layout.copy_of(item.step, ward))
+        wrong = None
+        try:
+            for ward in ranks.wards:
+                layout.remove_part(self.tree, layout.copy_of(item.step, ward))
+        except OSError as e:  # the copies are received all the same (and dropped where they cannot be written)
+            wrong = f"{type(e).__name__}: {e}"
         incoming = [transfer.Incoming(w, join(self.directory, layout.copy_of(item.step, w))) for w in ranks.wards]
         sent = transfer.move(ranks.group, item.tag, send, incoming)
         for part in incoming:
-            if sent[part.peer] is not None:
-                return f"the copy of rank {part.peer}'s part: {sent[part.peer]}"
-            wrong = transfer.verified(part.dest)
-            if wrong is not None:
-                return f"the copy of rank {part.peer}'s part does not verify: {wrong}"
-        return None
+            if wrong is None and sent[part.peer] is not None:
+                wrong = f"the copy of rank {part.peer}'s part: {sent[part.peer]}"
+            elif wrong is None and (bad := transfer.verified(part.dest)) is not None:
+                wrong = f"the copy of rank {part.peer}'s part does not verify: {bad}"
+        return wrong
 
     def _agree(self, item: _Step, problem: str | None) -> str | None:
         """None when every rank's part and copies of ``item`` are complete, else why not (the same on every rank)."""
