@@ -1,13 +1,13 @@
 """The local tier (issue 34): restore from node-local memory and from partners' copies, and what a local save
 blocks, beside the floors measured in the same run.
 
-    python benchmarks/bench_memory_tier.py [--rounds 3] [--mib 256] [--s3]
+    python benchmarks/bench_memory_tier.py [--rounds 3] [--mib 256] [--s3] [--compute 2.0]
 
 Four gloo ranks simulate two nodes of two (``PPE_SNAPSHOT_NODE``, a local directory per node under /dev/shm), each
 with ``--mib`` MiB of state (16 tensors), SHARDED mode, the ThreadWriter, durable snapshots to local disk. Per
 round, each case in a fresh set of processes:
 
-- **blocking**: iterations of 0.5 s (a sleep standing for the training step); 6 iterations saving a local step each (local trigger 1, durable 1000) against 6 iterations saving an
+- **blocking**: iterations of ``--compute`` seconds (a sleep standing for the training step); 6 iterations saving a local step each (local trigger 1, durable 1000) against 6 iterations saving an
   async durable snapshot each with the same writer (no tier), and 3 iterations where both are due (local 1,
   durable 1): the median time the loop waited per save.
 - **own parts**: a run saves local step 2 and stops (the tier intact); the restart's autoload (from the first
@@ -142,11 +142,11 @@ def run_ranks(spec: dict) -> list[dict]:
     return results
 
 
-def one_round(base: str, mib: int) -> dict[str, float]:
+def one_round(base: str, mib: int, compute: float) -> dict[str, float]:
     out: dict[str, float] = {}
     directory = tempfile.mkdtemp(dir=base)
     shared = {"dir": directory, "mib": mib}
-    step = {"case": "blocking", "iterations": 7, "compute_s": 0.5}
+    step = {"case": "blocking", "iterations": 7, "compute_s": compute}
     local = run_ranks({**shared, **step, "local": 1, "durable": 1000})
     out["local save blocking"] = statistics.median(w for r in local for w in r["save_waits"][1:])
     shutil.rmtree(directory)
@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--s3", action="store_true")
+    parser.add_argument("--compute", type=float, default=2.0, help="seconds per training step in the blocking cases")
     parser.add_argument("--rate-mb", type=float, default=40.0)
     parser.add_argument("--latency-ms", type=float, default=15.0)
     parser.add_argument("--dir", default="/dev/shm")
@@ -220,11 +221,12 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args.rank, args.port, json.loads(args.spec))
         return
-    rounds = [one_round(args.dir, args.mib) for _ in range(args.rounds)]
+    rounds = [one_round(args.dir, args.mib, args.compute) for _ in range(args.rounds)]
     if args.s3:
         for r, more in zip(rounds, [s3_round(args.mib, args.rate_mb, args.latency_ms) for _ in rounds]):
             r.update(more)
-    print(f"4 ranks as 2 nodes of 2, {args.mib} MiB per rank, {args.rounds} rounds (median, min-max), seconds")
+    print(f"4 ranks as 2 nodes of 2, {args.mib} MiB per rank, {args.compute:g} s per training step, {args.rounds} "
+          "rounds (median, min-max), seconds")
     for key in rounds[0]:
         values = [r[key] for r in rounds]
         print(f"  {key:34s} {statistics.median(values):8.3f}  ({min(values):.3f}-{max(values):.3f})")

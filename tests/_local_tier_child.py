@@ -8,7 +8,8 @@ every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node
 ``spec["kill"]`` maps a rank to the iteration at whose end it SIGKILLs itself, once its part of local step
 ``spec["complete"]`` (if given) is marked complete;
 ``spec["kill_in_copy"]`` (``[rank, step]``) has that rank SIGKILL itself while it sends its part of that local
-step to its partner (after the header, before the first chunk).
+step to its partner (after the header, before the first chunk); ``spec["flip_in_copy"]`` (``[rank, step]``) has it
+flip a bit of what it sends of that step.
 At the end it writes ``<dir>/result-rank<r>.pt``: the iteration, where autoload resumed from, the model's and the
 optimizer's state.
 """
@@ -62,6 +63,8 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
     kill_at = {int(r): i for r, i in spec.get("kill", {}).items()}.get(rank)
     if spec.get("kill_in_copy", [None])[0] == rank:
         _die_in_copy(f"step_{spec['kill_in_copy'][1]}/")
+    if spec.get("flip_in_copy", [None])[0] == rank:
+        _flip_in_copy(f"step_{spec['flip_in_copy'][1]}/")
     while not manager.stop_trigger:
         with manager.run_iteration():
             x = torch.randn(8, width)
@@ -103,6 +106,21 @@ def _die_in_copy(step: str) -> None:
         read(self, index, out)
 
     transfer._Stream.read = read_or_die
+
+
+def _flip_in_copy(step: str) -> None:
+    """Flip a bit of every chunk this process sends of its part of local ``step``, after hashing it (a copy that
+    arrives other than it was sent)."""
+    from ppe_snapshot.local_tier import transfer
+
+    read = transfer._Stream.read
+
+    def read_and_flip(self, index, out):
+        read(self, index, out)
+        if step in self.storage.url:
+            out[0] ^= 1
+
+    transfer._Stream.read = read_and_flip
 
 
 if __name__ == "__main__":

@@ -155,6 +155,18 @@ def test_a_rank_killed_during_a_partner_copy_leaves_the_step_incomplete(tmp_path
     assert resumed(tmp_path, 2) == [part(tmp_path, 10, r) for r in range(2)]
 
 
+def test_a_copy_that_arrives_other_than_sent_leaves_the_step_incomplete(tmp_path, uninterrupted):
+    """Rank 1's part of step 10 reaches rank 0 with a bit flipped: the digests differ, step 10 is incomplete on
+    every rank (a warning), and training goes on as without the tier."""
+    statuses = run_ranks(spec_for(tmp_path, "sharded", flip_in_copy=[1, 10]), 2)
+    assert [s for s, _ in statuses] == [0, 0]
+    for _, out in statuses:
+        assert ("local step 10 is incomplete and will not be restored: rank 0: the copy of rank 1's part: its bytes "
+                "differ from what was sent") in out
+        assert "local step 12 is incomplete" not in out
+    assert_same_end(ends(tmp_path, 2), uninterrupted("sharded", 2))
+
+
 def test_a_damaged_local_part_falls_back_to_the_durable_snapshot(tmp_path, uninterrupted):
     spec = spec_for(tmp_path, "distributed", kill={"1": 11}, complete=10)
 

@@ -6,7 +6,7 @@ it (a copy counts only for the world size it was saved with: a resharding restor
 The holders send the missing parts to their ranks, then every rank restores its part, every chunk checked
 against its checksum as it is read (and, where no durable snapshot exists to fall back to, the whole part checked
 before anything is loaded), and the ranks agree that all of them did; where any did not, every rank falls back to
-the durable snapshots together. A copy was verified whole when its partner received it.
+the durable snapshots together. A copy was checked against the digest of what its sender sent when received.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 :meth:`LocalSaves.save` (the training loop's thread) stages the rank's state into a reused buffer and returns
 (``Snapshot.async_take``); a worker thread then, step after step in the same order on every rank: waits for the
-part to be written, sends it to the rank's partner while receiving its wards' parts (:mod:`.transfer`), verifies
-what it received, and agrees with every rank that the step is complete (an ``exchange`` over the tier's gloo
+part to be written, sends it to the rank's partner while receiving its wards' parts (:mod:`.transfer`: each copy
+checked against the digest of what its sender sent), and agrees with every rank that the step is complete (an ``exchange`` over the tier's gloo
 group, as a take's commit is agreed); only then does each rank write the markers of its part and copies, and
 prune its older steps. One step is in flight at a time: a save that finds the previous step still in flight
 waits for it (the tier's memory stays bounded, and the work a failure loses stays within about one interval).
@@ -172,8 +172,6 @@ class LocalSaves:
         for part in incoming:
             if wrong is None and sent[part.peer] is not None:
                 wrong = f"the copy of rank {part.peer}'s part: {sent[part.peer]}"
-            elif wrong is None and (bad := transfer.verified(part.dest)) is not None:
-                wrong = f"the copy of rank {part.peer}'s part does not verify: {bad}"
         return wrong
 
     def _agree(self, item: _Step, problem: str | None) -> str | None:

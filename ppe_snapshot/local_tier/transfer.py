@@ -1,10 +1,11 @@
 """Moving a part (the files of a one-rank engine snapshot) from one rank to another through a gloo group.
 
 A sender first sends a header (its files and their sizes; ``failed``: it has no part to send), then the files'
-bytes as one stream in chunks of :data:`CHUNK` bytes: the memory a transfer holds is one chunk per direction,
-whatever the part's size. The receiver checks the header (relative names inside the part, sizes that add up to
-at most :data:`MAX_PART` bytes) before it writes anything, and writes the files where it is told; what it
-received is trusted only once verified against the part's own checksums (:func:`verified`).
+bytes as one stream in chunks of :data:`CHUNK` bytes, then the xxh3_64 of the stream: the memory a transfer holds
+is one chunk per direction, whatever the part's size. The receiver checks the header (relative names inside the
+part, sizes that add up to at most :data:`MAX_PART` bytes) before it writes anything, writes the files where it
+is told and hashes what it received as it comes: a copy whose digest differs from the sender's is refused. The
+part's own checksums are checked when it is restored (and whole, before, by :func:`verified` where asked).
 
 A rank may send one part and receive several in one call (:func:`move`), all chunk by chunk at once, so that a
 ring of ranks each sending to the next never waits on itself.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from ppe_snapshot.engine import LOCAL, Snapshot
 from ppe_snapshot.errors import SnapshotAbortedError
@@ -88,6 +90,8 @@ class _Stream:
         self.chunks = -(-self.total // CHUNK)
         self.sizes = dict(files)
         self._writers: dict[str, BlobWriter] = {}
+        #: The xxh3_64 of the stream's bytes so far, as sent or as received.
+        self.digest = xxhash.xxh3_64()
         #: What failed on this side (the transfer goes on to its end, so the peer is never left waiting).
         self.problem: str | None = None
 
@@ -114,9 +118,11 @@ class _Stream:
             except OSError as e:
                 self.problem = self.problem or f"reading {name}: {e}"
                 out[at:at + size] = bytes(size)
+        self.digest.update(out[:self.chunk_bytes(index)])
 
     def write(self, index: int, data: memoryview) -> None:
         """Chunk ``index`` into the files; after a failure (a full tmpfs) the rest is received and dropped."""
+        self.digest.update(data)
         if self.problem is not None:
             return
         try:
@@ -189,10 +195,22 @@ def _move(group: Any, tag: int, send: tuple[int, str | None] | None,
             work.wait()
         for stream, view in received:
             stream.write(index, memoryview(view.numpy()))
-    for stream in incoming.values():
+    sums = [] if outgoing is None else [group.send([_as_tensor(outgoing.digest.intdigest())], send[0], tag)]
+    for peer, stream in incoming.items():
         if stream is not None:
             stream.finish()
+            sent = torch.zeros(1, dtype=torch.int64)
+            group.recv([sent], peer, tag).wait()
+            if int(sent) != int(_as_tensor(stream.digest.intdigest())):
+                stream.problem = stream.problem or "its bytes differ from what was sent (xxh3_64 of the stream)"
+    for work in sums:
+        work.wait()
     return {peer: "it had no part to send" if stream is None else stream.problem for peer, stream in incoming.items()}
+
+
+def _as_tensor(digest: int) -> torch.Tensor:
+    """A 64-bit digest as one int64."""
+    return torch.tensor([digest - (1 << 64) if digest >= 1 << 63 else digest], dtype=torch.int64)
 
 
 def verified(path: str) -> str | None:
