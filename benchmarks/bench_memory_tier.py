@@ -10,7 +10,8 @@ round, each case in a fresh set of processes:
 - **blocking**: iterations of ``--compute`` seconds (a sleep standing for the training step); 6 iterations saving a local step each (local trigger 1, durable 1000) against 6 iterations saving an
   async durable snapshot each with the same writer (no tier), and 3 iterations where both are due (local 1,
   durable 1): the median time the loop waited per save.
-- **own parts**: a run saves local step 2 and stops (the tier intact); the restart's autoload (from the first
+- **own parts**: a run saves a durable snapshot at iteration 2 and local step 3, and stops (the tier intact);
+  the restart's autoload (from the first
   ``run_iteration``'s start to the training step) is timed on every rank, the slowest reported, against the floor:
   each rank reading its part's bytes from /dev/shm into its tensors (``readinto``), the slowest rank.
 - **node lost**: the same, with node 1's directory wiped before the restart: ranks 2 and 3 fetch their parts from
@@ -76,17 +77,24 @@ def rank_main(rank: int, port: int, spec: dict) -> None:
         with manager.run_iteration():
             time.sleep(spec.get("compute_s", 0.0))  # the training step, during which background saves go on
             first = time.perf_counter()
+            if spec["case"] == "restart":  # resumed: cut off before this iteration saves anything
+                _report(spec, rank, {"autoload_s": first - start, "resumed_from": extension.resumed_from})
         waits.append((first - start, time.perf_counter() - first))  # (initialize + autoload, the saves)
-    result = {"rank": rank, "autoload_s": waits[0][0], "save_waits": [w for _, w in waits],
-              "resumed_from": extension.resumed_from, "iteration": manager.iteration}
+    result = {"save_waits": [w for _, w in waits]}
     if extension._local is not None:
         extension._local.saves.finish()  # the steps in flight complete: the next run finds them
         if spec["case"] == "save":
             result["floor_s"] = _read_floor(extension._local.saves.part_path(manager.iteration))
+    _report(spec, rank, result)
+
+
+def _report(spec: dict, rank: int, result: dict) -> None:
+    """Write this rank's results, meet the others, and end the process as a crash would (no finalize)."""
+    import torch.distributed as dist
     with open(os.path.join(spec["dir"], f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        json.dump({"rank": rank, **result}, f)
     dist.barrier()
-    os._exit(0)  # no finalize: the run is cut off as a crash would cut it
+    os._exit(0)
 
 
 def _read_floor(part: str) -> float:
@@ -159,14 +167,14 @@ def one_round(base: str, mib: int, compute: float) -> dict[str, float]:
     out["local + durable, same step"] = statistics.median(r["save_waits"][i] for r in both for i in (3, 5))
     shutil.rmtree(directory)
     os.makedirs(directory)
-    saved = run_ranks({**shared, "case": "save", "local": 2, "durable": 1000, "iterations": 2})
+    saved = run_ranks({**shared, "case": "save", "local": 1, "durable": 2, "iterations": 3})
     out["read floor (tmpfs -> tensors)"] = max(r["floor_s"] for r in saved)
-    restart = run_ranks({**shared, "case": "restart", "local": 2, "durable": 1000, "iterations": 1})
-    assert all(r["resumed_from"] and "step_2" in r["resumed_from"] for r in restart), restart
+    restart = run_ranks({**shared, "case": "restart", "local": 1, "durable": 2, "iterations": 1})
+    assert all(r["resumed_from"] and "step_3" in r["resumed_from"] for r in restart), restart
     out["restore, own parts"] = max(r["autoload_s"] for r in restart)
     shutil.rmtree(os.path.join(directory, "node1"))
-    lost = run_ranks({**shared, "case": "restart", "local": 2, "durable": 1000, "iterations": 1})
-    assert all(r["resumed_from"] and "step_2" in r["resumed_from"] for r in lost), lost
+    lost = run_ranks({**shared, "case": "restart", "local": 1, "durable": 2, "iterations": 1})
+    assert all(r["resumed_from"] and "step_3" in r["resumed_from"] for r in lost), lost
     out["restore, node lost"] = max(r["autoload_s"] for r in lost)
     floor = run_ranks({**shared, "case": "transfer"})
     out["transfer floor (gloo, alone)"] = max(r["transfer_s"] for r in floor)
