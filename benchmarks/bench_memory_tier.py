@@ -16,8 +16,9 @@ round, each case in a fresh set of processes:
   each rank reading its part's bytes from /dev/shm into its tensors (``readinto``), the slowest rank.
 - **node lost**: the same, with node 1's directory wiped before the restart: ranks 2 and 3 fetch their parts from
   ranks 0 and 1. Floor: the same bytes sent alone over a gloo group between the same pairs, 16 MiB at a time.
-- **S3** (``--s3``): one rank's part restored from a durable snapshot on S3 through ``s3_shaped.py`` (40 MB/s per
-  connection, 15 ms), against the same restore from the local tier, in one process.
+- **S3** (``--s3``): the 4 ranks save a durable snapshot to S3 through ``s3_shaped.py`` (40 MB/s per connection,
+  15 ms), every node's local directory is wiped, and the restart's autoload restores from S3 (the slowest rank),
+  against the own-part restore above; and one rank's part restored alone from S3 and from tmpfs, in one process.
 """
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ def rank_main(rank: int, port: int, spec: dict) -> None:
     local = spec.get("local")
     tier = None if local is None else ppe_snapshot.LocalTier(directory=os.path.join(spec["dir"], f"node{node}"),
                                                               trigger=(local, "iteration"), n_retains=1)
+    durable = {"out_dir": spec["out"], "storage_options": spec["options"]} if "out" in spec else {}
     extension = ppe_snapshot.snapshot(autoload=True, snapshot_mode=ppe.training.extensions.SnapshotMode.SHARDED,
-                                      writer=writing.ThreadWriter(), local=tier)
+                                      writer=writing.ThreadWriter(**durable), local=tier)
     manager.extend(extension, trigger=(spec["durable"], "iteration"))
     waits = []
     for _ in range(spec["iterations"]):
@@ -81,6 +83,7 @@ def rank_main(rank: int, port: int, spec: dict) -> None:
                 _report(spec, rank, {"autoload_s": first - start, "resumed_from": extension.resumed_from})
         waits.append((first - start, time.perf_counter() - first))  # (initialize + autoload, the saves)
     result = {"save_waits": [w for _, w in waits]}
+    extension.writer.wait()  # the durable snapshots in flight are committed: the next run finds them
     if extension._local is not None:
         extension._local.saves.finish()  # the steps in flight complete: the next run finds them
         if spec["case"] == "save":
@@ -150,7 +153,23 @@ def run_ranks(spec: dict) -> list[dict]:
     return results
 
 
-def one_round(base: str, mib: int, compute: float) -> dict[str, float]:
+def s3_restart(shared: dict, url: str, options: dict) -> float:
+    """The 4 ranks save a durable snapshot to shaped S3 (and local steps), every node's local directory is wiped,
+    and the restart restores from S3: the slowest rank's autoload."""
+    on_s3 = {**shared, "out": url, "options": options, "local": 1, "durable": 2}
+
+    def wipe_nodes() -> None:
+        for node in range(WORLD // PER_NODE):
+            shutil.rmtree(os.path.join(shared["dir"], f"node{node}"), ignore_errors=True)
+    wipe_nodes()  # the save starts afresh
+    run_ranks({**on_s3, "case": "save", "iterations": 3})
+    wipe_nodes()  # every node lost
+    restart = run_ranks({**on_s3, "case": "restart", "iterations": 1})
+    assert all(r["resumed_from"] == f"{url}/snapshot_iter_2" for r in restart), restart
+    return max(r["autoload_s"] for r in restart)
+
+
+def one_round(base: str, mib: int, compute: float, s3: tuple[str, dict] | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     directory = tempfile.mkdtemp(dir=base)
     shared = {"dir": directory, "mib": mib}
@@ -178,39 +197,42 @@ def one_round(base: str, mib: int, compute: float) -> dict[str, float]:
     out["restore, node lost"] = max(r["autoload_s"] for r in lost)
     floor = run_ranks({**shared, "case": "transfer"})
     out["transfer floor (gloo, alone)"] = max(r["transfer_s"] for r in floor)
+    if s3 is not None:
+        out["restore from shaped S3, 4 ranks"] = s3_restart(shared, f"{s3[0]}/{os.path.basename(directory)}", s3[1])
     shutil.rmtree(directory)
     return out
 
 
-def s3_round(mib: int, rate_mb: float, latency_ms: float) -> dict[str, float]:
+def s3_round(mib: int, options: dict) -> dict[str, float]:
     """One rank's part: restored from a durable snapshot on shaped S3, and from a local tier on tmpfs."""
     import torch
 
     import ppe_snapshot as ps
+    state = {f"t{i}": t.data for i, t in enumerate(_state(mib, 0))}
+    ps.Snapshot.take("s3://bench/part", {"s": ps.StateDict(state)}, storage_options=options)
+    local = tempfile.mkdtemp(dir="/dev/shm")
+    ps.Snapshot.take(f"{local}/part", {"s": ps.StateDict(state)})
+    targets = {k: torch.empty_like(v) for k, v in state.items()}
+    start = time.perf_counter()
+    ps.Snapshot("s3://bench/part", storage_options=options).restore({"s": ps.StateDict(targets)})
+    s3 = time.perf_counter() - start
+    start = time.perf_counter()
+    ps.Snapshot(f"{local}/part").restore({"s": ps.StateDict(targets)})
+    tmpfs = time.perf_counter() - start
+    shutil.rmtree(local)
+    return {"restore from shaped S3, 1 rank alone": s3, "restore from tmpfs, 1 rank alone": tmpfs}
+
+
+def shaped_s3(rate_mb: float, latency_ms: float) -> tuple[subprocess.Popen, dict]:
+    """``s3_shaped.py`` started (stop it by closing its stdin) and the storage options through its proxy."""
     server = subprocess.Popen([sys.executable, os.path.join(HERE, "s3_shaped.py"), "--rate-mb", str(rate_mb),
                                "--latency-ms", str(latency_ms)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
-    try:
-        urls = json.loads(server.stdout.readline())
-        options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": urls["proxy"]}}
-        import s3fs
-        s3fs.S3FileSystem(**options).mkdir("bench")
-        state = {f"t{i}": t.data for i, t in enumerate(_state(mib, 0))}
-        ps.Snapshot.take("s3://bench/part", {"s": ps.StateDict(state)}, storage_options=options)
-        local = tempfile.mkdtemp(dir="/dev/shm")
-        ps.Snapshot.take(f"{local}/part", {"s": ps.StateDict(state)})
-        targets = {k: torch.empty_like(v) for k, v in state.items()}
-        start = time.perf_counter()
-        ps.Snapshot("s3://bench/part", storage_options=options).restore({"s": ps.StateDict(targets)})
-        s3 = time.perf_counter() - start
-        start = time.perf_counter()
-        ps.Snapshot(f"{local}/part").restore({"s": ps.StateDict(targets)})
-        tmpfs = time.perf_counter() - start
-        shutil.rmtree(local)
-        return {"restore from shaped S3": s3, "restore from tmpfs": tmpfs}
-    finally:
-        server.stdin.close()
-        server.wait()
+    urls = json.loads(server.stdout.readline())
+    options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": urls["proxy"]}}
+    import s3fs
+    s3fs.S3FileSystem(**options).mkdir("bench")
+    return server, options
 
 
 def main() -> None:
@@ -229,10 +251,16 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args.rank, args.port, json.loads(args.spec))
         return
-    rounds = [one_round(args.dir, args.mib, args.compute) for _ in range(args.rounds)]
-    if args.s3:
-        for r, more in zip(rounds, [s3_round(args.mib, args.rate_mb, args.latency_ms) for _ in rounds]):
-            r.update(more)
+    server, options = shaped_s3(args.rate_mb, args.latency_ms) if args.s3 else (None, {})
+    try:
+        rounds = [one_round(args.dir, args.mib, args.compute, ("s3://bench", options) if args.s3 else None)
+                  for _ in range(args.rounds)]
+        for r in rounds if args.s3 else ():
+            r.update(s3_round(args.mib, options))
+    finally:
+        if server is not None:
+            server.stdin.close()
+            server.wait()
     print(f"4 ranks as 2 nodes of 2, {args.mib} MiB per rank, {args.compute:g} s per training step, {args.rounds} "
           "rounds (median, min-max), seconds")
     for key in rounds[0]:
@@ -246,8 +274,8 @@ def main() -> None:
     print(f"  local save / async save blocking: "
           f"{med['local save blocking'] / med['async durable save blocking']:.2f}x (target <= 1.1x)")
     if args.s3:
-        print(f"  shaped S3 / own parts: {med['restore from shaped S3'] / med['restore, own parts']:.1f}x "
-              f"(target >= 5x)")
+        print(f"  shaped S3 / own parts, 4 ranks: "
+              f"{med['restore from shaped S3, 4 ranks'] / med['restore, own parts']:.1f}x (target >= 5x)")
 
 
 if __name__ == "__main__":

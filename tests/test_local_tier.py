@@ -125,9 +125,10 @@ def test_one_process_resumes_from_its_local_step(tmp_path, uninterrupted):
     assert "resumed from local step 10 (its own local part" in out[0][1]
 
 
-@pytest.mark.parametrize("mode, writer", [("distributed", "process"), ("sharded", "thread")])
-def test_a_rank_killed_resumes_from_the_local_parts(tmp_path, uninterrupted, mode, writer):
-    spec = spec_for(tmp_path, mode, writer, kill={"1": 11}, complete=10)
+def test_a_rank_killed_resumes_from_the_local_parts(tmp_path, uninterrupted):
+    """DISTRIBUTED mode with the ProcessWriter (SHARDED mode and the ThreadWriter: the tests below)."""
+    mode = "distributed"
+    spec = spec_for(tmp_path, mode, "process", kill={"1": 11}, complete=10)
     kill_and_resume(tmp_path, spec, 2)
     assert_same_end(ends(tmp_path, 2), uninterrupted(mode, 2))
     # Step 10 was complete (the victim waited for it): newer than the durable snapshot of iteration 8.

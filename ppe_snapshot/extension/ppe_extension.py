@@ -21,7 +21,6 @@ from pytorch_pfn_extras.training import ExtensionsManagerProtocol, extension
 from pytorch_pfn_extras.writing import Writer
 
 from ppe_snapshot import ppe_private, run_dir, stored_snapshot
-from ppe_snapshot.local_tier import local_tier
 from ppe_snapshot.engine import LOCAL, RNGState, StateDict
 from ppe_snapshot.extension import ppe_compat, saved_state, stats_report
 from ppe_snapshot.extension.local_steps import LocalSteps
@@ -29,6 +28,7 @@ from ppe_snapshot.extension.preemption import Preemption, preempt
 from ppe_snapshot.extension.resuming import Resuming
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_to_save
 from ppe_snapshot.extension.staging_ahead import prepare_staging_ahead
+from ppe_snapshot.local_tier import local_tier
 from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat
 from ppe_snapshot.storage import join
 from ppe_snapshot.writing import SnapshotWriter
