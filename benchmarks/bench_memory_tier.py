@@ -209,12 +209,13 @@ def s3_round(mib: int, options: dict) -> dict[str, float]:
 
     import ppe_snapshot as ps
     state = {f"t{i}": t.data for i, t in enumerate(_state(mib, 0))}
-    ps.Snapshot.take("s3://bench/part", {"s": ps.StateDict(state)}, storage_options=options)
+    url = f"s3://bench/part-{os.getpid()}-{time.monotonic_ns()}"
+    ps.Snapshot.take(url, {"s": ps.StateDict(state)}, storage_options=options)
     local = tempfile.mkdtemp(dir="/dev/shm")
     ps.Snapshot.take(f"{local}/part", {"s": ps.StateDict(state)})
     targets = {k: torch.empty_like(v) for k, v in state.items()}
     start = time.perf_counter()
-    ps.Snapshot("s3://bench/part", storage_options=options).restore({"s": ps.StateDict(targets)})
+    ps.Snapshot(url, storage_options=options).restore({"s": ps.StateDict(targets)})
     s3 = time.perf_counter() - start
     start = time.perf_counter()
     ps.Snapshot(f"{local}/part").restore({"s": ps.StateDict(targets)})
