@@ -6,10 +6,10 @@ names each rank's node and partner; ``layout`` the names in a tier directory; ``
 ranks. The extension drives them (``ppe_snapshot.extension.local_steps``).
 """
 from ppe_snapshot.local_tier.config import LocalTier, check_triggers, local_tier
-from ppe_snapshot.local_tier.layout import Held, held, inventory, remove_unfinished, steps
-from ppe_snapshot.local_tier.nodes import NODE_ENV, partners, this_node, wards
+from ppe_snapshot.local_tier.layout import inventory, steps
+from ppe_snapshot.local_tier.nodes import partners, this_node, wards
 from ppe_snapshot.local_tier.recovery import Fallback, Recovered, recover
 from ppe_snapshot.local_tier.saves import START_TAG, LocalSaves, Ranks
 
-__all__ = ["NODE_ENV", "START_TAG", "Fallback", "Held", "LocalSaves", "LocalTier", "Ranks", "Recovered", "check_triggers",
-           "held", "inventory", "local_tier", "partners", "recover", "remove_unfinished", "steps", "this_node", "wards"]
+__all__ = ["START_TAG", "Fallback", "LocalSaves", "LocalTier", "Ranks", "Recovered", "check_triggers", "inventory",
+           "local_tier", "partners", "recover", "steps", "this_node", "wards"]
