@@ -168,14 +168,30 @@ def test_a_copy_that_arrives_other_than_sent_leaves_the_step_incomplete(tmp_path
     assert_same_end(ends(tmp_path, 2), uninterrupted("sharded", 2))
 
 
-def test_a_damaged_local_part_falls_back_to_the_durable_snapshot(tmp_path, uninterrupted):
+def _flip_a_bit(part) -> None:
+    data = part / "data" / "rank0.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_a_damaged_local_part_is_restored_from_its_partner_copy(tmp_path, uninterrupted):
+    """Rank 1's own part of step 10 fails its checksum; rank 0 holds a copy of it, which rank 1 fetches."""
+    spec = spec_for(tmp_path, "distributed", kill={"1": 11}, complete=10)
+    out = kill_and_resume(tmp_path, spec, 2, between=lambda: _flip_a_bit(tmp_path / "node1" / "step_10" / "rank1"))
+    assert_same_end(ends(tmp_path, 2), uninterrupted("distributed", 2))
+    assert resumed(tmp_path, 2) == [part(tmp_path, 10, r) for r in range(2)]
+    assert "local step 10: this rank's own part failed (CorruptSnapshotError" in out[1][1]
+    assert "resumed from local step 10 (a partner copy from rank 0" in out[1][1]
+    assert "resumed from local step 10 (its own local part" in out[0][1]
+
+
+def test_a_damaged_part_and_copy_fall_back_to_the_durable_snapshot(tmp_path, uninterrupted):
     spec = spec_for(tmp_path, "distributed", kill={"1": 11}, complete=10)
 
     def damage():
-        data = tmp_path / "node1" / "step_10" / "rank1" / "data" / "rank0.bin"
-        raw = bytearray(data.read_bytes())
-        raw[100] ^= 0xFF
-        data.write_bytes(bytes(raw))
+        _flip_a_bit(tmp_path / "node1" / "step_10" / "rank1")
+        _flip_a_bit(tmp_path / "node0" / "step_10" / "copy-rank1")
     out = kill_and_resume(tmp_path, spec, 2, between=damage)
     assert_same_end(ends(tmp_path, 2), uninterrupted("distributed", 2))
     assert resumed(tmp_path, 2) == [str(tmp_path / "out" / "snapshot_iter_8")] * 2

@@ -83,9 +83,10 @@ def test_the_newest_step_every_rank_can_restore_is_chosen():
     held = [{"own": [2, 4], "copies": {"2": [2, 4]}}, {"own": [2, 4], "copies": {"3": [2, 4]}},
             {"own": [2], "copies": {"0": [2, 4]}}, {"own": [], "copies": {"1": [2, 4]}}]
     # Rank 2 lacks step 4 and rank 3 every step: their partners (0 and 1) hold copies.
-    assert choose(held, 4, durable=None) == {"step": 4, "fetch": {"2": 0, "3": 1}}
+    # Ranks 0 and 1 restore their own parts; rank 2 and 3 hold copies of them, spares should those fail.
+    assert choose(held, 4, durable=None) == {"step": 4, "fetch": {"2": 0, "3": 1}, "spare": {"0": 2, "1": 3}}
     assert choose(held, 4, durable=4) is None  # not newer than the durable snapshot
     held[0]["copies"] = {"2": [2]}
-    assert choose(held, 4, durable=None) == {"step": 2, "fetch": {"3": 1}}
+    assert choose(held, 4, durable=None) == {"step": 2, "fetch": {"3": 1}, "spare": {"0": 2, "1": 3, "2": 0}}
     held[1]["copies"] = {}
     assert choose(held, 4, durable=None) is None

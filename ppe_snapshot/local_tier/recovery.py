@@ -5,8 +5,10 @@ step newer than the newest durable snapshot for which every rank has its own par
 it (a copy counts only for the world size it was saved with: a resharding restore comes from durable snapshots).
 The holders send the missing parts to their ranks, then every rank restores its part, every chunk checked
 against its checksum as it is read (and, where no durable snapshot exists to fall back to, the whole part checked
-before anything is loaded), and the ranks agree that all of them did; where any did not, every rank falls back to
-the durable snapshots together. A copy was checked against the digest of what its sender sent when received.
+before anything is loaded), and the ranks agree that all of them did. Where a rank's own part failed and another
+rank holds a copy of it, that copy is fetched and restored in a second round; where a rank still failed, every
+rank falls back to the durable snapshots together. A copy was checked against the digest of what its sender sent
+when received.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from ppe_snapshot.storage import join
 
 logger = logging.getLogger(__name__)
 
-#: The tier's tags at restore (before any save): the plan, the parts fetched, the outcome.
-_PLAN, _FETCH, _OUTCOME = RESTORE_TAGS, RESTORE_TAGS + 1, RESTORE_TAGS + 2
+#: The tier's tags at restore (before any save): the plan, the parts fetched, the outcome; the copies fetched for
+#: own parts that failed, and the second outcome.
+_PLAN, _FETCH, _OUTCOME, _REFETCH, _REOUTCOME = range(RESTORE_TAGS, RESTORE_TAGS + 5)
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,9 @@ class Fallback:
 
 
 def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None) -> dict[str, Any] | None:
-    """The plan every rank follows (``{"step": s, "fetch": {rank: holder}}``), given each rank's
-    :meth:`~.layout.Held.summary`, or None where no complete step is newer than iteration ``durable``."""
+    """The plan every rank follows (``{"step": s, "fetch": {rank: holder}, "spare": {rank: holder}}``: the ranks
+    whose part is fetched from a copy, and those restoring their own part of which another rank holds a copy), given
+    each rank's :meth:`~.layout.Held.summary`, or None where no complete step is newer than iteration ``durable``."""
     own = [set(doc.get("own", ())) for doc in summaries]
     holders: dict[tuple[int, int], int] = {}
     for holder, doc in enumerate(summaries):
@@ -64,7 +68,9 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
                     break
                 fetch[str(rank)] = holders[rank, step]
         else:
-            return {"step": step, "fetch": fetch}
+            spare = {str(rank): holders[rank, step] for rank in range(world_size)
+                     if str(rank) not in fetch and holders.get((rank, step), rank) != rank}
+            return {"step": step, "fetch": fetch, "spare": spare}
     return None
 
 
@@ -86,47 +92,68 @@ def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str], Non
         plan = exchange(ranks.group, summary, _PLAN, lambda docs: choose(docs, ranks.world_size, durable))
     if plan is None:
         return None
-    step, fetch = plan["step"], {int(r): q for r, q in plan["fetch"].items()}
-    problem = _fetch(saves, step, fetch)
-    if problem is None and durable is None:  # nothing to fall back to: every checksum checked before any load
-        problem = transfer.verified(saves.part_path(step))
-    touched = False
-    if problem is None:
-        try:
-            restore(saves.part_path(step))
-        except Exception as e:  # noqa: BLE001 - every rank falls back together
-            problem = f"{type(e).__name__}: {e}"
-            touched = not isinstance(e, Unusable)
-    mine = None if problem is None else [problem, touched]
-    outcome = _outcome([mine]) if ranks.group is None else exchange(ranks.group, mine, _OUTCOME, _outcome)
-    if outcome is not None:
-        return Fallback(f"local step {step}: {outcome[0]}", outcome[1])
+    step, fetch, spare = plan["step"], _by_rank(plan["fetch"]), _by_rank(plan["spare"])
+    mine = _fetch_and_restore(saves, step, fetch, _FETCH, durable, restore)
+    failed = _failures(ranks.group, mine, _OUTCOME)
+    touched = any(t for _, t in failed.values())
+    retry = {rank: spare[rank] for rank in failed if rank in spare}
+    if failed and len(retry) == len(failed):  # every rank that failed has a copy elsewhere: a second round
+        if ranks.rank in retry:
+            logger.warning("local step %d: this rank's own part failed (%s); restoring the copy rank %d holds",
+                           step, failed[ranks.rank][0], retry[ranks.rank])
+        mine = _fetch_and_restore(saves, step, retry, _REFETCH, durable, restore if ranks.rank in retry else None)
+        failed = _failures(ranks.group, mine, _REOUTCOME)
+        touched |= any(t for _, t in failed.values())
+        fetch = {**fetch, **retry}
+    if failed:
+        why = "; ".join(f"rank {rank}: {reason}" for rank, (reason, _) in sorted(failed.items()))
+        return Fallback(f"local step {step}: {why}", touched)
     source = f"a partner copy from rank {fetch[ranks.rank]}" if ranks.rank in fetch else "its own local part"
     return Recovered(step, saves.part_path(step), source, time.perf_counter() - start)
 
 
-def _outcome(docs: list[Any]) -> list[Any] | None:
-    """None when every rank restored, else ``[why, whether any rank's state was touched]``."""
-    failed = [(r, doc) for r, doc in enumerate(docs) if doc is not None]
-    if not failed:
-        return None
-    return ["; ".join(f"rank {r}: {doc[0]}" for r, doc in failed), any(doc[1] for _, doc in failed)]
+def _by_rank(plan: dict[str, int]) -> dict[int, int]:
+    return {int(rank): holder for rank, holder in plan.items()}
 
 
-def _fetch(saves: LocalSaves, step: int, fetch: dict[int, int]) -> str | None:
+def _fetch_and_restore(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int, durable: int | None,
+                       restore: Callable[[str], None] | None) -> list[Any] | None:
+    """Fetch the parts of ``step`` that ``fetch`` names, then restore this rank's part with ``restore`` (None: this
+    rank only helps fetch); None when this rank did its share, else ``[why, whether its state was touched]``."""
+    problem = _fetch(saves, step, fetch, tag)
+    if restore is None:
+        return None if problem is None else [problem, False]
+    if problem is None and durable is None:  # nothing to fall back to: every checksum checked before any load
+        problem = transfer.verified(saves.part_path(step))
+    if problem is not None:
+        return [problem, False]
+    try:
+        restore(saves.part_path(step))
+    except Exception as e:  # noqa: BLE001 - every rank falls back together
+        return [f"{type(e).__name__}: {e}", not isinstance(e, Unusable)]
+    return None
+
+
+def _failures(group: Any, mine: list[Any] | None, tag: int) -> dict[int, tuple[str, bool]]:
+    """Every rank's failure (``rank -> (why, touched)``), the same on every rank."""
+    docs = [mine] if group is None else exchange(group, mine, tag, lambda docs: docs)
+    return {rank: (doc[0], bool(doc[1])) for rank, doc in enumerate(docs) if doc is not None}
+
+
+def _fetch(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int) -> str | None:
     """The parts of ``step`` the plan fetches, each from its holder to its rank (marked there as the rank's own;
     its checksums are checked as it is restored); what went wrong on this rank, or None."""
     ranks, problem = saves.ranks, None
     for rank, holder in sorted(fetch.items()):
         if ranks.rank == holder:
-            transfer.move(ranks.group, _FETCH, (rank, join(saves.directory, layout.copy_of(step, rank))), [])
+            transfer.move(ranks.group, tag, (rank, join(saves.directory, layout.copy_of(step, rank))), [])
         elif ranks.rank == rank:
             dest = saves.part_path(step)
             try:
                 layout.remove_part(saves.tree, layout.own_part(step, rank))
             except OSError as e:
                 problem = f"{type(e).__name__}: {e}"
-            problem = transfer.move(ranks.group, _FETCH, None, [transfer.Incoming(holder, dest)])[holder] or problem
+            problem = transfer.move(ranks.group, tag, None, [transfer.Incoming(holder, dest)])[holder] or problem
             if problem is None:
                 try:
                     layout.write_marker(saves.tree, layout.own_part(step, rank),
