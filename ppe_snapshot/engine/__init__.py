@@ -15,7 +15,9 @@ Taking and restoring
     calls it) and returns a :class:`TakeJob`; ``job.stage(provider)`` copies the state into a staging buffer
     (``new_staging_buffer(size, pin)``; ``new_shared_buffer(nbytes)`` for another process to map);
     ``job.write_and_commit()`` writes and commits (in a thread, or in another process: the job pickles; there
-    ``release_staging()`` / ``use_staged(buffer)`` hand the staged image over). ``align(n)``: ``n`` rounded up
+    ``release_staging()`` / ``use_staged(buffer)`` hand the staged image over). ``job.stage(buffer,
+    keep_image=True)`` returns a :class:`StagedImage`, which a second take of the same step (``image=``, or
+    ``Snapshot.async_take(..., staged_from=)``) copies its tensors from in the background. ``align(n)``: ``n`` rounded up
     to the alignment of payloads in a data file. ``LOCAL`` as ``pg`` takes or restores in this process alone;
     ``group_rank(pg)`` is (rank, world size). ``gc_paused()`` pauses Python's cyclic collector around a take
     the caller waits for (as ``Snapshot.take`` does).
@@ -41,13 +43,15 @@ from ppe_snapshot.engine._format import INDEX_DIR, MANIFEST_NAME, PARTS_DIR, RET
 from ppe_snapshot.engine._ranks import LOCAL, agree_max, exchange, group_rank, side_group
 from ppe_snapshot.engine._snapshot import PendingSnapshot, Snapshot
 from ppe_snapshot.engine._state import OptimizerState, RNGState, Stateful, StateDict
-from ppe_snapshot.engine._take import TakeJob, check_base, judge_writers, new_staging_buffer, prepare_take
+from ppe_snapshot.engine._take import (
+    StagedImage, TakeJob, check_base, judge_writers, new_staging_buffer, prepare_take,
+)
 from ppe_snapshot.engine._util import gc_paused, new_shared_buffer
 from ppe_snapshot.engine._versions import read_manifest, upgrade as upgrade_snapshot
 
 __all__ = [
     # taking and restoring
-    "LOCAL", "PendingSnapshot", "Snapshot", "TakeJob", "align", "gc_paused", "group_rank", "new_shared_buffer",
+    "LOCAL", "PendingSnapshot", "Snapshot", "StagedImage", "TakeJob", "align", "gc_paused", "group_rank", "new_shared_buffer",
     "new_staging_buffer", "prepare_take",
     # between ranks
     "agree_max", "exchange", "side_group",

@@ -13,7 +13,7 @@ from ppe_snapshot.engine._ranks import group_rank
 from ppe_snapshot.engine._restore import load_state, read_value
 from ppe_snapshot.engine._state import check_app_state, restore_order
 from ppe_snapshot.engine._take import (
-    TakeJob, TensorPrepare, give_back, prepare_take, release_staging_buffers, take_staging_buffer,
+    StagedImage, TakeJob, TensorPrepare, give_back, prepare_take, release_staging_buffers, take_staging_buffer,
 )
 from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.engine._versions import read_manifest
@@ -95,7 +95,7 @@ class Snapshot:
                    _custom_tensor_prepare_func: TensorPrepare | None = None, *,
                    allow_pickle: bool = False, metadata: dict[str, Any] | None = None,
                    staging: StagingProvider | None = None, base: str | None = None,
-                   block_bytes: int | None = None) -> "PendingSnapshot":
+                   block_bytes: int | None = None, staged_from: StagedImage | None = None) -> "PendingSnapshot":
         """Like :meth:`take`, but returns as soon as the state is copied to a staging buffer.
 
         The write and the commit go on in a background thread; mutating the
@@ -105,7 +105,10 @@ class Snapshot:
         state on a GPU, plain for state on the host; at most one idle buffer
         of each kind, see :meth:`release_staging`). ``base`` and
         ``block_bytes`` as for :meth:`take` (the blocks are compared in the
-        background).
+        background). ``staged_from``: another take's staged image of this
+        state (see :meth:`TakeJob.stage`); the tensors it holds are copied
+        from there in the background, not from the live state here (the
+        caller keeps that image unchanged until this snapshot is written).
         """
         job = prepare_take(path, app_state, pg=pg, replicated=replicated, storage_options=storage_options,
                            allow_pickle=allow_pickle, metadata=metadata, tensor_prepare=_custom_tensor_prepare_func,
@@ -116,9 +119,12 @@ class Snapshot:
         except BaseException as e:
             job.conclude(e)  # several ranks: the others hear of it rather than wait
             raise
-        job.stage(buffer)
+        job.stage(buffer, image=staged_from)
+        from_image = sum(n for _, _, n in job.deferred)
         back_to_pool = None if staging is not None else partial(give_back, job.staged, pin)
-        return PendingSnapshot(job, cls(job.storage.url, pg, storage_options), after_write=back_to_pool)
+        pending = PendingSnapshot(job, cls(job.storage.url, pg, storage_options), after_write=back_to_pool)
+        pending.nbytes, pending.from_image_bytes = job.layout.size, from_image
+        return pending
 
     @staticmethod
     def release_staging() -> int:
@@ -230,6 +236,9 @@ class PendingSnapshot:
     def __init__(self, job: TakeJob, snapshot: Snapshot, after_write: Callable[[], None] | None = None) -> None:
         """``after_write`` runs once the write ended, either way (:meth:`Snapshot.async_take` gives its staging
         buffer back to its pool there)."""
+        #: The bytes of this rank's data file, and how many of them are copied from another take's staged image
+        #: (``async_take(..., staged_from=)``) rather than from the live state.
+        self.nbytes, self.from_image_bytes = job.layout.size, 0
         self._snapshot = snapshot
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(job, after_write), name="ppe-snapshot-write")

@@ -25,6 +25,7 @@ from ppe_snapshot.local_tier import (
 from ppe_snapshot.extension.saved_state import RNG_KEY, STATE_KEY
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import open_tree
+from ppe_snapshot.writing import ImageLoan
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +99,16 @@ class LocalSteps:
     def local_due(self) -> bool:
         return self.trigger.local_due
 
-    def save(self, manager: ExtensionsManagerProtocol, state: Any, rng_rank: int,
-             metadata: dict[str, Any]) -> None:
+    def save(self, manager: ExtensionsManagerProtocol, state: Any, rng_rank: int, metadata: dict[str, Any],
+             loan: ImageLoan | None = None) -> None:
         """Save this rank's ``state`` (the target's state dict) and RNG state as its part of the local step at
-        the manager's iteration."""
+        the manager's iteration; ``loan``: the staged image of the durable save of this step, which the tier
+        copies the state from (and gives back)."""
         app_state = {STATE_KEY: StateDict(state), RNG_KEY: StateDict({rng_rank: RNGState().state_dict()})}
-        self.saves.save(manager.iteration, app_state, metadata)
+        if loan is None:
+            self.saves.save(manager.iteration, app_state, metadata)
+        else:
+            self.saves.save(manager.iteration, app_state, metadata, loan.image, loan.release)
 
     def resume(self, durable: int | None, restore: Callable[[str], None]) -> Recovered | Fallback | None:
         """Restore from the newest local step newer than iteration ``durable``, as :func:`recover` does; a

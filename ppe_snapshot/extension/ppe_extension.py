@@ -31,7 +31,7 @@ from ppe_snapshot.extension.staging_ahead import prepare_staging_ahead
 from ppe_snapshot.local_tier import local_tier
 from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat
 from ppe_snapshot.storage import join
-from ppe_snapshot.writing import SnapshotWriter
+from ppe_snapshot.writing import ImageLoan, SnapshotWriter
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +217,19 @@ class SnapshotExtension(Resuming, extension.Extension):
         if self.preemption is not None and self.preemption.decided is not None:
             preempt(self, manager, self.preemption)  # raises Preempted
         durable = self._local is None or self._local.durable_due
-        if durable and self.condition():
-            self._make_snapshot(manager)
-        if self._local is not None and self._local.local_due:
-            self._save_local(manager)
+        local = self._local is not None and self._local.local_due
+        # A local step saved with a durable snapshot copies the state from the durable save's staged image.
+        writer = self._engine_writer if local and durable and self._file_savefun is None else None
+        loan = writer.lend_staged_image() if writer is not None else None
+        try:
+            if durable and self.condition():
+                self._make_snapshot(manager)
+            if local:
+                self._save_local(manager, loan)
+                loan = None  # the local tier ends it
+        finally:
+            if loan is not None:
+                loan.release()
 
     def on_error(self, manager: ExtensionsManagerProtocol, exc: Exception, tb: types.TracebackType) -> None:
         super().on_error(manager, exc, tb)
@@ -258,10 +267,10 @@ class SnapshotExtension(Resuming, extension.Extension):
     #: (this process's rank, the world size) among the ranks of the local tier.
     _tier_ranks = (0, 1)
 
-    def _save_local(self, manager: ExtensionsManagerProtocol) -> None:
+    def _save_local(self, manager: ExtensionsManagerProtocol, loan: ImageLoan | None) -> None:
         assert self._local is not None
         state = state_to_save(self._resolve_target(manager))
-        self._local.save(manager, state, self._rng_rank, saved_state.metadata(manager, self._target_kind))
+        self._local.save(manager, state, self._rng_rank, saved_state.metadata(manager, self._target_kind), loan)
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         self._save(manager, self._format_name(manager), state_to_save(self._resolve_target(manager)), LOCAL)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, exchange, new_staging_buffer
+from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, StagedImage, exchange, new_staging_buffer
 from ppe_snapshot.local_tier import layout, transfer
 from ppe_snapshot.storage import Tree, join, open_tree
 
@@ -54,6 +54,8 @@ class _Step:
     pending: PendingSnapshot | None
     problem: str | None
     staged: list[torch.Tensor]
+    #: Ends the loan of the durable save's staged image the part copies from (None: no loan).
+    release: Callable[[], None] | None = None
 
 
 class LocalSaves:
@@ -75,22 +77,36 @@ class LocalSaves:
     def part_path(self, step: int, rank: int | None = None) -> str:
         return join(self.directory, layout.own_part(step, self.ranks.rank if rank is None else rank))
 
-    def save(self, step: int, app_state: dict[str, Any], metadata: dict[str, Any]) -> None:
+    def save(self, step: int, app_state: dict[str, Any], metadata: dict[str, Any],
+             staged_from: StagedImage | None = None, release: Callable[[], None] | None = None) -> None:
         """Stage this rank's ``app_state`` as its part of local ``step``; written, copied and agreed on in the
-        background. Returns once the state is copied (or the save failed: warned, the step stays incomplete)."""
+        background. Returns once the state is copied (or the save failed: warned, the step stays incomplete).
+
+        ``staged_from``: the staged image of a durable save of this step; the tensors it holds are copied from
+        there in the background (the state is copied out of training once); ``release()`` is called once they
+        are (or the save failed)."""
         if self.stopped is not None:
+            if release is not None:
+                release()
             return
         self._slots.acquire()
         self._tags += 1
         pending, problem, staged = None, None, []
         try:
             pending = Snapshot.async_take(self.part_path(step), app_state, pg=LOCAL, staging=self._staging(staged),
-                                          metadata={**metadata, "ppe_snapshot_local_step": step})
+                                          metadata={**metadata, "ppe_snapshot_local_step": step},
+                                          staged_from=staged_from)
         except Exception as e:  # noqa: BLE001 - the tier fails alone; the other ranks still hear of it
             problem = f"{type(e).__name__}: {e}"
             with self._buffers_lock:
                 self._buffers.extend(staged)
-        self._queue.put(_Step(step, _TAGS + 2 * (self._tags % (1 << 26)), pending, problem, staged))
+            if release is not None:
+                release()
+            release = None
+        else:
+            logger.debug("local step %d: %d bytes staged, %d of them copied from the durable save's image", step,
+                         pending.nbytes, pending.from_image_bytes)
+        self._queue.put(_Step(step, _TAGS + 2 * (self._tags % (1 << 26)), pending, problem, staged, release))
 
     def _staging(self, taken: list[torch.Tensor]) -> Callable[[int], torch.Tensor]:
         """The staging buffer of a save: one of the tier's own (a step's buffer comes back once its part is
@@ -128,19 +144,31 @@ class LocalSaves:
                 logger.warning("the local tier stopped at step %d: %s; durable snapshots go on", item.step,
                                self.stopped)
             finally:
+                self._wait_written(item)  # a stopped tier too: the write may read a durable save's image
                 self._slots.release()
+
+    def _wait_written(self, item: _Step) -> str | None:
+        """Wait for ``item``'s part to be written (once), end its loan of a durable save's image and give its
+        staging buffer back; why the write failed, or None."""
+        pending, item.pending = item.pending, None
+        if pending is None:
+            return None
+        try:
+            pending.wait()
+        except Exception as e:  # noqa: BLE001 - a full tmpfs, a read-only directory, ...
+            return f"{type(e).__name__}: {e}"
+        finally:
+            if item.release is not None:
+                item.release()
+            with self._buffers_lock:
+                self._buffers.extend(item.staged)
+        return None
 
     def _complete(self, item: _Step) -> None:
         """Step ``item`` to its end on this rank: nothing on this rank's files may keep it from its part of the
         copies and the agreement (the other ranks wait for it there); only a lost peer stops the tier."""
-        ranks, problem = self.ranks, item.problem
-        if item.pending is not None:
-            try:
-                item.pending.wait()
-            except Exception as e:  # noqa: BLE001 - a full tmpfs, a read-only directory, ...
-                problem = f"{type(e).__name__}: {e}"
-            with self._buffers_lock:
-                self._buffers.extend(item.staged)
+        ranks = self.ranks
+        problem = item.problem if item.pending is None else self._wait_written(item)
         if ranks.partner is not None or ranks.wards:
             problem = self._copy(item, problem) or problem
         decided = self._agree(item, problem)

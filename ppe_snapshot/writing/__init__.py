@@ -28,11 +28,12 @@ _HOMES = {
     "ProcessQueueWriter": "_ppe_writers",
     "BackgroundAbortError": "_errors",
     "BackgroundSaveError": "_errors",
+    "ImageLoan": "contract",
     "SaveStats": "contract",
     "SnapshotWriter": "contract",
 }
 
-__all__ = ["BackgroundAbortError", "BackgroundSaveError", "ProcessQueueWriter", "ProcessWriter", "SaveStats",
+__all__ = ["BackgroundAbortError", "BackgroundSaveError", "ImageLoan", "ProcessQueueWriter", "ProcessWriter", "SaveStats",
            "SimpleWriter", "SnapshotWriter", "ThreadQueueWriter", "ThreadWriter"]
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from ppe_snapshot.writing._ppe_writers import (
         ProcessQueueWriter, ProcessWriter, SimpleWriter, ThreadQueueWriter, ThreadWriter,
     )
-    from ppe_snapshot.writing.contract import SaveStats, SnapshotWriter
+    from ppe_snapshot.writing.contract import ImageLoan, SaveStats, SnapshotWriter
 
 
 def __getattr__(name: str) -> Any:

@@ -26,11 +26,13 @@ import numpy as np
 import torch
 
 from ppe_snapshot.engine import StateDict, TakeJob, align, check_base, gc_paused, group_rank, prepare_take
+from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._errors import add_note, surfaced
 from ppe_snapshot.writing._files import FileSave, StagedObject
 from ppe_snapshot.writing._replace import AfterCommit
 from ppe_snapshot.writing._runners import FileWork, Runner, TakeWork, Work
+from ppe_snapshot.writing.contract import ImageLoan
 
 #: What :func:`staging_estimate` adds for the values it does not count (numbers, strings, RNG states).
 STAGING_SLACK = 1 << 20
@@ -79,6 +81,7 @@ def app_state(target: Any, append: bool, extra_state: Mapping[str, Any] | None) 
 class _Slot:
     busy: bool = False
     path: str | None = None  # where the save in this slot goes
+    lent: bool = False  # its buffer's image is lent out (see WriterCore.lend_next_image): not staged into
 
 
 class WriterCore:
@@ -104,6 +107,7 @@ class WriterCore:
         #: committed last (or the one autoload resumed from), when it lies beside the new one.
         self.incremental = False
         self.base: str | None = None
+        self._loan: ImageLoan | None = None
 
     # -- what a save is --------------------------------------------------------------
     def prepare(self, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
@@ -138,19 +142,20 @@ class WriterCore:
              allow_pickle: bool, start: float, incremental: bool = False) -> None:
         """An engine snapshot of ``state`` at ``path``; ``start``: when the caller's call began (for the stats);
         ``incremental``: referencing the unchanged blocks of :attr:`base`."""
+        loan, self._loan = self._loan, None
         slot = self._acquire()
         try:
             self._claim_path(slot, path)  # a save to the same name in flight must end before it is replaced
             if incremental:  # its base is the save before it, committed (and retention done with)
                 self._wait_for_saves(besides=slot)
-            self._hand_take(slot, path, state, metadata, pg, allow_pickle, start, incremental)
+            self._hand_take(slot, path, state, metadata, pg, allow_pickle, start, incremental, loan)
         except BaseException:
             self._release(slot)
             raise
 
     @gc_paused()  # the take's objects are handed over or gone with the locals before the collector runs again
     def _hand_take(self, slot: int, path: str, state: dict[str, Any], metadata: dict[str, Any] | None, pg: Any,
-                   allow_pickle: bool, start: float, incremental: bool) -> None:
+                   allow_pickle: bool, start: float, incremental: bool, loan: ImageLoan | None) -> None:
         job, step = self.prepare(path, state, metadata, pg, allow_pickle, incremental)
         stats = _stats(path, job.layout.size)
         if self.runner.background:
@@ -160,8 +165,12 @@ class WriterCore:
             except BaseException as e:
                 job.conclude(e)  # several ranks: the others hear of it rather than wait
                 raise
-            job.stage(buffer)
+            image = job.stage(buffer, keep_image=loan is not None)
             stats["staging_s"] = time.perf_counter() - began
+            if loan is not None and image is not None:
+                with self._cond:
+                    self._slots[slot].lent = True
+                loan.lend(image, partial(self._end_loan, slot))
         self._hand_over(_Ticket(slot, stats, start, take=True), TakeWork(slot, path, job, step))
 
     def save_file(self, save: FileSave, target: Any, start: float) -> None:
@@ -209,13 +218,31 @@ class WriterCore:
         with self._cond:
             return sum(slot.busy for slot in self._slots)
 
+    def lend_next_image(self) -> ImageLoan | None:
+        """Lend the staged image of the next engine save (:class:`~ppe_snapshot.writing.ImageLoan`): its slot is
+        not staged into again until the loan is released. None when this writer's runner stages nothing."""
+        if not self.runner.background:
+            return None
+        loan = self._loan = ImageLoan(lambda: self._forget_loan(loan))
+        return loan
+
+    def _forget_loan(self, loan: ImageLoan) -> None:
+        if self._loan is loan:
+            self._loan = None
+
+    def _end_loan(self, number: int) -> None:
+        with self._cond:
+            self._slots[number].lent = False
+            self._cond.notify_all()
+
     def _acquire(self) -> int:
-        """A free slot, after waiting for the oldest save if none is; raises a background failure first."""
+        """A free slot (neither in flight nor lent), after waiting for the oldest save if none is; raises a
+        background failure first."""
         with self._cond:
             number = None
             while number is None:
                 self._raise_failure()
-                number = next((n for n, slot in enumerate(self._slots) if not slot.busy), None)
+                number = next((n for n, slot in enumerate(self._slots) if not slot.busy and not slot.lent), None)
                 if number is None:
                     self._cond.wait()
             self._slots[number].busy = True
@@ -301,9 +328,21 @@ class WriterCore:
             self.wait()
         finally:
             self.runner.shutdown()
-            self._buffers.close()
+            if self._loans_ended():
+                self._buffers.close()
             while self._failures:
                 logger.error("another background save failed: %r", self._failures.popleft())
+
+
+    def _loans_ended(self) -> bool:
+        """Wait for the images lent out to come back; False (a warning: their buffers are left open) when one
+        did not within the commit timeout."""
+        with self._cond:
+            if self._cond.wait_for(lambda: not any(slot.lent for slot in self._slots), SETTINGS.commit_timeout):
+                return True
+        logger.warning("%s: a staged image lent out was not given back within %s s; its buffer stays open",
+                       self._name, SETTINGS.commit_timeout)
+        return False
 
 
 def staging_estimate(state: Any) -> tuple[int, bool]:

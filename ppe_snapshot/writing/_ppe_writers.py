@@ -38,7 +38,7 @@ from ppe_snapshot.writing._core import WriterCore, app_state, logger
 from ppe_snapshot.writing._files import FileSave
 from ppe_snapshot.writing._process import WorkerProcess
 from ppe_snapshot.writing._runners import InCaller, OneThread, Runner, ThreadPerSave
-from ppe_snapshot.writing.contract import SnapshotWriter
+from ppe_snapshot.writing.contract import ImageLoan, SnapshotWriter
 
 
 def _hooks_of(writer: Writer) -> Callable[[], None]:
@@ -230,6 +230,10 @@ class _PpeWriter(Writer, SnapshotWriter):
         first optimizer step; a later, larger state makes it grow. Nothing for a SimpleWriter, which stages
         nothing."""
         self._core.prepare_staging(target)
+
+    def lend_staged_image(self) -> ImageLoan | None:
+        """See :meth:`SnapshotWriter.lend_staged_image`; None for a SimpleWriter, which stages nothing."""
+        return self._core.lend_next_image()
 
     def wait(self) -> None:
         """Block until every save in flight is committed and its hooks ran.

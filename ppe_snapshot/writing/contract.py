@@ -23,15 +23,17 @@ read back                 ``last_stats`` (see :class:`SaveStats`), ``storage_opt
                           ended, its exception the failure: the DISTRIBUTED saver rank tells the other
                           ranks from it; the default None: a save is taken as ended when the call returns)
 called                    ``prepare_staging(target)`` once the state is known (after autoload, then after
-                          the first optimizer step); ``wait()`` before a snapshot on error;
+                          the first optimizer step); ``lend_staged_image()`` before a save whose staged
+                          image the local tier reuses; ``wait()`` before a snapshot on error;
                           ``finalize()`` at the end;
                           ppe's cleanup hooks (``pytorch_pfn_extras.writing.Writer``'s): each runs
                           after a committed save (retention prunes there)
 ========================  =====================================================================
 
-``incremental``, ``base``, ``last_save`` and ``prepare_staging`` have defaults here (a writer without
-incremental saves refuses ``incremental = True``; ``prepare_staging`` does nothing); a writer joining by ``SnapshotWriter.register`` gets those it does not define on its
-class.
+``incremental``, ``base``, ``last_save``, ``prepare_staging`` and ``lend_staged_image`` have defaults here (a
+writer without incremental saves refuses ``incremental = True``; ``prepare_staging`` does nothing;
+``lend_staged_image`` lends nothing); a writer joining by ``SnapshotWriter.register`` gets those it does not
+define on its class.
 """
 from __future__ import annotations
 
@@ -40,9 +42,31 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Callable, TypedDict
 
-from ppe_snapshot.engine import LOCAL
+from ppe_snapshot.engine import LOCAL, StagedImage
 
-__all__ = ["SaveStats", "SnapshotWriter"]
+__all__ = ["ImageLoan", "SaveStats", "SnapshotWriter"]
+
+
+class ImageLoan:
+    """The staged image of a writer's next save, lent out (:meth:`SnapshotWriter.lend_staged_image`): once that
+    save returned, :attr:`image` says where its tensors lie in its staging buffer (None where the save staged
+    nothing: it ran in the caller, failed, or wrote a single file); the writer does not stage into that buffer
+    again before :meth:`release` (idempotent)."""
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.image: StagedImage | None = None
+        self._release: Callable[[], None] | None = cancel  # before the save: the writer forgets the loan
+
+    def lend(self, image: StagedImage, release: Callable[[], None]) -> None:
+        """(The writer) the image staged, and how to end the loan."""
+        self.image, self._release = image, release
+
+    def release(self) -> None:
+        """The borrower is done with the image: the writer may stage into its buffer again (before the save: the
+        next save lends nothing)."""
+        release, self._release, self.image = self._release, None, None
+        if release is not None:
+            release()
 
 
 class _EverySaveStats(TypedDict):
@@ -132,6 +156,11 @@ class SnapshotWriter(metaclass=_Contract):
         """Have what a save of ``target`` (a state dict) needs ready before that save comes, e.g. a background
         writer's staging buffer, allocated and faulted in away from the loop; nothing here."""
 
+    def lend_staged_image(self) -> ImageLoan | None:
+        """Lend the staged image of the next save (see :class:`ImageLoan`), or None where this writer stages
+        nothing (it saves in the caller, from the live state); None here."""
+        return None
+
     @abc.abstractmethod
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise its failure."""
@@ -142,4 +171,4 @@ class SnapshotWriter(metaclass=_Contract):
 
 
 #: The members the contract gives a default (see :meth:`_Contract.register`).
-_DEFAULTS = ("base", "incremental", "last_save", "prepare_staging")
+_DEFAULTS = ("base", "incremental", "last_save", "lend_staged_image", "prepare_staging")

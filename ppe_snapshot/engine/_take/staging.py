@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,9 +61,47 @@ def clear_padding(layout: FileLayout, buffer: torch.Tensor) -> None:
             ctypes.memset(base + end, 0, slot_end - end)
 
 
-def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> None:
+#: A staged tensor's identity: the same bytes wherever two takes of one step find it.
+_TensorKey = tuple[str, Any, int, torch.dtype, tuple[int, ...]]
+
+
+def _key(tensor: torch.Tensor) -> _TensorKey | None:
+    if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+        return None
+    return tensor.device.type, tensor.device.index, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
+
+
+class StagedImage:
+    """Where each tensor of a staged take lies in its staging buffer (see :meth:`TakeJob.stage`): another take of
+    the same step copies those tensors from here, in the background, instead of from the live state (so the state
+    is copied out of training once). The buffer must hold this image until that take is written."""
+
+    def __init__(self, layout: FileLayout, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._at: dict[_TensorKey, tuple[int, int]] = {}
+        for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
+            key = _key(data) if kind == Raw.TENSOR and n else None
+            if key is not None:
+                self._at[key] = (offset, n)
+
+    def view_of(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+        """The ``nbytes`` of ``tensor`` in the image, or None where the image does not hold them."""
+        key = _key(tensor)
+        at = None if key is None else self._at.get(key)
+        if at is None or at[1] != nbytes:
+            return None
+        return self.buffer[at[0]:at[0] + nbytes]
+
+
+#: Payloads left to copy from another take's staged image: (its bytes there, offset in this image, size).
+Deferred = list[tuple[torch.Tensor, int, int]]
+
+
+def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image: StagedImage | None = None
+          ) -> Deferred:
     """Copy every payload into its place in ``buffer`` (the file image, a contiguous CPU tensor); ``reused``: the
-    buffer may hold an earlier image, whose bytes between the payloads are zeroed (:func:`clear_padding`).
+    buffer may hold an earlier image, whose bytes between the payloads are zeroed (:func:`clear_padding`). The
+    tensors ``image`` holds are not copied here but returned, for :func:`copy_deferred` (in the background).
 
     A small CPU tensor is copied as a slice of ``MEMORY`` (about 0.3 us,
     against 8 us for slicing, viewing and ``copy_``: the cost per tensor of a
@@ -77,10 +116,14 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
                          f"{'' if buffer.is_contiguous() else ', not contiguous'} given to stage into")
     if reused:
         clear_padding(layout, buffer)
-    base, cuda, memory = buffer.data_ptr(), False, MEMORY
+    base, cuda, memory, deferred = buffer.data_ptr(), False, MEMORY, []
     for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
         if kind == Raw.TENSOR:
             if not n:
+                continue
+            staged = None if image is None else image.view_of(data, n)
+            if staged is not None:
+                deferred.append((staged, offset, n))
                 continue
             if n < SMALL_COPY_BYTES and is_copyable_raw(data):
                 source, at = data.data_ptr(), base + offset
@@ -96,6 +139,19 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False) -> Non
             buffer[offset:offset + n].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     if cuda:
         torch.cuda.synchronize()
+    return deferred
+
+
+def copy_deferred(buffer: torch.Tensor, deferred: Deferred) -> None:
+    """Copy what :func:`stage` deferred into ``buffer``, from the other take's image (a large payload with torch's
+    ``copy_``, which lets the training thread run meanwhile)."""
+    base, memory = buffer.data_ptr(), MEMORY
+    for staged, offset, n in deferred:
+        if n < SMALL_COPY_BYTES:
+            source, at = staged.data_ptr(), base + offset
+            memory[at:at + n] = memory[source:source + n]
+        else:
+            buffer[offset:offset + n].copy_(staged)
 
 
 def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor, block_bytes: int | None = None

@@ -22,7 +22,9 @@ from ppe_snapshot.engine._state import (
 from ppe_snapshot.engine._take.incremental import (
     IncrementalWrite, block_size, check_base, check_version, open_base, write_incremental,
 )
-from ppe_snapshot.engine._take.staging import new_staging_buffer, stage, write_staged
+from ppe_snapshot.engine._take.staging import (
+    Deferred, StagedImage, copy_deferred, new_staging_buffer, stage, write_staged,
+)
 from ppe_snapshot.engine._take.take_end import Watched, abandon, conclude, retry_marks
 from ppe_snapshot.engine._take.writers import forget_quietly, record_writer
 from ppe_snapshot.engine._util import gc_paused
@@ -75,6 +77,8 @@ class TakeJob:
     #: The process that prepared the job (and concludes it): recorded beside the one that writes it, where that
     #: is another (a ProcessWriter's worker), see ``writers.py``.
     preparer: int = field(default_factory=os.getpid)
+    #: The payloads :meth:`stage` left to copy from another take's staged image, copied before the write.
+    deferred: Deferred = field(default_factory=list)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "channel": None}
@@ -86,9 +90,14 @@ class TakeJob:
         return self.layout.size if self.incremental is None else self.incremental.files[self.layout.file]
 
     @gc_paused()  # a state of many tensors makes as many objects here: no collection walks them meanwhile
-    def stage(self, buffer: torch.Tensor | None = None) -> None:
+    def stage(self, buffer: torch.Tensor | None = None, image: StagedImage | None = None,
+              keep_image: bool = False) -> StagedImage | None:
         """Copy this rank's payloads into ``buffer`` (at least ``layout.size`` bytes; it may hold an older image),
-        or into a new buffer; the job owns it (the caller may mutate the payloads after)."""
+        or into a new buffer; the job owns it (the caller may mutate the payloads after).
+
+        The tensors that ``image`` (another take's of this step) holds are copied from there when the job is
+        written instead; the caller keeps ``image``'s buffer unchanged until then. ``keep_image``: returns where
+        this job's tensors lie in ``buffer``, for another take to do the same."""
         try:
             if buffer is not None and not isinstance(buffer, torch.Tensor):
                 raise TypeError(f"stage() takes the staging buffer itself (a contiguous CPU uint8 tensor of at least "
@@ -97,12 +106,14 @@ class TakeJob:
             reused = buffer is not None
             if buffer is None:
                 buffer = new_staging_buffer(self.layout.size, self.layout.on_cuda())
-            stage(self.layout, buffer, reused=reused)
+            self.deferred = stage(self.layout, buffer, reused=reused, image=image)
+            kept = StagedImage(self.layout, buffer) if keep_image else None
         except BaseException as e:
             self.conclude(e)
             raise
         self.staged = buffer
         self.layout.let_go()  # the job must not keep the live state alive
+        return kept
 
     def release_staging(self) -> None:
         """Let go of the staging buffer, e.g. before the job is sent to a process that maps the same buffer."""
@@ -155,7 +166,7 @@ class TakeJob:
         try:
             return self._part(self._write())
         finally:
-            self.staged = None
+            self.staged, self.deferred = None, []
 
     def _write(self) -> Written:
         base = None
@@ -166,6 +177,9 @@ class TakeJob:
         if not self.layout.paths:
             return []
         storage: Any = self.storage if self.world_size == 1 else Watched(self.storage, self.failure)
+        if self.deferred:
+            copy_deferred(self.staged, self.deferred)
+            self.deferred = []
         if base is not None:
             with gc_paused():
                 self.incremental = write_incremental(storage, self.layout, self.staged, base, self.block_bytes)
