@@ -105,6 +105,9 @@ class LocalSteps:
         the manager's iteration; ``loan``: the staged image of the durable save of this step, which the tier
         copies the state from (and gives back)."""
         app_state = {STATE_KEY: StateDict(state), RNG_KEY: StateDict({rng_rank: RNGState().state_dict()})}
+        if loan is not None and loan.image is None:  # the durable save staged nothing here
+            loan.release()
+            loan = None
         if loan is None:
             self.saves.save(manager.iteration, app_state, metadata)
         else:
