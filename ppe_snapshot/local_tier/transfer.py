@@ -2,7 +2,7 @@
 
 A sender first sends a header (its files and their sizes; ``failed``: it has no part to send), then the files'
 bytes as one stream in chunks of :data:`CHUNK` bytes, then the xxh3_64 of the stream: the memory a transfer holds
-is one chunk per direction, whatever the part's size. The receiver checks the header (relative names inside the
+is two chunks per direction (one on the wire, one being read or written), whatever the part's size. The receiver checks the header (relative names inside the
 part, sizes that add up to at most :data:`MAX_PART` bytes) before it writes anything, writes the files where it
 is told and hashes what it received as it comes: a copy whose digest differs from the sender's is refused. The
 part's own checksums are checked when it is restored (and whole, before, by :func:`verified` where asked).
@@ -176,25 +176,7 @@ def _move(group: Any, tag: int, send: tuple[int, str | None] | None,
         incoming[part.peer] = None if files is None else _Stream(open_storage(part.dest), files)
     for work in pending:
         work.wait()
-    out_buffer = torch.empty(CHUNK if outgoing is not None and outgoing.total else 0, dtype=torch.uint8)
-    in_buffers = {peer: torch.empty(CHUNK, dtype=torch.uint8) for peer, s in incoming.items() if s and s.total}
-    rounds = max([s.chunks for s in [outgoing, *incoming.values()] if s is not None], default=0)
-    for index in range(rounds):
-        works = []
-        if outgoing is not None and index < outgoing.chunks:
-            view = out_buffer[: outgoing.chunk_bytes(index)]
-            outgoing.read(index, memoryview(view.numpy()))
-            works.append(group.send([view], send[0], tag))
-        received = []
-        for peer, stream in incoming.items():
-            if stream is not None and index < stream.chunks:
-                view = in_buffers[peer][: stream.chunk_bytes(index)]
-                works.append(group.recv([view], peer, tag))
-                received.append((stream, view))
-        for work in works:
-            work.wait()
-        for stream, view in received:
-            stream.write(index, memoryview(view.numpy()))
+    _stream_chunks(group, tag, None if outgoing is None else (send[0], outgoing), incoming)
     sums = [] if outgoing is None else [group.send([_as_tensor(outgoing.digest.intdigest())], send[0], tag)]
     for peer, stream in incoming.items():
         if stream is not None:
@@ -206,6 +188,41 @@ def _move(group: Any, tag: int, send: tuple[int, str | None] | None,
     for work in sums:
         work.wait()
     return {peer: "it had no part to send" if stream is None else stream.problem for peer, stream in incoming.items()}
+
+
+def _stream_chunks(group: Any, tag: int, outgoing: tuple[int, _Stream] | None,
+                   incoming: dict[int, _Stream | None]) -> None:
+    """Send ``outgoing``'s chunks to its peer and receive each incoming stream's, pipelined: two buffers per
+    direction, so that chunk ``i + 1`` is read (or received) while chunk ``i`` is on the wire (or written).
+    Every rank goes through the chunks in order, so no wait here is on a chunk a peer has not reached."""
+    sending = outgoing is not None and outgoing[1].total > 0
+    out_buffers = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2 if sending else 0)]
+    streams = {peer: s for peer, s in incoming.items() if s is not None and s.chunks}
+    in_buffers = {peer: [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)] for peer in streams}
+
+    def receive(peer: int, index: int) -> tuple[torch.Tensor, Any]:
+        view = in_buffers[peer][index % 2][: streams[peer].chunk_bytes(index)]
+        return view, group.recv([view], peer, tag)
+
+    posted = {peer: receive(peer, 0) for peer in streams}
+    sent: list[Any] = []
+    rounds = max([s.chunks for s in streams.values()] + ([outgoing[1].chunks] if sending else []), default=0)
+    for index in range(rounds):
+        if sending and index < outgoing[1].chunks:
+            if len(sent) == 2:
+                sent.pop(0).wait()  # its buffer is the one chunk ``index`` goes into
+            view = out_buffers[index % 2][: outgoing[1].chunk_bytes(index)]
+            outgoing[1].read(index, memoryview(view.numpy()))
+            sent.append(group.send([view], outgoing[0], tag))
+        for peer, stream in streams.items():
+            if index < stream.chunks:
+                view, work = posted[peer]
+                work.wait()
+                if index + 1 < stream.chunks:
+                    posted[peer] = receive(peer, index + 1)
+                stream.write(index, memoryview(view.numpy()))
+    for work in sent:
+        work.wait()
 
 
 def _as_tensor(digest: int) -> torch.Tensor:
