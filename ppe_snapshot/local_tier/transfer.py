@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ppe_snapshot.engine import LOCAL, Snapshot
+from ppe_snapshot.engine import LOCAL, Snapshot, new_staging_buffer
 from ppe_snapshot.errors import SnapshotAbortedError
 from ppe_snapshot.storage import BlobWriter, Storage, is_safe_relative, open_storage, open_tree
 
@@ -196,9 +196,10 @@ def _stream_chunks(group: Any, tag: int, outgoing: tuple[int, _Stream] | None,
     direction, so that chunk ``i + 1`` is read (or received) while chunk ``i`` is on the wire (or written).
     Every rank goes through the chunks in order, so no wait here is on a chunk a peer has not reached."""
     sending = outgoing is not None and outgoing[1].total > 0
-    out_buffers = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2 if sending else 0)]
+    # page-aligned: the files are read and written straight from them, with no bounce copy
+    out_buffers = [new_staging_buffer(CHUNK) for _ in range(2 if sending else 0)]
     streams = {peer: s for peer, s in incoming.items() if s is not None and s.chunks}
-    in_buffers = {peer: [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)] for peer in streams}
+    in_buffers = {peer: [new_staging_buffer(CHUNK) for _ in range(2)] for peer in streams}
 
     def receive(peer: int, index: int) -> tuple[torch.Tensor, Any]:
         view = in_buffers[peer][index % 2][: streams[peer].chunk_bytes(index)]
