@@ -8,8 +8,10 @@ with ``--mib`` MiB of state (16 tensors), SHARDED mode, the ThreadWriter, durabl
 round, each case in a fresh set of processes:
 
 - **blocking**: iterations of ``--compute`` seconds (a sleep standing for the training step); 6 iterations saving a local step each (local trigger 1, durable 1000) against 6 iterations saving an
-  async durable snapshot each with the same writer (no tier), and 3 iterations where both are due (local 1,
-  durable 1): the median time the loop waited per save.
+  async durable snapshot each with the same writer (no tier), and iterations where both are due (local 1,
+  durable 2; the 4th and 6th): the median time the loop waited per save, and, of that, the local tier's save
+  (which, at such a step, copies the state from the durable save's staged image in the background; it includes
+  waiting for the previous local step, one being in flight at a time).
 - **own parts**: a run saves a durable snapshot at iteration 2 and local step 3, and stops (the tier intact);
   the restart's autoload (from the first
   ``run_iteration``'s start to the training step) is timed on every rank, the slowest reported, against the floor:
@@ -55,7 +57,16 @@ def rank_main(rank: int, port: int, spec: dict) -> None:
 
     import ppe_snapshot
     from ppe_snapshot import writing
+    from ppe_snapshot.extension.local_steps import LocalSteps
 
+    local_saves: list[float] = []  # what the local tier's save takes of each iteration's wait
+    save = LocalSteps.save
+
+    def timed_save(self, *args, **kwargs) -> None:
+        start = time.perf_counter()
+        save(self, *args, **kwargs)
+        local_saves.append(time.perf_counter() - start)
+    LocalSteps.save = timed_save
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     node = rank // PER_NODE
@@ -82,7 +93,7 @@ def rank_main(rank: int, port: int, spec: dict) -> None:
             if spec["case"] == "restart":  # resumed: cut off before this iteration saves anything
                 _report(spec, rank, {"autoload_s": first - start, "resumed_from": extension.resumed_from})
         waits.append((first - start, time.perf_counter() - first))  # (initialize + autoload, the saves)
-    result = {"save_waits": [w for _, w in waits]}
+    result = {"save_waits": [w for _, w in waits], "local_saves": local_saves}
     extension.writer.wait()  # the durable snapshots in flight are committed: the next run finds them
     if extension._local is not None:
         extension._local.saves.finish()  # the steps in flight complete: the next run finds them
@@ -191,6 +202,7 @@ def _cases(directory: str, mib: int, compute: float, s3: tuple[str, dict] | None
     os.makedirs(directory)
     both = run_ranks({**shared, **step, "local": 1, "durable": 2})
     out["local + durable, same step"] = statistics.median(r["save_waits"][i] for r in both for i in (3, 5))
+    out["  of which the local save"] = statistics.median(r["local_saves"][i] for r in both for i in (3, 5))
     shutil.rmtree(directory)
     os.makedirs(directory)
     saved = run_ranks({**shared, "case": "save", "local": 1, "durable": 2, "iterations": 3})
