@@ -25,8 +25,10 @@ $(STAMP): requirements-dev.txt requirements.txt setup.cfg setup.py
 	-command -v npm >/dev/null && npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3
 	touch $@ $(RUN_STAMP)
 
+# Two pytest-xdist workers, a test file to each at a time (its module fixtures made once); the suite is mostly
+# processes starting and waiting on each other, which two workers overlap on CI's 2 cores.
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(RUN_STAMP)
 	$(PY) examples/demo.py
