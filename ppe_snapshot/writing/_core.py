@@ -333,7 +333,6 @@ class WriterCore:
             while self._failures:
                 logger.error("another background save failed: %r", self._failures.popleft())
 
-
     def _loans_ended(self) -> bool:
         """Wait for the images lent out to come back; False (a warning: their buffers are left open) when one
         did not within the commit timeout."""
