@@ -12,6 +12,8 @@ import subprocess
 import tempfile
 import time
 
+from _dist import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Azurite's well-known development account (public: the emulator accepts only it).
 ACCOUNT = "devstoreaccount1"
@@ -29,9 +31,7 @@ class Azurite:
     """A running azurite-blob process on a free port of 127.0.0.1, its data in a temporary directory."""
 
     def __init__(self, executable: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self._data = tempfile.mkdtemp(prefix="azurite-")
         self._process = subprocess.Popen(
             [executable, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self._data,

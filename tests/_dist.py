@@ -23,6 +23,7 @@ import atexit
 import io
 import os
 import pickle
+import random
 import socket
 import sys
 import threading
@@ -50,11 +51,24 @@ WORKER_ENV = {
 _STARTUP_TIMEOUT = 120.0
 
 
+#: The ports the tests' servers and process groups listen on: below Linux's ephemeral range (32768-60999), from
+#: which outgoing connections take theirs (a port picked there may be taken by one before its server binds it),
+#: and a block of their own for each pytest-xdist worker (``gw<N>``), so that two workers never pick the same.
+_FIRST_PORT, _PORT_BLOCK, _BLOCKS = 20000, 3000, 4
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, from this pytest worker's block (see above)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    first = _FIRST_PORT + (int(worker) % _BLOCKS if worker.isdigit() else 0) * _PORT_BLOCK
+    for port in random.sample(range(first, first + _PORT_BLOCK), 100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or lingering after a test closed it
+                continue
+            return port
+    raise OSError(f"no free port among 100 tried in {first}-{first + _PORT_BLOCK - 1}")
 
 
 # --------------------------------------------------------------------------

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import http.server
 import re
-import socket
 import types
 from typing import Any
+
+from _dist import free_port
 
 
 class _Server(http.server.HTTPServer):
@@ -51,9 +52,7 @@ class GcsEmulator:
         emulator.server = types.SimpleNamespace(HTTPServer=_Server)  # the module's only use of http.server
         decode = emulator.__dict__.setdefault("_unfixed_decode_raw_data", emulator._decode_raw_data)  # once
         emulator._decode_raw_data = lambda raw, handler: _crlf_closing_delimiter(decode(raw, handler), handler)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self._server = emulator.create_server("127.0.0.1", self.port, in_memory=True)
         self._server.start()
 

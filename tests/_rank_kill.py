@@ -189,12 +189,11 @@ def main(rank: int, world_size: int, port: int, spec: dict) -> None:
 def run_trial(spec: dict, world_size: int = 3, timeout: float = 120.0) -> dict:
     """Run one trial (``world_size`` fresh processes) and return what each rank and the victim recorded:
     ``{"ranks": {rank: record or None}, "killed": {...} or None, "returncodes": [...]}``."""
-    import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from _dist import free_port
+
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r), str(world_size), str(port),
                                json.dumps(spec)], env=env) for r in range(world_size)]
