@@ -24,6 +24,11 @@ if _TESTS_DIR not in sys.path:
 
 import _dist  # noqa: E402
 
+# Two pytest-xdist workers share CI's 2 cores: torch's intra-op threads, in each worker and in the processes its
+# tests start, would only crowd them (set before torch is first imported here).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # gcsfs asks a bucket's type over gRPC at its first use, which an emulator does not answer (60 s per bucket):
 # off for the whole session, set before any worker process starts so that every process inherits it.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
