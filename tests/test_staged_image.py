@@ -4,8 +4,10 @@
 copies a durable save's state that way (the state is copied out of training once)."""
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 
 import pytest
 import pytorch_pfn_extras as ppe
@@ -53,6 +55,21 @@ def test_a_tensor_of_another_size_is_not_taken_from_the_image(tmp_path):
     assert image.view_of(x, 32) is not None
     assert image.view_of(x[:4], 16) is None  # the same first byte, fewer of them
     assert image.view_of(torch.arange(8.0), 32) is None  # equal values elsewhere in memory
+
+
+def test_the_image_keeps_its_tensors_so_no_other_tensor_takes_their_address(tmp_path):
+    """A temporary of the first take (an RNG state) freed while the image is lent could leave its address to a
+    tensor of the second take, which the image would then hold the wrong bytes of."""
+    temporary = torch.arange(8.0)
+    alive = weakref.ref(temporary)
+    first = prepare_take(str(tmp_path / "first"), {"s": StateDict(x=temporary)}, pg=LOCAL)
+    image = first.stage(new_staging_buffer(first.layout.size), keep_image=True)
+    del temporary, first
+    gc.collect()
+    assert alive() is not None
+    del image
+    gc.collect()
+    assert alive() is None
 
 
 @pytest.mark.parametrize("writer_class", [ThreadWriter, ProcessWriter], ids=["thread", "process"])

@@ -74,15 +74,20 @@ def _key(tensor: torch.Tensor) -> _TensorKey | None:
 class StagedImage:
     """Where each tensor of a staged take lies in its staging buffer (see :meth:`TakeJob.stage`): another take of
     the same step copies those tensors from here, in the background, instead of from the live state (so the state
-    is copied out of training once). The buffer must hold this image until that take is written."""
+    is copied out of training once). The buffer must hold this image until that take is written.
+
+    The image keeps its tensors alive: a tensor of the first take that was a temporary (an RNG state, say) must
+    not free its address for another tensor of the second take, which would then be found here."""
 
     def __init__(self, layout: FileLayout, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self._at: dict[_TensorKey, tuple[int, int]] = {}
+        self._tensors: list[torch.Tensor] = []
         for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
             key = _key(data) if kind == Raw.TENSOR and n else None
             if key is not None:
                 self._at[key] = (offset, n)
+                self._tensors.append(data)
 
     def view_of(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor | None:
         """The ``nbytes`` of ``tensor`` in the image, or None where the image does not hold them."""
