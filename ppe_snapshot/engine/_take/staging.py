@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -122,13 +122,12 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
     if reused:
         clear_padding(layout, buffer)
     base, cuda, memory, deferred = buffer.data_ptr(), False, MEMORY, []
-    for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
+    rows: Iterator[tuple[Any, str, int, int]] = zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes)
+    if image is not None:  # a separate pass: the loop below costs per tensor what it did without an image
+        rows = _not_in(image, rows, deferred)
+    for data, kind, offset, n in rows:
         if kind == Raw.TENSOR:
             if not n:
-                continue
-            staged = None if image is None else image.view_of(data, n)
-            if staged is not None:
-                deferred.append((staged, offset, n))
                 continue
             if n < SMALL_COPY_BYTES and is_copyable_raw(data):
                 source, at = data.data_ptr(), base + offset
@@ -145,6 +144,18 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
     if cuda:
         torch.cuda.synchronize()
     return deferred
+
+
+def _not_in(image: StagedImage, rows: Iterable[tuple[Any, str, int, int]], deferred: Deferred
+            ) -> Iterator[tuple[Any, str, int, int]]:
+    """The rows whose tensor ``image`` does not hold; those it holds go to ``deferred``."""
+    for row in rows:
+        data, kind, offset, n = row
+        staged = image.view_of(data, n) if kind == Raw.TENSOR and n else None
+        if staged is None:
+            yield row
+        else:
+            deferred.append((staged, offset, n))
 
 
 def copy_deferred(buffer: torch.Tensor, deferred: Deferred) -> None:
