@@ -120,11 +120,8 @@ class Snapshot:
             job.conclude(e)  # several ranks: the others hear of it rather than wait
             raise
         job.stage(buffer, image=staged_from)
-        from_image = sum(n for _, _, n in job.deferred)
         back_to_pool = None if staging is not None else partial(give_back, job.staged, pin)
-        pending = PendingSnapshot(job, cls(job.storage.url, pg, storage_options), after_write=back_to_pool)
-        pending.nbytes, pending.from_image_bytes = job.layout.size, from_image
-        return pending
+        return PendingSnapshot(job, cls(job.storage.url, pg, storage_options), after_write=back_to_pool)
 
     @staticmethod
     def release_staging() -> int:
@@ -238,7 +235,7 @@ class PendingSnapshot:
         buffer back to its pool there)."""
         #: The bytes of this rank's data file, and how many of them are copied from another take's staged image
         #: (``async_take(..., staged_from=)``) rather than from the live state.
-        self.nbytes, self.from_image_bytes = job.layout.size, 0
+        self.nbytes, self.from_image_bytes = job.layout.size, sum(n for _, _, n in job.deferred)
         self._snapshot = snapshot
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(job, after_write), name="ppe-snapshot-write")

@@ -81,13 +81,11 @@ class StagedImage:
 
     def __init__(self, layout: FileLayout, buffer: torch.Tensor) -> None:
         self.buffer = buffer
-        self._at: dict[_TensorKey, tuple[int, int]] = {}
-        self._tensors: list[torch.Tensor] = []
+        self._at: dict[_TensorKey, tuple[int, int, torch.Tensor]] = {}  # offset, size, the tensor kept
         for data, kind, offset, n in zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes):
             key = _key(data) if kind == Raw.TENSOR and n else None
             if key is not None:
-                self._at[key] = (offset, n)
-                self._tensors.append(data)
+                self._at[key] = (offset, n, data)
 
     def view_of(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor | None:
         """The ``nbytes`` of ``tensor`` in the image, or None where the image does not hold them."""
