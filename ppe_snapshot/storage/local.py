@@ -71,11 +71,9 @@ class _BufferedBlobWriter(BlobWriter):
 class _DirectBlobWriter(BlobWriter):
     """O_DIRECT writes: the data goes from user memory to the disk, not through the page cache.
 
-    Page-aligned runs of the input are written as they are (the staged file
-    image of an async take). Everything else is copied into one of two
-    page-aligned bounce buffers, written by a helper thread while the caller
-    fills the other. The tail is padded to a block and the file truncated
-    back to its size before the fsync.
+    Page-aligned runs of the input are written as they are (the staged file image of an async take). Everything
+    else is copied into one of two page-aligned bounce buffers, written by a helper thread while the caller fills
+    the other. The tail is padded to a block and the file truncated back to its size before the fsync.
     """
 
     def __init__(self, fd: int) -> None:
@@ -220,6 +218,8 @@ def open_blob_writer(path: str, size: int | None = None) -> BlobWriter:
 
 class LocalStorage(Storage):
     """A snapshot directory on a local (POSIX) file system."""
+
+    small_reads_cheap = True
 
     def __init__(self, root: str, url: str | None = None) -> None:
         self.root = os.path.abspath(root)

@@ -93,11 +93,37 @@ def _run_end(chunks: Sequence[Chunk], start: int, limit: int) -> int:
     return end
 
 
+#: A chunk of at least this many bytes, on a storage whose small reads are cheap (``Storage.small_reads_cheap``),
+#: is read in pieces of this size, each hashed as soon as it landed, while the CPU's cache still holds it. Four
+#: processes each restoring 256 MiB from tmpfs on 2 cores (benchmarks/RESULTS.md, issue 34): ...
+HASHED_PIECE = 1 << 20
+
+
+def _read_hashing(storage: Storage, chunk: Chunk, out: memoryview, what: str) -> None:
+    """``chunk`` into ``out``, piece by piece, each piece hashed as it lands; the chunk verified."""
+    digest = xxhash.xxh3_64()
+    for at in range(0, chunk.nbytes, HASHED_PIECE):
+        piece = out[at:at + HASHED_PIECE]
+        read_file_into(storage, chunk.file, chunk.offset + at, piece)
+        digest.update(piece)
+    if digest.hexdigest() != chunk.checksum:
+        raise _mismatch(storage, chunk, what)
+
+
+def _hashed_in_pieces(storage: Storage, chunk: Chunk) -> bool:
+    return storage.small_reads_cheap and chunk.nbytes >= HASHED_PIECE
+
+
 def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
     """Fill ``out`` with the chunks' bytes, verifying each chunk (neighbouring ones read at once)."""
     position, start = 0, 0
     while start < len(chunks):
+        if _hashed_in_pieces(storage, chunks[start]):
+            _read_hashing(storage, chunks[start], out[position:position + chunks[start].nbytes], what)
+            position, start = position + chunks[start].nbytes, start + 1
+            continue
         end = _run_end(chunks, start, CHUNK_BYTES)
+        end = next((i for i in range(start + 1, end) if _hashed_in_pieces(storage, chunks[i])), end)
         n = sum(chunk.nbytes for chunk in chunks[start:end])
         read_file_into(storage, chunks[start].file, chunks[start].offset, out[position:position + n])
         for chunk in chunks[start:end]:
@@ -200,7 +226,20 @@ def _span(run: list[tuple[Storage, Chunk, memoryview, str]]) -> int:
 
 
 def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
-    """One vectored read for neighbouring chunks of one file, then each chunk's checksum."""
+    """One vectored read for neighbouring chunks of one file, then each chunk's checksum; a chunk read in pieces
+    (``HASHED_PIECE``) splits the run."""
+    storage, start = run[0][0], 0
+    for i, (_, chunk, view, what) in enumerate(run):
+        if _hashed_in_pieces(storage, chunk):
+            if start < i:
+                _read_vectored_run(run[start:i])
+            _read_hashing(storage, chunk, view, what)
+            start = i + 1
+    if start < len(run):
+        _read_vectored_run(run[start:])
+
+
+def _read_vectored_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
     storage, first = run[0][0], run[0][1]
     read_views_into(storage, first.file, [chunk.offset for _, chunk, _, _ in run], [view for _, _, view, _ in run])
     for _, chunk, view, what in run:
