@@ -28,9 +28,11 @@ StagingProvider = Callable[[int], torch.Tensor]
 class Snapshot:
     """A reference to a committed snapshot at ``path`` (a local path or an fsspec URL)."""
 
-    def __init__(self, path: str, pg: Any = None, storage_options: dict[str, Any] | None = None, *,
+    def __init__(self, path: str | Storage, pg: Any = None, storage_options: dict[str, Any] | None = None, *,
                  allow_pickle: bool = False) -> None:
-        self.path = str(path)
+        """``path``: where the snapshot is, or a storage already open on it (files held in memory, say)."""
+        self._opened = path if isinstance(path, Storage) else None
+        self.path = path.url if isinstance(path, Storage) else str(path)
         self.pg = pg
         self.storage_options = storage_options
         #: Whether restore / read_object may unpickle entries saved with pickle (runs code from the snapshot).
@@ -43,7 +45,7 @@ class Snapshot:
     def with_group(self, pg: Any, *, allow_pickle: bool | None = None) -> "Snapshot":
         """The same snapshot for the ranks of ``pg`` (and ``allow_pickle``, by default this one's), sharing
         its manifest once read: a caller that checked it hands it on without a second read."""
-        other = Snapshot(self.path, pg, self.storage_options,
+        other = Snapshot(self._opened or self.path, pg, self.storage_options,
                          allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle)
         other._manifest = self._manifest
         return other
@@ -131,7 +133,7 @@ class Snapshot:
 
     # -- reading ------------------------------------------------------------
     def _storage(self) -> Storage:
-        return open_storage(self.path, self.storage_options)
+        return self._opened if self._opened is not None else open_storage(self.path, self.storage_options)
 
     def _read_manifest(self, storage: Storage) -> Manifest:
         if self._manifest is None:

@@ -24,7 +24,7 @@ from ppe_snapshot.local_tier import (
 )
 from ppe_snapshot.extension.saved_state import RNG_KEY, STATE_KEY
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage import open_tree
+from ppe_snapshot.storage import Storage, open_tree
 from ppe_snapshot.writing import ImageLoan
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class LocalSteps:
         else:
             self.saves.save(manager.iteration, app_state, metadata, loan.image, loan.release)
 
-    def resume(self, durable: int | None, restore: Callable[[str], None]) -> Recovered | Fallback | None:
+    def resume(self, durable: int | None, restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
         """Restore from the newest local step newer than iteration ``durable``, as :func:`recover` does; a
         failure of the tier itself is a warning and a :class:`Fallback`."""
         try:

@@ -65,8 +65,8 @@ class Resuming:
         if self._local is None:
             return None
         durable = max((c.iteration for c in candidates if c.complete and c.iteration is not None), default=None)
-        result = self._local.resume(durable, lambda path: saved_state.restore_part(
-            path, target, self._target_kind, self._rng_rank, self._reads_pickle))
+        result = self._local.resume(durable, lambda part: saved_state.restore_part(
+            part, target, self._target_kind, self._rng_rank, self._reads_pickle))
         if result is None:
             return None
         if isinstance(result, Fallback):

@@ -14,6 +14,7 @@ from typing import Any
 
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot
 from ppe_snapshot.run_dir import Candidate, CandidateKind, Unusable, load_file
+from ppe_snapshot.storage import Storage
 from ppe_snapshot.stored_snapshot import recorded
 
 logger = logging.getLogger(__name__)
@@ -103,9 +104,9 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
     _restore_opened(snap, candidate.metadata, target, kind, pg, rng_rank)
 
 
-def restore_part(path: str, target: Any, kind: str, rng_rank: int, allow_pickle: bool) -> None:
-    """Restore the one-rank snapshot at local ``path`` (a local tier's part) into ``target`` as :func:`restore`
-    does, raising :class:`~ppe_snapshot.run_dir.Unusable` when it cannot be used and nothing was touched yet."""
+def restore_part(path: str | Storage, target: Any, kind: str, rng_rank: int, allow_pickle: bool) -> None:
+    """Restore the one-rank snapshot at local ``path`` (a local tier's part; or a storage holding it in memory)
+    into ``target`` as :func:`restore` does, raising :class:`~ppe_snapshot.run_dir.Unusable` when it cannot be used and nothing was touched yet."""
     snap = Snapshot(path, pg=LOCAL, allow_pickle=allow_pickle)
     _check_readable(snap)
     _restore_opened(snap, snap.metadata, target, kind, LOCAL, rng_rank)

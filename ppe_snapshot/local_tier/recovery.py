@@ -3,9 +3,10 @@
 Every rank says which complete parts and copies it holds (:class:`~.layout.Held`); rank 0 chooses the newest
 step newer than the newest durable snapshot for which every rank has its own part or some rank holds a copy of
 it (a copy counts only for the world size it was saved with: a resharding restore comes from durable snapshots).
-The holders send the missing parts to their ranks, then every rank restores its part, every chunk checked
-against its checksum as it is read (and, where no durable snapshot exists to fall back to, the whole part checked
-before anything is loaded), and the ranks agree that all of them did. Where a rank's own part failed and another
+The holders send the missing parts to their ranks (received into memory, restored from there, and written into the
+tier directory afterwards, in the background), then every rank restores its part, every chunk checked against its
+checksum as it is read (and, where no durable snapshot exists to fall back to, the whole part checked before
+anything is loaded), and the ranks agree that all of them did. Where a rank's own part failed and another
 rank holds a copy of it, that copy is fetched and restored in a second round; where a rank still failed, every
 rank falls back to the durable snapshots together. A copy was checked against the digest of what its sender sent
 when received.
@@ -21,7 +22,7 @@ from ppe_snapshot.engine import exchange
 from ppe_snapshot.local_tier import layout, transfer
 from ppe_snapshot.local_tier.saves import RESTORE_TAGS, LocalSaves
 from ppe_snapshot.run_dir import Unusable
-from ppe_snapshot.storage import join
+from ppe_snapshot.storage import MemoryFiles, Storage, join
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,11 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
     return None
 
 
-def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str], None]) -> Recovered | Fallback | None:
-    """Restore this rank with ``restore(part_path)`` from the newest usable local step newer than iteration
-    ``durable`` (every rank calls it); None where there is none. ``restore`` raises
-    :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
+def recover(saves: LocalSaves, durable: int | None,
+            restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
+    """Restore this rank with ``restore(part)`` (the part's path, or a storage holding it in memory) from the newest
+    usable local step newer than iteration ``durable`` (every rank calls it); None where there is none.
+    ``restore`` raises :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
     ranks = saves.ranks
     start = time.perf_counter()
     try:
@@ -117,20 +119,22 @@ def _by_rank(plan: dict[str, int]) -> dict[int, int]:
 
 
 def _fetch_and_restore(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int, durable: int | None,
-                       restore: Callable[[str], None] | None) -> list[Any] | None:
+                       restore: Callable[[str | Storage], None] | None) -> list[Any] | None:
     """Fetch the parts of ``step`` that ``fetch`` names, then restore this rank's part with ``restore`` (None: this
     rank only helps fetch); None when this rank did its share, else ``[why, whether its state was touched]``."""
-    problem = _fetch(saves, step, fetch, tag)
+    problem, source = _fetch(saves, step, fetch, tag)
     if restore is None:
         return None if problem is None else [problem, False]
     if problem is None and durable is None:  # nothing to fall back to: every checksum checked before any load
-        problem = transfer.verified(saves.part_path(step))
+        problem = transfer.verified(source)
     if problem is not None:
         return [problem, False]
     try:
-        restore(saves.part_path(step))
+        restore(source)
     except Exception as e:  # noqa: BLE001 - every rank falls back together
         return [f"{type(e).__name__}: {e}", not isinstance(e, Unusable)]
+    if isinstance(source, MemoryFiles):  # the node holds its part again, written in the background
+        saves.keep_received(step, source)
     return None
 
 
@@ -140,24 +144,27 @@ def _failures(group: Any, mine: list[Any] | None, tag: int) -> dict[int, tuple[s
     return {rank: (doc[0], bool(doc[1])) for rank, doc in enumerate(docs) if doc is not None}
 
 
-def _fetch(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int) -> str | None:
-    """The parts of ``step`` the plan fetches, each from its holder to its rank (marked there as the rank's own;
-    its checksums are checked as it is restored); what went wrong on this rank, or None."""
-    ranks, problem = saves.ranks, None
+def _fetch(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int) -> tuple[str | None, str | Storage]:
+    """The parts of ``step`` the plan fetches, each from its holder to its rank, received into memory (or, where
+    it does not fit, into the tier directory, marked there as the rank's own); its checksums are checked as it is
+    restored. Returns what went wrong on this rank (or None) and where this rank's part is."""
+    ranks, problem, source = saves.ranks, None, saves.part_path(step)
     for rank, holder in sorted(fetch.items()):
         if ranks.rank == holder:
             transfer.move(ranks.group, tag, (rank, join(saves.directory, layout.copy_of(step, rank))), [])
         elif ranks.rank == rank:
-            dest = saves.part_path(step)
             try:
                 layout.remove_part(saves.tree, layout.own_part(step, rank))
             except OSError as e:
                 problem = f"{type(e).__name__}: {e}"
-            problem = transfer.move(ranks.group, tag, None, [transfer.Incoming(holder, dest)])[holder] or problem
-            if problem is None:
+            incoming = transfer.Incoming(holder, source, in_memory=True)
+            problem = transfer.move(ranks.group, tag, None, [incoming])[holder] or problem
+            if incoming.received is not None:
+                source = incoming.received
+            elif problem is None:
                 try:
                     layout.write_marker(saves.tree, layout.own_part(step, rank),
                                         {"step": step, "world_size": ranks.world_size, "rank": rank})
                 except OSError as e:
                     problem = f"{type(e).__name__}: {e}"
-    return problem
+    return problem, source
