@@ -3,21 +3,26 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ppe_snapshot.engine import LOCAL, Snapshot, StateDict
-from ppe_snapshot.local_tier import LocalSaves, Ranks, recover, transfer
+from ppe_snapshot.errors import SnapshotAbortedError
+from ppe_snapshot.local_tier import LocalSaves, Ranks, recover
+from ppe_snapshot.local_tier.peer_reads import open_peer_files, serve_copy
 from ppe_snapshot.local_tier.saves import RESTORE_TAGS
-from ppe_snapshot.storage import MemoryFiles
+from ppe_snapshot.local_tier.transfer import send_doc
+
+TAG = RESTORE_TAGS
 
 
 def state(rank: int) -> dict[str, torch.Tensor]:
-    """A part's state: a large tensor (read in hashed pieces), a small one, an empty one."""
+    """A part's state: a large tensor (read in several messages and hashed pieces), a small one, an empty one."""
     g = torch.Generator().manual_seed(rank)
-    return {"big": torch.randn((3 << 18) + 5, generator=g), "small": torch.arange(rank, rank + 7),
+    return {"big": torch.randn((5 << 20) + 5, generator=g), "small": torch.arange(rank, rank + 7),
             "empty": torch.empty(0)}
 
 
@@ -25,34 +30,55 @@ def blank(rank: int) -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(v) for k, v in state(rank).items()}
 
 
-def part_in_memory(root: str, fits: bool) -> dict[str, Any]:
-    """Rank 1 sends its part (an engine snapshot of one rank) to rank 0, which receives it into memory (``fits``:
-    the host has the memory, else it goes into the directory named) and restores it."""
+def same(got: dict[str, torch.Tensor], rank: int) -> bool:
+    return all(torch.equal(got[k], v) for k, v in state(rank).items())
+
+
+def read_from_peer(root: str, holds: bool) -> dict[str, Any]:
+    """Rank 1 serves its copy (``holds``; else it has none) of rank 0's part; rank 0 restores from it."""
     rank, group = dist.get_rank(), dist.new_group(backend="gloo")
-    source, dest = os.path.join(root, "part"), os.path.join(root, "received")
+    path = os.path.join(root, "copy")
     if rank == 1:
-        Snapshot.take(source, {"s": StateDict(state(1))}, pg=LOCAL)
-        transfer.move(group, RESTORE_TAGS, (0, source), [])
+        if holds:
+            Snapshot.take(path, {"s": StateDict(state(0))}, pg=LOCAL)
+        serve_copy(group, 0, TAG, path if holds else None)
         return {}
-    incoming = transfer.Incoming(1, dest, in_memory=True)
-    fits_in_memory = transfer._fits_in_memory
-    if not fits:
-        transfer._fits_in_memory = lambda nbytes: False  # as on a host short of memory
+    files = open_peer_files(group, 1, TAG)
+    if files is None:
+        return {"none": True}
+    target = blank(0)
     try:
-        problem = transfer.move(group, RESTORE_TAGS, None, [incoming])[1]
+        Snapshot(files, pg=LOCAL).restore({"s": StateDict(target)})
     finally:
-        transfer._fits_in_memory = fits_in_memory
-    target = blank(1)
-    received = incoming.received
-    Snapshot(received if received is not None else dest, pg=LOCAL).restore({"s": StateDict(target)})
-    return {"problem": problem, "in_memory": isinstance(received, MemoryFiles),
-            "written": os.path.exists(dest), "same": all(torch.equal(target[k], v) for k, v in state(1).items()),
-            "files": sorted(received.files) if received is not None else None}
+        files.end()
+    return {"none": False, "same": same(target, 0), "url": files.url}
+
+
+def crafted_request(root: str) -> dict[str, Any]:
+    """Rank 0 asks rank 1 for bytes outside its copy's files: refused, and the serving ends."""
+    rank, group = dist.get_rank(), dist.new_group(backend="gloo")
+    path = os.path.join(root, "copy")
+    if rank == 1:
+        Snapshot.take(path, {"s": StateDict(state(0))}, pg=LOCAL)
+        serve_copy(group, 0, TAG, path)
+        return {}
+    files = open_peer_files(group, 1, TAG)
+    name = next(iter(files.sizes))
+    files.sizes["../outside"] = 10  # what a confused reader could ask for
+    try:
+        files.read_into("../outside", 0, memoryview(bytearray(10)))
+    except SnapshotAbortedError as e:
+        refused = str(e)
+    try:
+        files.read_into(name, 0, memoryview(bytearray(1)))
+    except SnapshotAbortedError as e:
+        ended = str(e)
+    return {"refused": refused, "ended": ended}
 
 
 def node_lost(root: str) -> dict[str, Any]:
     """Two ranks on two nodes, each the other's partner: local step 4 saved and agreed; rank 1's directory wiped;
-    both resume: rank 1 from rank 0's copy, received into memory; its part is written back into its directory."""
+    both resume: rank 1 from rank 0's copy, read over the group."""
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo")
     ranks = Ranks(rank, 2, group, partner=1 - rank, wards=(1 - rank,))
@@ -73,10 +99,7 @@ def node_lost(root: str) -> dict[str, Any]:
         Snapshot(part, pg=LOCAL).restore({"s": StateDict(target)})
     result = recover(saves, None, restore)
     saves.finish()
-    written = saves.part_path(4)
-    again = blank(rank)
-    Snapshot(written, pg=LOCAL).restore({"s": StateDict(again)})
-    return {"step": result.step, "source": result.source, "restored_from": sources,
-            "same": all(torch.equal(target[k], v) for k, v in state(rank).items()),
-            "marked": os.path.exists(f"{written}.complete"),
-            "written_same": all(torch.equal(again[k], v) for k, v in state(rank).items())}
+    if not hasattr(result, "step"):
+        return {"fallback": result.reason}
+    return {"step": result.step, "source": result.source, "path": result.path, "restored_from": sources,
+            "same": same(target, rank), "threads": [t.name for t in threading.enumerate()]}

@@ -140,7 +140,9 @@ def test_a_node_lost_resumes_from_the_partners_copies(tmp_path, uninterrupted):
     spec = spec_for(tmp_path, "sharded", kill={"2": 13, "3": 13}, complete=12)
     out = kill_and_resume(tmp_path, spec, 4, per_node=2, wipe=[1])
     assert_same_end(ends(tmp_path, 4), uninterrupted("sharded", 4, 2))
-    assert resumed(tmp_path, 4) == [part(tmp_path, 12, r, per_node=2) for r in range(4)]
+    # ranks 2 and 3 read their parts straight from the copies ranks 0 and 1 hold on node 0
+    copies = [str(tmp_path / "node0" / "step_12" / f"copy-rank{r}") for r in (2, 3)]
+    assert resumed(tmp_path, 4) == [part(tmp_path, 12, 0, 2), part(tmp_path, 12, 1, 2), *copies]
     assert "(a partner copy from rank 0" in out[2][1] and "(a partner copy from rank 1" in out[3][1]
     assert "(its own local part" in out[0][1]
 
@@ -180,7 +182,7 @@ def test_a_damaged_local_part_is_restored_from_its_partner_copy(tmp_path, uninte
     spec = spec_for(tmp_path, "distributed", kill={"1": 11}, complete=10)
     out = kill_and_resume(tmp_path, spec, 2, between=lambda: _flip_a_bit(tmp_path / "node1" / "step_10" / "rank1"))
     assert_same_end(ends(tmp_path, 2), uninterrupted("distributed", 2))
-    assert resumed(tmp_path, 2) == [part(tmp_path, 10, r) for r in range(2)]
+    assert resumed(tmp_path, 2) == [part(tmp_path, 10, 0), str(tmp_path / "node0" / "step_10" / "copy-rank1")]
     assert "local step 10: this rank's own part failed (CorruptSnapshotError" in out[1][1]
     assert "resumed from local step 10 (a partner copy from rank 0" in out[1][1]
     assert "resumed from local step 10 (its own local part" in out[0][1]

@@ -1,6 +1,8 @@
-"""A partner's copy fetched at restore: received into memory, restored from there, written back in the
-background; and the reads behind it (files held in memory, large chunks hashed piece by piece)."""
+"""A partner's copy read at restore by the rank whose part it is, over real gloo groups, straight into its tensors;
+and the reads behind every restore (large chunks hashed piece by piece)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -9,64 +11,25 @@ import _tier_workers as w
 from ppe_snapshot.engine import LOCAL, Snapshot, StateDict
 from ppe_snapshot.engine._files import reads
 from ppe_snapshot.errors import CorruptSnapshotError
-from ppe_snapshot.storage import MemoryFiles, open_storage
+from ppe_snapshot.storage import open_storage
 
 
-def _files_of(path) -> list[tuple[str, int]]:
-    return sorted((str(p.relative_to(path)), p.stat().st_size) for p in path.rglob("*") if p.is_file())
-
-
-def _in_memory(path) -> MemoryFiles:
-    """The snapshot at ``path`` as files held in one buffer, as a fetched part is."""
-    files = _files_of(path)
-    buffer = bytearray(sum(size for _, size in files))
-    at = 0
-    for name, size in files:
-        buffer[at:at + size] = (path / name).read_bytes()
-        at += size
-    return MemoryFiles(f"{path}-in-memory", memoryview(buffer), files)
-
-
-def test_a_snapshot_restores_from_files_held_in_memory(tmp_path):
-    Snapshot.take(str(tmp_path / "s"), {"s": StateDict(w.state(0))}, pg=LOCAL)
-    held = _in_memory(tmp_path / "s")
-    target = w.blank(0)
-    Snapshot(held, pg=LOCAL).restore({"s": StateDict(target)})
-    assert all(torch.equal(target[k], v) for k, v in w.state(0).items())
-    assert Snapshot(held).path == f"{tmp_path / 's'}-in-memory"
-
-
-def test_files_held_in_memory_are_read_only_and_bounded():
-    held = MemoryFiles("mem://part", memoryview(bytearray(b"abcdefgh")), [("a", 3), ("d/b", 5)])
-    out = bytearray(4)
-    held.read_vectored("d/b", 1, [memoryview(out)[:2], memoryview(out)[2:]])
-    assert bytes(out) == b"efgh" and held.read_bytes("a") == b"abc"
-    assert held.exists("") and held.exists("d") and not held.exists("e") and held.is_file("a")
-    with pytest.raises(EOFError, match="holds 3 bytes"):
-        held.read_into("a", 1, memoryview(bytearray(3)))
-    with pytest.raises(FileNotFoundError):
-        held.read_bytes("c")
-    with pytest.raises(PermissionError, match="read-only"):
-        held.open_writer("a")
-    with pytest.raises(ValueError, match="the files hold 9 bytes"):
-        MemoryFiles("mem://part", memoryview(bytearray(8)), [("a", 9)])
-
-
-@pytest.mark.parametrize("where", ["disk", "memory"])
-def test_a_large_chunk_damaged_in_any_piece_is_refused(tmp_path, where):
+def test_a_large_chunk_damaged_in_any_piece_is_refused(tmp_path):
     """A chunk of several ``HASHED_PIECE``s is read and hashed piece by piece: a flipped byte in its third piece
-    (past what a check of the first piece alone would see) is a checksum mismatch naming the file."""
+    is a checksum mismatch naming the file, on both read paths (a restore's batch, a single read)."""
     state = {"big": torch.arange(3 * reads.HASHED_PIECE // 4 + 5, dtype=torch.float32)}  # 4 pieces, the last short
     Snapshot.take(str(tmp_path / "s"), {"s": StateDict(state)}, pg=LOCAL)
+    target = {"big": torch.zeros_like(state["big"])}
+    Snapshot(str(tmp_path / "s"), pg=LOCAL).restore({"s": StateDict(target)})
+    assert torch.equal(target["big"], state["big"])
     data = next(p for p in (tmp_path / "s").rglob("*.bin"))
     raw = bytearray(data.read_bytes())
     raw[2 * reads.HASHED_PIECE + 5] ^= 1
     data.write_bytes(bytes(raw))
-    source = str(tmp_path / "s") if where == "disk" else _in_memory(tmp_path / "s")
     with pytest.raises(CorruptSnapshotError, match=r"checksum mismatch in .*\.bin at bytes"):
-        Snapshot(source, pg=LOCAL).restore({"s": StateDict({"big": torch.zeros_like(state["big"])})})
+        Snapshot(str(tmp_path / "s"), pg=LOCAL).restore({"s": StateDict(target)})
     with pytest.raises(CorruptSnapshotError, match="checksum mismatch"):
-        Snapshot(source, pg=LOCAL).read_object("s/big")
+        Snapshot(str(tmp_path / "s"), pg=LOCAL).read_object("s/big")
 
 
 def test_large_chunks_are_read_in_pieces_only_where_small_reads_are_cheap(tmp_path):
@@ -74,18 +37,27 @@ def test_large_chunks_are_read_in_pieces_only_where_small_reads_are_cheap(tmp_pa
     assert not open_storage("memory://somewhere").small_reads_cheap  # an fsspec store: one request per chunk
 
 
-@pytest.mark.parametrize("fits", [True, False])
-def test_a_part_received_into_memory_restores_bit_exact(tmp_path, dist_run, fits):
-    got = dist_run(w.part_in_memory, 2, str(tmp_path), fits)[0]
-    assert got["problem"] is None and got["same"]
-    assert got["in_memory"] is fits and got["written"] is not fits  # short of memory: into the directory
-    if fits:
-        assert got["files"] == [name for name, _ in _files_of(tmp_path / "part")]
+@pytest.mark.parametrize("holds", [True, False])
+def test_a_part_is_restored_from_a_partners_copy_over_the_group(tmp_path, dist_run, holds):
+    got = dist_run(w.read_from_peer, 2, str(tmp_path), holds)[0]
+    if holds:
+        assert got == {"none": False, "same": True, "url": os.path.join(str(tmp_path), "copy")}
+    else:
+        assert got == {"none": True}
 
 
-def test_a_lost_nodes_part_is_restored_from_memory_and_written_back(tmp_path, dist_run):
+def test_a_read_outside_the_copy_is_refused_and_ends_the_serving(tmp_path, dist_run):
+    got = dist_run(w.crafted_request, 2, str(tmp_path))[0]
+    assert got["refused"].startswith("rank 1 refused to send bytes 0.. of ")
+    assert got["ended"].startswith("no more reads of ") and "refused" in got["ended"]
+
+
+def test_a_lost_nodes_part_is_read_from_the_partners_copy(tmp_path, dist_run):
     lost = dist_run(w.node_lost, 2, str(tmp_path))
-    assert [r["step"] for r in lost] == [4, 4]
+    assert [r.get("step") for r in lost] == [4, 4], lost
     assert lost[0]["source"] == "its own local part" and lost[0]["restored_from"] == ["str"]
-    assert lost[1]["source"] == "a partner copy from rank 0" and lost[1]["restored_from"] == ["MemoryFiles"]
-    assert all(r["same"] and r["marked"] and r["written_same"] for r in lost)
+    assert lost[0]["path"] == str(tmp_path / "node0" / "step_4" / "rank0")
+    assert lost[1]["source"] == "a partner copy from rank 0" and lost[1]["restored_from"] == ["PeerFiles"]
+    assert lost[1]["path"] == str(tmp_path / "node0" / "step_4" / "copy-rank1")
+    assert all(r["same"] for r in lost)
+    assert not any("serve" in name for r in lost for name in r["threads"])  # the holder's serving thread ended

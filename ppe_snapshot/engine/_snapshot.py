@@ -30,7 +30,7 @@ class Snapshot:
 
     def __init__(self, path: str | Storage, pg: Any = None, storage_options: dict[str, Any] | None = None, *,
                  allow_pickle: bool = False) -> None:
-        """``path``: where the snapshot is, or a storage already open on it (files held in memory, say)."""
+        """``path``: where the snapshot is, or a storage already open on it (a copy read over the network, say)."""
         self._opened = path if isinstance(path, Storage) else None
         self.path = path.url if isinstance(path, Storage) else str(path)
         self.pg = pg

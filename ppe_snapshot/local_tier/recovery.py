@@ -3,26 +3,28 @@
 Every rank says which complete parts and copies it holds (:class:`~.layout.Held`); rank 0 chooses the newest
 step newer than the newest durable snapshot for which every rank has its own part or some rank holds a copy of
 it (a copy counts only for the world size it was saved with: a resharding restore comes from durable snapshots).
-The holders send the missing parts to their ranks (received into memory, restored from there, and written into the
-tier directory afterwards, in the background), then every rank restores its part, every chunk checked against its
-checksum as it is read (and, where no durable snapshot exists to fall back to, the whole part checked before
-anything is loaded), and the ranks agree that all of them did. Where a rank's own part failed and another
-rank holds a copy of it, that copy is fetched and restored in a second round; where a rank still failed, every
-rank falls back to the durable snapshots together. A copy was checked against the digest of what its sender sent
-when received.
+Every rank restores its part: its own, or the copy a partner holds, read over the side group straight into its
+tensors while the holder serves it (:mod:`.peer_reads`); every chunk is checked against its checksum as it is read
+(and, where no durable snapshot exists to fall back to, the whole part checked before anything is loaded), and the
+ranks agree that all of them did. Where a rank's own part failed and another rank holds a copy of it, that copy is
+read and restored in a second round; where a rank still failed, every rank falls back to the durable snapshots
+together. A copy was checked against the digest of what its sender sent when it was made.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ppe_snapshot.engine import exchange
+from ppe_snapshot.errors import SnapshotAbortedError
 from ppe_snapshot.local_tier import layout, transfer
+from ppe_snapshot.local_tier.peer_reads import PeerFiles, open_peer_files, serve_copy
 from ppe_snapshot.local_tier.saves import RESTORE_TAGS, LocalSaves
 from ppe_snapshot.run_dir import Unusable
-from ppe_snapshot.storage import MemoryFiles, Storage, join
+from ppe_snapshot.storage import Storage, join
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
 
 def recover(saves: LocalSaves, durable: int | None,
             restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
-    """Restore this rank with ``restore(part)`` (the part's path, or a storage holding it in memory) from the newest
+    """Restore this rank with ``restore(part)`` (the part's path, or a storage reading a partner's copy) from the newest
     usable local step newer than iteration ``durable`` (every rank calls it); None where there is none.
     ``restore`` raises :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
     ranks = saves.ranks
@@ -95,7 +97,7 @@ def recover(saves: LocalSaves, durable: int | None,
     if plan is None:
         return None
     step, fetch, spare = plan["step"], _by_rank(plan["fetch"]), _by_rank(plan["spare"])
-    mine = _fetch_and_restore(saves, step, fetch, _FETCH, durable, restore)
+    mine, where = _fetch_and_restore(saves, step, fetch, _FETCH, durable, restore)
     failed = _failures(ranks.group, mine, _OUTCOME)
     touched = any(t for _, t in failed.values())
     retry = {rank: spare[rank] for rank in failed if rank in spare}
@@ -103,7 +105,9 @@ def recover(saves: LocalSaves, durable: int | None,
         if ranks.rank in retry:
             logger.warning("local step %d: this rank's own part failed (%s); restoring the copy rank %d holds",
                            step, failed[ranks.rank][0], retry[ranks.rank])
-        mine = _fetch_and_restore(saves, step, retry, _REFETCH, durable, restore if ranks.rank in retry else None)
+        mine, again = _fetch_and_restore(saves, step, retry, _REFETCH, durable,
+                                         restore if ranks.rank in retry else None)
+        where = again if ranks.rank in retry else where
         failed = _failures(ranks.group, mine, _REOUTCOME)
         touched |= any(t for _, t in failed.values())
         fetch = {**fetch, **retry}
@@ -111,7 +115,7 @@ def recover(saves: LocalSaves, durable: int | None,
         why = "; ".join(f"rank {rank}: {reason}" for rank, (reason, _) in sorted(failed.items()))
         return Fallback(f"local step {step}: {why}", touched)
     source = f"a partner copy from rank {fetch[ranks.rank]}" if ranks.rank in fetch else "its own local part"
-    return Recovered(step, saves.part_path(step), source, time.perf_counter() - start)
+    return Recovered(step, where, source, time.perf_counter() - start)
 
 
 def _by_rank(plan: dict[str, int]) -> dict[int, int]:
@@ -119,52 +123,76 @@ def _by_rank(plan: dict[str, int]) -> dict[int, int]:
 
 
 def _fetch_and_restore(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int, durable: int | None,
-                       restore: Callable[[str | Storage], None] | None) -> list[Any] | None:
-    """Fetch the parts of ``step`` that ``fetch`` names, then restore this rank's part with ``restore`` (None: this
-    rank only helps fetch); None when this rank did its share, else ``[why, whether its state was touched]``."""
-    problem, source = _fetch(saves, step, fetch, tag)
-    if restore is None:
-        return None if problem is None else [problem, False]
-    if problem is None and durable is None:  # nothing to fall back to: every checksum checked before any load
-        problem = transfer.verified(source)
-    if problem is not None:
-        return [problem, False]
+                       restore: Callable[[str | Storage], None] | None) -> tuple[list[Any] | None, str]:
+    """Restore this rank's part of ``step`` with ``restore`` (None: this rank only serves copies), read from the
+    partner's copy that ``fetch`` names for it, else from its own part, while serving the copies this rank holds of
+    the others ``fetch`` names. Returns None when this rank did its share, else ``[why, whether its state was
+    touched]``; and where its part was read."""
+    ranks = saves.ranks
+    serving = [_Serving(ranks.group, rank, tag, join(saves.directory, layout.copy_of(step, rank)))
+               for rank, holder in sorted(fetch.items()) if holder == ranks.rank]
+    where = [saves.part_path(step)]
     try:
+        if restore is None:
+            return None, where[0]
+        return _restore_part(saves, step, fetch.get(ranks.rank), tag, durable, restore, where), where[0]
+    finally:
+        for work in serving:
+            work.join()
+
+
+def _restore_part(saves: LocalSaves, step: int, holder: int | None, tag: int, durable: int | None,
+                  restore: Callable[[str | Storage], None], where: list[str]) -> list[Any] | None:
+    """Restore this rank's part of ``step``: its own, or (``holder``) the copy that rank holds, read over the side
+    group (:mod:`.peer_reads`; ``where[0]`` set to the copy's path); None, or ``[why, whether the state was
+    touched]``."""
+    source: str | PeerFiles | None = saves.part_path(step)
+    if holder is not None:
+        try:
+            layout.remove_part(saves.tree, layout.own_part(step, saves.ranks.rank))  # a part that failed
+        except OSError as e:
+            logger.warning("local step %d: %s: %s", step, type(e).__name__, e)
+        try:
+            source = open_peer_files(saves.ranks.group, holder, tag)
+        except SnapshotAbortedError as e:
+            return [str(e), False]
+        if source is None:
+            return [f"rank {holder} had no copy of this rank's part to send", False]
+        where[0] = source.url
+    try:
+        if durable is None:  # nothing to fall back to: every checksum checked before any load
+            problem = transfer.verified(source)
+            if problem is not None:
+                return [problem, False]
         restore(source)
     except Exception as e:  # noqa: BLE001 - every rank falls back together
         return [f"{type(e).__name__}: {e}", not isinstance(e, Unusable)]
-    if isinstance(source, MemoryFiles):  # the node holds its part again, written in the background
-        saves.keep_received(step, source)
+    finally:
+        if isinstance(source, PeerFiles):
+            source.end()
     return None
+
+
+class _Serving:
+    """This rank serving its copy of rank ``peer``'s part (at ``path``) to it, in a thread of its own."""
+
+    def __init__(self, group: Any, peer: int, tag: int, path: str) -> None:
+        self.peer, self.path = peer, path
+        self._thread = threading.Thread(target=self._run, args=(group, tag), name="ppe-snapshot-local-tier-serve",
+                                         daemon=True)
+        self._thread.start()
+
+    def _run(self, group: Any, tag: int) -> None:
+        try:
+            serve_copy(group, self.peer, tag, self.path)
+        except Exception as e:  # noqa: BLE001 - the peer's own restore fails and says so
+            logger.warning("serving %s to rank %d failed: %s: %s", self.path, self.peer, type(e).__name__, e)
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def _failures(group: Any, mine: list[Any] | None, tag: int) -> dict[int, tuple[str, bool]]:
     """Every rank's failure (``rank -> (why, touched)``), the same on every rank."""
     docs = [mine] if group is None else exchange(group, mine, tag, lambda docs: docs)
     return {rank: (doc[0], bool(doc[1])) for rank, doc in enumerate(docs) if doc is not None}
-
-
-def _fetch(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int) -> tuple[str | None, str | Storage]:
-    """The parts of ``step`` the plan fetches, each from its holder to its rank, received into memory (or, where
-    it does not fit, into the tier directory, marked there as the rank's own); its checksums are checked as it is
-    restored. Returns what went wrong on this rank (or None) and where this rank's part is."""
-    ranks, problem, source = saves.ranks, None, saves.part_path(step)
-    for rank, holder in sorted(fetch.items()):
-        if ranks.rank == holder:
-            transfer.move(ranks.group, tag, (rank, join(saves.directory, layout.copy_of(step, rank))), [])
-        elif ranks.rank == rank:
-            try:
-                layout.remove_part(saves.tree, layout.own_part(step, rank))
-            except OSError as e:
-                problem = f"{type(e).__name__}: {e}"
-            incoming = transfer.Incoming(holder, source, in_memory=True)
-            problem = transfer.move(ranks.group, tag, None, [incoming])[holder] or problem
-            if incoming.received is not None:
-                source = incoming.received
-            elif problem is None:
-                try:
-                    layout.write_marker(saves.tree, layout.own_part(step, rank),
-                                        {"step": step, "world_size": ranks.world_size, "rank": rank})
-                except OSError as e:
-                    problem = f"{type(e).__name__}: {e}"
-    return problem, source

@@ -17,14 +17,13 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, StagedImage, exchange, new_staging_buffer
 from ppe_snapshot.local_tier import layout, transfer
-from ppe_snapshot.storage import MemoryFiles, Tree, join, open_storage, open_tree
+from ppe_snapshot.storage import Tree, join, open_tree
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class LocalSaves:
     def __init__(self, directory: str, ranks: Ranks, keep: int) -> None:
         self.directory, self.ranks, self.keep = directory, ranks, keep
         self.tree: Tree = open_tree(directory)
-        self._queue: queue.Queue[_Step | Callable[[], None] | None] = queue.Queue()
+        self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._slots = threading.Semaphore(1)  # one step in flight: a save waits for the previous one
         self._tags = 0
         self._buffers: list[torch.Tensor] = []
@@ -124,12 +123,6 @@ class LocalSaves:
             return buffer[:nbytes]
         return provide
 
-    def keep_received(self, step: int, part: MemoryFiles) -> None:
-        """Write ``part``, this rank's part of ``step`` fetched from a partner into memory (and restored from
-        there), into the tier directory, in the background, marked complete once written: the node holds it again.
-        Its memory is let go then. A failure is a warning (the partner still holds its copy)."""
-        self._queue.put(partial(self._write_received, step, part))
-
     def finish(self, timeout: float | None = None) -> None:
         """Let the steps in flight end (their copies and agreement), then stop the worker."""
         self._queue.put(None)
@@ -143,9 +136,6 @@ class LocalSaves:
             item = self._queue.get()
             if item is None:
                 return
-            if not isinstance(item, _Step):  # a part fetched at restore, to write
-                item()
-                continue
             try:
                 if self.stopped is None:
                     self._complete(item)
@@ -173,27 +163,6 @@ class LocalSaves:
             with self._buffers_lock:
                 self._buffers.extend(item.staged)
         return None
-
-    def _write_received(self, step: int, part: MemoryFiles) -> None:
-        name, ranks = layout.own_part(step, self.ranks.rank), self.ranks
-        try:
-            storage = open_storage(self.part_path(step))
-            for rel in part.files:
-                writer = storage.open_writer(rel, part.size(rel))
-                try:
-                    writer.write([part.view(rel)])
-                    writer.close()
-                except BaseException:
-                    writer.abort()
-                    raise
-            layout.write_marker(self.tree, name, {"step": step, "world_size": ranks.world_size, "rank": ranks.rank})
-        except Exception as e:  # noqa: BLE001 - a full tmpfs, say: the tier's own write fails alone
-            logger.warning("local step %d: this rank's part, fetched from a partner's copy, was not written into %s: "
-                           "%s: %s", step, self.directory, type(e).__name__, e)
-            try:
-                layout.remove_part(self.tree, name)
-            except OSError:
-                pass
 
     def _complete(self, item: _Step) -> None:
         """Step ``item`` to its end on this rank: nothing on this rank's files may keep it from its part of the

@@ -13,7 +13,6 @@ ring of ranks each sending to the next never waits on itself.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ import xxhash
 
 from ppe_snapshot.engine import LOCAL, Snapshot, new_staging_buffer
 from ppe_snapshot.errors import SnapshotAbortedError
-from ppe_snapshot.storage import BlobWriter, MemoryFiles, Storage, is_safe_relative, open_storage, open_tree
+from ppe_snapshot.storage import BlobWriter, Storage, is_safe_relative, open_storage, open_tree
 
 #: Bytes per message of a transfer.
 CHUNK = 16 << 20
@@ -34,13 +33,9 @@ MAX_PART = 1 << 40
 
 @dataclass
 class Incoming:
-    """A part to receive from ``peer`` into the directory ``dest`` (a local path); ``in_memory``: into one buffer
-    of this process instead, where the part fits in the memory the host has available (else into ``dest``),
-    which :func:`move` sets as :attr:`received`."""
+    """A part to receive from ``peer`` into the directory ``dest`` (a local path)."""
     peer: int
     dest: str
-    in_memory: bool = False
-    received: MemoryFiles | None = None
 
 
 def files_of(path: str) -> list[tuple[str, int]]:
@@ -59,7 +54,7 @@ def files_of(path: str) -> list[tuple[str, int]]:
     return sorted(found)
 
 
-def _check_header(doc: Any, peer: int) -> list[tuple[str, int]] | None:
+def check_header(doc: Any, peer: int) -> list[tuple[str, int]] | None:
     """The files a header from ``peer`` announces (None: the peer has no part); ``SnapshotAbortedError`` when
     the header is malformed."""
     files = doc.get("files") if isinstance(doc, dict) else None
@@ -70,13 +65,13 @@ def _check_header(doc: Any, peer: int) -> list[tuple[str, int]] | None:
     return None if doc.get("failed") else [(name, size) for name, size in files]
 
 
-def _send_doc(group: Any, doc: Any, peer: int, tag: int) -> list[Any]:
+def send_doc(group: Any, doc: Any, peer: int, tag: int) -> list[Any]:
     data = json.dumps(doc).encode()
     return [group.send([torch.tensor([len(data)], dtype=torch.int64)], peer, tag),
             group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, tag)]
 
 
-def _receive_doc(group: Any, peer: int, tag: int) -> Any:
+def receive_doc(group: Any, peer: int, tag: int) -> Any:
     size = torch.zeros(1, dtype=torch.int64)
     group.recv([size], peer, tag).wait()
     if not 0 < int(size) <= MAX_HEADER:
@@ -86,37 +81,19 @@ def _receive_doc(group: Any, peer: int, tag: int) -> Any:
     return json.loads(bytes(data.numpy()))
 
 
-class _Chunked:
-    """The files of a part as one stream of bytes, in chunks of :data:`CHUNK` bytes."""
+class _Stream:
+    """The files of a part as one stream of bytes, read or written one chunk at a time."""
 
-    def __init__(self, files: list[tuple[str, int]]) -> None:
-        self.files = files
+    def __init__(self, storage: Storage, files: list[tuple[str, int]]) -> None:
+        self.storage, self.files = storage, files
         self.total = sum(size for _, size in files)
         self.chunks = -(-self.total // CHUNK)
+        self.sizes = dict(files)
+        self._writers: dict[str, BlobWriter] = {}
         #: The xxh3_64 of the stream's bytes so far, as sent or as received.
         self.digest = xxhash.xxh3_64()
         #: What failed on this side (the transfer goes on to its end, so the peer is never left waiting).
         self.problem: str | None = None
-
-    def chunk_bytes(self, index: int) -> int:
-        return min(CHUNK, self.total - index * CHUNK)
-
-
-class _Stream(_Chunked):
-    """A part's files read or written one chunk at a time."""
-
-    def __init__(self, storage: Storage, files: list[tuple[str, int]]) -> None:
-        super().__init__(files)
-        self.storage, self.sizes = storage, dict(files)
-        self._writers: dict[str, BlobWriter] = {}
-        self._landings: list[torch.Tensor] = []
-
-    def landing(self, index: int) -> torch.Tensor:
-        """Where chunk ``index`` is received: two buffers in turn (page-aligned: the files are written straight
-        from them), so that chunk ``index + 1`` arrives while chunk ``index`` is written."""
-        if not self._landings:
-            self._landings = [new_staging_buffer(CHUNK) for _ in range(2)]
-        return self._landings[index % 2][:self.chunk_bytes(index)]
 
     def _spans(self, index: int) -> list[tuple[str, int, int, int]]:
         """(file, offset in the file, offset in the chunk, bytes) of each piece of chunk ``index``."""
@@ -128,6 +105,9 @@ class _Stream(_Chunked):
                 spans.append((name, lo - at, lo - start, hi - lo))
             at += size
         return spans
+
+    def chunk_bytes(self, index: int) -> int:
+        return min(CHUNK, self.total - index * CHUNK)
 
     def read(self, index: int, out: memoryview) -> None:
         """Chunk ``index`` into ``out``; a file that cannot be read sends zeros (the copy then fails its checks:
@@ -168,34 +148,6 @@ class _Stream(_Chunked):
             writer.abort()
 
 
-class _InMemory(_Chunked):
-    """An incoming part received straight into one buffer, its files one after another (:class:`MemoryFiles`)."""
-
-    def __init__(self, files: list[tuple[str, int]], url: str) -> None:
-        super().__init__(files)
-        self.buffer = new_staging_buffer(max(self.total, 1))[:self.total]
-        self.storage = MemoryFiles(url, memoryview(self.buffer.numpy()), files)
-
-    def landing(self, index: int) -> torch.Tensor:
-        return self.buffer[index * CHUNK:index * CHUNK + self.chunk_bytes(index)]
-
-    def write(self, index: int, data: memoryview) -> None:
-        self.digest.update(data)  # received in place
-
-    def finish(self) -> None:
-        pass
-
-
-def _fits_in_memory(nbytes: int) -> bool:
-    """Whether ``nbytes`` are at most half the host's free memory (not counting what caches hold: a conservative
-    answer)."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):  # a system that does not say
-        return False
-    return 2 * nbytes <= free
-
-
 def move(group: Any, tag: int, send: tuple[int, str | None] | None,
          receive: list[Incoming]) -> dict[int, str | None]:
     """Send the part at ``send[1]`` (None: this rank has none; its peer learns so) to rank ``send[0]``, and
@@ -217,16 +169,11 @@ def _move(group: Any, tag: int, send: tuple[int, str | None] | None,
         except OSError:  # the peer hears that there is no part
             outgoing = None
     files = [] if outgoing is None else outgoing.files
-    pending = [] if send is None else _send_doc(group, {"failed": outgoing is None, "files": files}, send[0], tag)
-    incoming: dict[int, _Stream | _InMemory | None] = {}
+    pending = [] if send is None else send_doc(group, {"failed": outgoing is None, "files": files}, send[0], tag)
+    incoming: dict[int, _Stream | None] = {}
     for part in receive:
-        files = _check_header(_receive_doc(group, part.peer, tag), part.peer)
-        if files is None:
-            incoming[part.peer] = None
-        elif part.in_memory and _fits_in_memory(sum(size for _, size in files)):
-            incoming[part.peer] = _InMemory(files, part.dest)
-        else:
-            incoming[part.peer] = _Stream(open_storage(part.dest), files)
+        files = check_header(receive_doc(group, part.peer, tag), part.peer)
+        incoming[part.peer] = None if files is None else _Stream(open_storage(part.dest), files)
     for work in pending:
         work.wait()
     _stream_chunks(group, tag, None if outgoing is None else (send[0], outgoing), incoming)
@@ -240,25 +187,22 @@ def _move(group: Any, tag: int, send: tuple[int, str | None] | None,
                 stream.problem = stream.problem or "its bytes differ from what was sent (xxh3_64 of the stream)"
     for work in sums:
         work.wait()
-    for part in receive:
-        stream = incoming[part.peer]
-        if isinstance(stream, _InMemory) and stream.problem is None:
-            part.received = stream.storage
     return {peer: "it had no part to send" if stream is None else stream.problem for peer, stream in incoming.items()}
 
 
 def _stream_chunks(group: Any, tag: int, outgoing: tuple[int, _Stream] | None,
-                   incoming: dict[int, _Stream | _InMemory | None]) -> None:
+                   incoming: dict[int, _Stream | None]) -> None:
     """Send ``outgoing``'s chunks to its peer and receive each incoming stream's, pipelined: two buffers per
     direction, so that chunk ``i + 1`` is read (or received) while chunk ``i`` is on the wire (or written).
     Every rank goes through the chunks in order, so no wait here is on a chunk a peer has not reached."""
     sending = outgoing is not None and outgoing[1].total > 0
-    # page-aligned: the files are read straight into them, with no bounce copy
+    # page-aligned: the files are read and written straight from them, with no bounce copy
     out_buffers = [new_staging_buffer(CHUNK) for _ in range(2 if sending else 0)]
     streams = {peer: s for peer, s in incoming.items() if s is not None and s.chunks}
+    in_buffers = {peer: [new_staging_buffer(CHUNK) for _ in range(2)] for peer in streams}
 
     def receive(peer: int, index: int) -> tuple[torch.Tensor, Any]:
-        view = streams[peer].landing(index)
+        view = in_buffers[peer][index % 2][: streams[peer].chunk_bytes(index)]
         return view, group.recv([view], peer, tag)
 
     posted = {peer: receive(peer, 0) for peer in streams}
@@ -288,8 +232,8 @@ def _as_tensor(digest: int) -> torch.Tensor:
 
 
 def verified(path: str | Storage) -> str | None:
-    """None when the part at ``path`` (or held by a storage) is a committed snapshot whose every chunk matches its
-    checksum, else what is wrong."""
+    """None when the part at ``path`` (or read through a storage) is a committed snapshot whose every chunk matches
+    its checksum, else what is wrong."""
     try:
         Snapshot(path, pg=LOCAL).verify(deep=True)
     except Exception as e:  # noqa: BLE001 - any failure means the copy is not usable

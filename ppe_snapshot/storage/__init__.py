@@ -15,7 +15,6 @@ from ppe_snapshot.storage.base import (
     BlobWriter, Storage, is_safe_relative, split_reference,
 )
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
-from ppe_snapshot.storage.in_memory import MemoryFiles
 from ppe_snapshot.storage.local import LocalStorage
 from ppe_snapshot.storage.pools import shared_pool
 from ppe_snapshot.storage.stores import StoreProfile, register_store
@@ -38,7 +37,7 @@ def join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if base else name
 
 
-__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "MemoryFiles", "Storage", "StoreProfile", "Tree", "Tuning",
+__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree", "Tuning",
            "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join",
            "memory_backed_dir", "open_storage", "open_tree", "open_url", "register_store", "remove_local_shadow",
            "shared_pool", "split_reference", "split_tuning", "url_to_fs"]

@@ -93,7 +93,7 @@ class Storage(abc.ABC):
     #: reader left it half idle, and four per process (eight for two ranks) made the 4 -> 2 FSDP restore 1.5x
     #: slower. Object stores ask for more (``storage/tuning.py``).
     read_workers: int = 2
-    #: Whether reads of a few hundred KiB cost about what one large read costs per byte (a local file, memory):
+    #: Whether reads of a few hundred KiB cost about what one large read costs per byte (a local file):
     #: the engine then reads a large chunk piece by piece and hashes each piece while the CPU's cache holds it,
     #: rather than reading it from memory a second time to hash it.
     small_reads_cheap: bool = False

@@ -1,0 +1,253 @@
+"""A partner's copy of a part, read by the part's rank over the side group at restore, on request: the bytes go
+straight into the rank's tensors (no file written first, no buffer of the part's size).
+
+The holder (:func:`serve_copy`, in a thread of its own while its own part is restored) sends a header (the copy's files
+and their sizes, the copy's path), then answers requests until told that the restore ended. The rank restores
+from :class:`PeerFiles`, a read-only storage whose every read is one request: the file, an offset and the sizes of
+the consecutive ranges wanted; the holder checks that they lie inside one of the copy's files, answers yes or no,
+and sends the bytes in messages of at most :data:`~.transfer.CHUNK` bytes, reading the next while the one before is
+on the wire; reads from several threads are pipelined, answered in the order they were asked. Each chunk is checked against its checksum by the engine as it is restored, as from a file.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ppe_snapshot.engine import new_staging_buffer
+from ppe_snapshot.errors import SnapshotAbortedError
+from ppe_snapshot.local_tier.transfer import CHUNK, check_header, files_of, receive_doc, send_doc
+from ppe_snapshot.storage import BlobWriter, Storage, open_storage
+
+_YES, _NO = 0, 1
+
+
+def _pieces(offset: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``(offset, bytes)`` of the messages that carry the consecutive ranges of ``sizes`` from ``offset``: each
+    range in pieces of at most ``CHUNK`` bytes (a message never spans two ranges; empty ranges send nothing)."""
+    pieces = []
+    for size in sizes:
+        pieces += [(offset + at, min(CHUNK, size - at)) for at in range(0, size, CHUNK)]
+        offset += size
+    return pieces
+
+
+def _joined(views: list[memoryview]) -> list[memoryview]:
+    """``views`` with each run of neighbours in memory (one view's end the next one's start) made one view."""
+    joined: list[tuple[int, int]] = []  # (address, bytes)
+    for view in views:
+        if not view.nbytes:
+            continue
+        at = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        if joined and joined[-1][0] + joined[-1][1] == at:
+            joined[-1] = (joined[-1][0], joined[-1][1] + view.nbytes)
+        else:
+            joined.append((at, view.nbytes))
+    return [memoryview((ctypes.c_char * n).from_address(at)).cast("B") for at, n in joined]
+
+
+class PeerFiles(Storage):
+    """The files of a part that rank ``holder`` holds a copy of, read on request over ``group`` (see the module's
+    docstring); :meth:`end` tells the holder that the restore ended.
+
+    Reads from several threads are pipelined: a read sends its request at once and receives its answer in the
+    order the requests went (the holder answers them in that order), so the holder reads the next request's first
+    bytes while the last bytes of the one before are on the wire."""
+
+    #: Two read threads: one hashes what arrived while the other's bytes are on the wire.
+    read_workers = 2
+
+    def __init__(self, group: Any, holder: int, tag: int, files: list[tuple[str, int]], url: str) -> None:
+        self.group, self.holder, self.tag, self.url = group, holder, tag, url
+        self.sizes = dict(files)
+        self._asking = threading.Lock()  # one request sent at a time, numbered in that order
+        self._turn = threading.Condition()  # the answers received in the order of the requests
+        self._asked = self._answered = 0
+        #: Why nothing more is read (the restore ended, a request was refused, the holder was cut off), or None.
+        self._closed: str | None = None
+
+    def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
+        size = self.size(rel)
+        # a tensor's chunks lie side by side: one message per 16 MiB, not one per chunk
+        wanted = _joined([view.cast("B") for view in views])
+        if offset < 0 or offset + sum(view.nbytes for view in wanted) > size:
+            raise EOFError(f"{self.url}/{rel} holds {size} bytes, expected at least "
+                           f"{offset + sum(view.nbytes for view in wanted)}")
+        with self._asking:
+            self._check_open()
+            number = self._asked
+            self._asked += 1
+            self._cut_off_on_error(lambda: [work.wait() for work in send_doc(
+                self.group, {"file": rel, "offset": offset, "sizes": [v.nbytes for v in wanted]}, self.holder,
+                self.tag)])
+        with self._turn:
+            self._turn.wait_for(lambda: self._answered == number or self._closed is not None)
+        try:
+            self._check_open()
+            self._cut_off_on_error(lambda: self._receive(rel, offset, wanted))
+        finally:
+            with self._turn:
+                self._answered += 1
+                self._turn.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise SnapshotAbortedError(f"no more reads of {self.url} from rank {self.holder}: {self._closed}")
+
+    def _cut_off_on_error(self, call: Any) -> None:
+        try:
+            call()
+        except SnapshotAbortedError as e:
+            self._close(str(e))
+            raise
+        except RuntimeError as e:  # gloo: the holder's connection closed, or a wait timed out
+            self._close(f"rank {self.holder}, which holds {self.url}, was cut off: {e}")
+            raise SnapshotAbortedError(self._closed) from e
+
+    def _close(self, why: str) -> None:
+        with self._turn:
+            self._closed = self._closed or why
+            self._turn.notify_all()
+
+    def _receive(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        answer = torch.zeros(1, dtype=torch.int64)
+        self.group.recv([answer], self.holder, self.tag).wait()
+        if int(answer) != _YES:
+            raise SnapshotAbortedError(f"rank {self.holder} refused to send bytes {offset}.. of {self.url}/{rel}")
+        for view in views:
+            for at in range(0, view.nbytes, CHUNK):
+                piece = torch.frombuffer(view[at:at + CHUNK], dtype=torch.uint8)
+                self.group.recv([piece], self.holder, self.tag).wait()
+
+    def read_into(self, rel: str, offset: int, out: memoryview) -> None:
+        self.read_vectored(rel, offset, [out])
+
+    def read_bytes(self, rel: str) -> bytes:
+        data = bytearray(self.size(rel))
+        self.read_into(rel, 0, memoryview(data))
+        return bytes(data)
+
+    def exists(self, rel: str) -> bool:
+        rel = rel.rstrip("/")
+        return not rel or rel in self.sizes or any(name.startswith(f"{rel}/") for name in self.sizes)
+
+    def is_file(self, rel: str) -> bool:
+        return rel in self.sizes
+
+    def size(self, rel: str) -> int:
+        if rel not in self.sizes:
+            raise FileNotFoundError(f"{self.url}/{rel}")
+        return self.sizes[rel]
+
+    def end(self) -> None:
+        """Tell the holder that the restore ended (once; nothing more is read). (``close``, which every read of
+        a snapshot ends with, keeps the holder serving.)"""
+        with self._asking:
+            if self._closed is not None:
+                return
+            self._close("the restore ended")
+            try:
+                for work in send_doc(self.group, {"done": True}, self.holder, self.tag):
+                    work.wait()
+            except RuntimeError:  # the holder is gone: nothing to tell
+                pass
+
+    def _read_only(self, rel: str) -> PermissionError:
+        return PermissionError(f"{self.url}/{rel}: a partner's copy is read-only")
+
+    def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:
+        raise self._read_only(rel)
+
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        raise self._read_only(rel)
+
+    def remove(self, rel: str) -> None:
+        raise self._read_only(rel)
+
+
+def open_peer_files(group: Any, holder: int, tag: int) -> PeerFiles | None:
+    """The copy rank ``holder`` serves to this rank (its header received), or None where it has none to serve."""
+    try:
+        doc = receive_doc(group, holder, tag)
+    except RuntimeError as e:
+        raise SnapshotAbortedError(f"rank {holder}, which holds a copy of this rank's part, was cut off: {e}") from e
+    files = check_header(doc, holder)
+    path = doc.get("path")
+    if files is None or not isinstance(path, str):
+        return None
+    return PeerFiles(group, holder, tag, files, path)
+
+
+def serve_copy(group: Any, peer: int, tag: int, path: str | None) -> None:
+    """Serve the copy at ``path`` (None: this rank has none) to rank ``peer``'s reads until it says the restore
+    ended; a request outside the copy's files is refused (and ends the serving). Raises
+    :class:`~ppe_snapshot.errors.SnapshotAbortedError` when the peer was cut off."""
+    try:
+        _serve(group, peer, tag, path)
+    except SnapshotAbortedError:
+        raise
+    except RuntimeError as e:  # gloo: the peer's connection closed, or a wait timed out
+        raise SnapshotAbortedError(f"rank {peer}, reading its part from this rank's copy, was cut off: {e}") from e
+
+
+def _serve(group: Any, peer: int, tag: int, path: str | None) -> None:
+    files: list[tuple[str, int]] | None = None
+    if path is not None:
+        try:
+            files = files_of(path)
+        except OSError:  # the peer hears that there is no copy
+            files = None
+    for work in send_doc(group, {"failed": files is None, "files": files or [], "path": path}, peer, tag):
+        work.wait()
+    if files is None:
+        return
+    storage, sizes = open_storage(path), dict(files)
+    sending = _Sending(group, peer, tag, storage)
+    try:
+        while True:
+            request = receive_doc(group, peer, tag)
+            if not isinstance(request, dict) or request.get("done"):
+                return
+            rel, offset, wanted = request.get("file"), request.get("offset"), request.get("sizes")
+            valid = (rel in sizes and type(offset) is int and offset >= 0 and isinstance(wanted, list)
+                     and all(type(n) is int and n >= 0 for n in wanted) and offset + sum(wanted) <= sizes[rel])
+            group.send([torch.tensor([_YES if valid else _NO], dtype=torch.int64)], peer, tag).wait()
+            if not valid:
+                return
+            for at, nbytes in _pieces(offset, wanted):
+                sending.piece(rel, at, nbytes)
+    finally:
+        sending.drain()
+
+
+class _Sending:
+    """Pieces of a copy's files sent one message each, the next read while the one before is on the wire (two
+    buffers, across requests); a piece that cannot be read goes as zeros (the reader's checksums then fail: it is
+    never left waiting)."""
+
+    def __init__(self, group: Any, peer: int, tag: int, storage: Storage) -> None:
+        self.group, self.peer, self.tag, self.storage = group, peer, tag, storage
+        self._buffers: list[torch.Tensor] = []
+        self._sent: list[Any] = []
+        self._count = 0
+
+    def piece(self, rel: str, at: int, nbytes: int) -> None:
+        if not self._buffers:
+            self._buffers = [new_staging_buffer(CHUNK) for _ in range(2)]
+        if len(self._sent) == 2:
+            self._sent.pop(0).wait()  # its buffer is the one this piece goes into
+        view = self._buffers[self._count % 2][:nbytes]
+        self._count += 1
+        try:
+            self.storage.read_into(rel, at, memoryview(view.numpy()))
+        except (OSError, EOFError):
+            view.zero_()
+        self._sent.append(self.group.send([view], self.peer, self.tag))
+
+    def drain(self) -> None:
+        sent, self._sent = self._sent, []
+        for work in sent:
+            work.wait()
