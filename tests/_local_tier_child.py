@@ -9,7 +9,8 @@ every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node
 ``spec["complete"]`` (if given) is marked complete;
 ``spec["kill_in_copy"]`` (``[rank, step]``) has that rank SIGKILL itself while it sends its part of that local
 step to its partner (after the header, before the first chunk); ``spec["flip_in_copy"]`` (``[rank, step]``) has it
-flip a bit of what it sends of that step.
+flip a bit of what it sends of that step; ``spec["kill_in_serve"]`` (a rank) has that rank SIGKILL itself when it
+first sends bytes of a copy it holds to a rank restoring from it.
 At the end it writes ``<dir>/result-rank<r>.pt``: the iteration, where autoload resumed from, the model's and the
 optimizer's state.
 """
@@ -63,6 +64,8 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
     kill_at = {int(r): i for r, i in spec.get("kill", {}).items()}.get(rank)
     if spec.get("kill_in_copy", [None])[0] == rank:
         _die_in_copy(f"step_{spec['kill_in_copy'][1]}/")
+    if spec.get("kill_in_serve") == rank:
+        _die_in_serve()
     if spec.get("flip_in_copy", [None])[0] == rank:
         _flip_in_copy(f"step_{spec['flip_in_copy'][1]}/")
     while not manager.stop_trigger:
@@ -106,6 +109,16 @@ def _die_in_copy(step: str) -> None:
         read(self, index, out)
 
     transfer._Stream.read = read_or_die
+
+
+def _die_in_serve() -> None:
+    """SIGKILL this process when it first sends bytes of a copy it holds to the rank restoring from it."""
+    from ppe_snapshot.local_tier import peer_reads
+
+    def die(self, rel, at, nbytes):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    peer_reads._Sending.piece = die
 
 
 def _flip_in_copy(step: str) -> None:

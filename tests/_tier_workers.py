@@ -14,7 +14,7 @@ from ppe_snapshot.errors import SnapshotAbortedError
 from ppe_snapshot.local_tier import LocalSaves, Ranks, recover
 from ppe_snapshot.local_tier.peer_reads import open_peer_files, serve_copy
 from ppe_snapshot.local_tier.saves import RESTORE_TAGS
-from ppe_snapshot.local_tier.transfer import send_doc
+from ppe_snapshot.local_tier.transfer import receive_doc, send_doc
 
 TAG = RESTORE_TAGS
 
@@ -74,6 +74,21 @@ def crafted_request(root: str) -> dict[str, Any]:
     except SnapshotAbortedError as e:
         ended = str(e)
     return {"refused": refused, "ended": ended}
+
+
+def crafted_header(header: dict) -> dict[str, Any]:
+    """Rank 1 sends rank 0 a copy's header that names a file outside the copy: rank 0 refuses it and tells rank 1
+    to stop serving (so that it is not left waiting for requests)."""
+    rank, group = dist.get_rank(), dist.new_group(backend="gloo")
+    if rank == 1:
+        for work in send_doc(group, header, 0, TAG):
+            work.wait()
+        return {"told": receive_doc(group, 0, TAG)}
+    try:
+        open_peer_files(group, 1, TAG)
+    except SnapshotAbortedError as e:
+        return {"error": str(e)}
+    return {}
 
 
 def node_lost(root: str) -> dict[str, Any]:

@@ -147,6 +147,22 @@ def test_a_node_lost_resumes_from_the_partners_copies(tmp_path, uninterrupted):
     assert "(its own local part" in out[0][1]
 
 
+def test_a_holder_killed_while_serving_a_copy_costs_that_restart_only(tmp_path, uninterrupted):
+    """Node 1 is lost and its directory wiped; in the restart, rank 0 dies as rank 2 reads its part from rank 0's
+    copy (the others are torn down); the next restart resumes from the same local step, bit-exact."""
+    spec = spec_for(tmp_path, "sharded", kill={"2": 13, "3": 13}, complete=12)
+    first = run_ranks(spec, 4, per_node=2)
+    assert [s for s, _ in first][2:] == [-9, -9], [out[-3000:] for _, out in first]
+    shutil.rmtree(tmp_path / "node1")
+    calm = {k: v for k, v in spec.items() if k not in ("kill", "complete")}
+    second = run_ranks({**calm, "kill_in_serve": 0}, 4, per_node=2)
+    assert second[0][0] == -9, second[0][1][-3000:]
+    third = run_ranks(calm, 4, per_node=2)
+    assert [s for s, _ in third] == [0] * 4, [out[-3000:] for _, out in third]
+    assert_same_end(ends(tmp_path, 4), uninterrupted("sharded", 4, 2))
+    assert resumed(tmp_path, 4)[2:] == [str(tmp_path / "node0" / "step_12" / f"copy-rank{r}") for r in (2, 3)]
+
+
 def test_a_rank_killed_during_a_partner_copy_leaves_the_step_incomplete(tmp_path, uninterrupted):
     """Rank 1 dies while sending its part of step 12: no rank marks step 12 complete; the run resumes from 10."""
     spec = spec_for(tmp_path, "sharded", kill_in_copy=[1, 12])

@@ -52,6 +52,12 @@ def test_a_read_outside_the_copy_is_refused_and_ends_the_serving(tmp_path, dist_
     assert got["ended"].startswith("no more reads of ") and "refused" in got["ended"]
 
 
+@pytest.mark.parametrize("header", [{"files": [["../outside", 1]], "path": "/copy"}, {"files": [], "path": 7}])
+def test_a_malformed_copy_header_is_refused_and_the_holder_told(dist_run, header):
+    got = dist_run(w.crafted_header, 2, header)
+    assert got == [{"error": "rank 1 sent a malformed part header"}, {"told": {"done": True}}]
+
+
 def test_a_lost_nodes_part_is_read_from_the_partners_copy(tmp_path, dist_run):
     lost = dist_run(w.node_lost, 2, str(tmp_path))
     assert [r.get("step") for r in lost] == [4, 4], lost

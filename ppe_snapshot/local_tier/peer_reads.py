@@ -149,11 +149,7 @@ class PeerFiles(Storage):
             if self._closed is not None:
                 return
             self._close("the restore ended")
-            try:
-                for work in send_doc(self.group, {"done": True}, self.holder, self.tag):
-                    work.wait()
-            except RuntimeError:  # the holder is gone: nothing to tell
-                pass
+            _tell_done(self.group, self.holder, self.tag)
 
     def _read_only(self, rel: str) -> PermissionError:
         return PermissionError(f"{self.url}/{rel}: a partner's copy is read-only")
@@ -169,16 +165,28 @@ class PeerFiles(Storage):
 
 
 def open_peer_files(group: Any, holder: int, tag: int) -> PeerFiles | None:
-    """The copy rank ``holder`` serves to this rank (its header received), or None where it has none to serve."""
+    """The copy rank ``holder`` serves to this rank (its header received), or None where it has none to serve.
+    A malformed header is :class:`~ppe_snapshot.errors.SnapshotAbortedError`, the holder told to stop serving."""
     try:
         doc = receive_doc(group, holder, tag)
+        files = check_header(doc, holder)
+        if files is not None and not isinstance(doc.get("path"), str):
+            raise SnapshotAbortedError(f"rank {holder} sent a malformed part header")
+    except SnapshotAbortedError:
+        _tell_done(group, holder, tag)
+        raise
     except RuntimeError as e:
         raise SnapshotAbortedError(f"rank {holder}, which holds a copy of this rank's part, was cut off: {e}") from e
-    files = check_header(doc, holder)
-    path = doc.get("path")
-    if files is None or not isinstance(path, str):
-        return None
-    return PeerFiles(group, holder, tag, files, path)
+    return None if files is None else PeerFiles(group, holder, tag, files, doc["path"])
+
+
+def _tell_done(group: Any, holder: int, tag: int) -> None:
+    """Tell ``holder`` that this rank reads no more (nothing where it is gone)."""
+    try:
+        for work in send_doc(group, {"done": True}, holder, tag):
+            work.wait()
+    except RuntimeError:
+        pass
 
 
 def serve_copy(group: Any, peer: int, tag: int, path: str | None) -> None:
