@@ -79,8 +79,8 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
 
 def recover(saves: LocalSaves, durable: int | None,
             restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
-    """Restore this rank with ``restore(part)`` (the part's path, or a storage reading a partner's copy) from the newest
-    usable local step newer than iteration ``durable`` (every rank calls it); None where there is none.
+    """Restore this rank with ``restore(part)`` (the part's path, or a storage reading a partner's copy) from the
+    newest usable local step newer than iteration ``durable`` (every rank calls it); None where there is none.
     ``restore`` raises :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
     ranks = saves.ranks
     start = time.perf_counter()
@@ -97,7 +97,7 @@ def recover(saves: LocalSaves, durable: int | None,
     if plan is None:
         return None
     step, fetch, spare = plan["step"], _by_rank(plan["fetch"]), _by_rank(plan["spare"])
-    mine, where = _fetch_and_restore(saves, step, fetch, _FETCH, durable, restore)
+    mine, where = _restore_and_serve(saves, step, fetch, _FETCH, durable, restore)
     failed = _failures(ranks.group, mine, _OUTCOME)
     touched = any(t for _, t in failed.values())
     retry = {rank: spare[rank] for rank in failed if rank in spare}
@@ -105,7 +105,7 @@ def recover(saves: LocalSaves, durable: int | None,
         if ranks.rank in retry:
             logger.warning("local step %d: this rank's own part failed (%s); restoring the copy rank %d holds",
                            step, failed[ranks.rank][0], retry[ranks.rank])
-        mine, again = _fetch_and_restore(saves, step, retry, _REFETCH, durable,
+        mine, again = _restore_and_serve(saves, step, retry, _REFETCH, durable,
                                          restore if ranks.rank in retry else None)
         where = again if ranks.rank in retry else where
         failed = _failures(ranks.group, mine, _REOUTCOME)
@@ -122,7 +122,7 @@ def _by_rank(plan: dict[str, int]) -> dict[int, int]:
     return {int(rank): holder for rank, holder in plan.items()}
 
 
-def _fetch_and_restore(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int, durable: int | None,
+def _restore_and_serve(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int, durable: int | None,
                        restore: Callable[[str | Storage], None] | None) -> tuple[list[Any] | None, str]:
     """Restore this rank's part of ``step`` with ``restore`` (None: this rank only serves copies), read from the
     partner's copy that ``fetch`` names for it, else from its own part, while serving the copies this rank holds of
@@ -131,46 +131,49 @@ def _fetch_and_restore(saves: LocalSaves, step: int, fetch: dict[int, int], tag:
     ranks = saves.ranks
     serving = [_Serving(ranks.group, rank, tag, join(saves.directory, layout.copy_of(step, rank)))
                for rank, holder in sorted(fetch.items()) if holder == ranks.rank]
-    where = [saves.part_path(step)]
     try:
         if restore is None:
-            return None, where[0]
-        return _restore_part(saves, step, fetch.get(ranks.rank), tag, durable, restore, where), where[0]
+            return None, saves.part_path(step)
+        return _restore_part(saves, step, fetch.get(ranks.rank), tag, durable, restore)
     finally:
         for work in serving:
             work.join()
 
 
 def _restore_part(saves: LocalSaves, step: int, holder: int | None, tag: int, durable: int | None,
-                  restore: Callable[[str | Storage], None], where: list[str]) -> list[Any] | None:
+                  restore: Callable[[str | Storage], None]) -> tuple[list[Any] | None, str]:
     """Restore this rank's part of ``step``: its own, or (``holder``) the copy that rank holds, read over the side
-    group (:mod:`.peer_reads`; ``where[0]`` set to the copy's path); None, or ``[why, whether the state was
-    touched]``."""
-    source: str | PeerFiles | None = saves.part_path(step)
+    group (:mod:`.peer_reads`). Returns None or ``[why, whether the state was touched]``, and where the part
+    was."""
+    source: str | PeerFiles = saves.part_path(step)
     if holder is not None:
         try:
             layout.remove_part(saves.tree, layout.own_part(step, saves.ranks.rank))  # a part that failed
         except OSError as e:
             logger.warning("local step %d: %s: %s", step, type(e).__name__, e)
         try:
-            source = open_peer_files(saves.ranks.group, holder, tag)
+            peer = open_peer_files(saves.ranks.group, holder, tag)
         except SnapshotAbortedError as e:
-            return [str(e), False]
-        if source is None:
-            return [f"rank {holder} had no copy of this rank's part to send", False]
-        where[0] = source.url
+            return [str(e), False], source
+        if peer is None:
+            return [f"rank {holder} had no copy of this rank's part to send", False], source
+        source = peer
     try:
         if durable is None:  # nothing to fall back to: every checksum checked before any load
             problem = transfer.verified(source)
             if problem is not None:
-                return [problem, False]
+                return [problem, False], _where(source)
         restore(source)
     except Exception as e:  # noqa: BLE001 - every rank falls back together
-        return [f"{type(e).__name__}: {e}", not isinstance(e, Unusable)]
+        return [f"{type(e).__name__}: {e}", not isinstance(e, Unusable)], _where(source)
     finally:
         if isinstance(source, PeerFiles):
             source.end()
-    return None
+    return None, _where(source)
+
+
+def _where(source: str | PeerFiles) -> str:
+    return source if isinstance(source, str) else source.url
 
 
 class _Serving:
