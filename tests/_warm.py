@@ -12,7 +12,8 @@ Everything else gets a plain ``subprocess.Popen``: another command (``-m``, ``-c
 not handled here, or an environment that differs from the zygote's in what an interpreter reads once at start
 (``PYTHON*`` but PYTHONPATH, locale, ``TORCH*``, OpenMP's / OpenBLAS's but OMP_NUM_THREADS). A zygote that does not
 start or dies is reported once (a warning) and every later launch is a plain Popen; the zygote stops when the
-process that started it exits (its control socket closes).
+process that started it exits (its control socket closes). ``PPE_SNAPSHOT_TESTS_WARM=0`` turns the launcher off
+(every launch a plain Popen), to compare or to rule it out.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def _eligible(args: Any, kwargs: dict[str, Any]) -> bool:
 
 def popen(args: list, **kwargs: Any):
     """``subprocess.Popen(args, **kwargs)``, started warm where it can be (see the module's docstring)."""
-    if _eligible(args, kwargs):
+    if os.environ.get("PPE_SNAPSHOT_TESTS_WARM") != "0" and _eligible(args, kwargs):
         env = {str(k): str(v) for k, v in (kwargs["env"] if kwargs.get("env") is not None else os.environ).items()}
         zygote = _get_zygote()
         if zygote is not None and _startup_env(env) == zygote.startup:
