@@ -117,3 +117,53 @@ def test_children_run_side_by_side_and_start_fast(tmp_path):
     processes = [_warm_popen([sys.executable, script, str(0.5 - i / 10), str(i)]) for i in range(4)]
     assert [p.wait(timeout=60) for p in processes] == [0, 1, 2, 3]
     assert time.monotonic() - started < 10
+
+
+def _gone(pid: int, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in "ZXx":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_zygote_that_dies_is_reported_and_plain_processes_follow(tmp_path, monkeypatch):
+    script = _script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    zygote = _warm._Zygote()
+    monkeypatch.setattr(_warm, "_zygote", zygote)  # this test's own, which it kills (restored afterwards)
+    monkeypatch.setattr(_warm, "_broken", False)
+    running = _warm_popen([sys.executable, script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert running.stdout.readline() == "up\n"
+        zygote.process.kill()
+        zygote.process.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="lost the zygote"):
+            running.wait(timeout=30)
+        with pytest.warns(RuntimeWarning, match="zygote is gone"):
+            plain = _warm.popen([sys.executable, script], stdout=subprocess.PIPE, text=True)
+        assert type(plain) is subprocess.Popen and plain.stdout.readline() == "up\n"
+        plain.kill()
+        assert plain.wait(timeout=30) == -signal.SIGKILL
+        plain.stdout.close()
+        assert type(_warm.popen([sys.executable, script], stdout=subprocess.DEVNULL)) is subprocess.Popen
+    finally:
+        os.kill(running.pid, signal.SIGKILL)  # orphaned when its zygote died
+        running.stdout.close()
+        zygote.close()
+    assert _gone(running.pid)
+
+
+def test_the_zygote_ends_with_the_process_that_started_it(tmp_path):
+    script = _script(tmp_path, "print('child')\n")
+    starter = (f"import os, subprocess, sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\nimport _warm\n"
+               f"child = _warm.popen([sys.executable, {script!r}])\nassert child.wait(timeout=60) == 0\n"
+               "print(_warm._zygote.process.pid, flush=True)\nos._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.split()
+    assert out[0] == "child" and _gone(int(out[1]))
