@@ -147,7 +147,7 @@ def run(args: list, *, timeout: Optional[float] = None, capture_output: bool = F
 
 
 class _ZygoteGone(Exception):
-    """The zygote did not take the request (no child was started)."""
+    """The zygote did not start the child."""
 
 
 class WarmPopen:
@@ -190,8 +190,11 @@ class WarmPopen:
             for fd in close_after:
                 os.close(fd)
         reply = _receive(self._conn, _REPLY_TIMEOUT)
-        if not reply.startswith(b"pid "):
-            raise RuntimeError(f"the zygote did not start {args!r} (it said {reply!r})")
+        if not reply.startswith(b"pid "):  # gone before it forked (b""), or its fork failed
+            for fd in pipes.values():
+                os.close(fd)
+            self._conn.close()
+            raise _ZygoteGone(reply.decode() or "it closed the connection")
         self.pid = int(reply.split()[1])
         for name, fd in pipes.items():
             stream = io.open(fd, "wb" if name == "stdin" else "rb")

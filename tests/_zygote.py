@@ -3,15 +3,17 @@ once and forks a child for each ``python script.py ...`` the tests ask for.
 
 Started as ``python _zygote.py CONTROL_FD``. Requests come on the control socket (SOCK_SEQPACKET): a JSON
 ``{"argv", "env", "cwd"}`` with four descriptors (the child's stdin, stdout, stderr and a socket of
-its own to the caller). On that socket the zygote answers ``pid N`` once forked, ``exited`` once the child has
-ended (it stays a zombie, as a Popen child does until waited for), and ``code N`` after the caller's ``reap``.
+its own to the caller). On that socket the zygote answers ``pid N`` once forked (``error ...`` if it could not
+fork), ``exited`` once the child has ended (it stays a zombie, as a Popen child does until waited for), and
+``code N`` after the caller's ``reap``.
 The zygote is single-threaded (it checks that before answering ``ready``) and ends when the control socket
 closes: its caller went away.
 
 A child is what ``python script.py`` would be, but for what the zygote imported already (torch,
 pytorch_pfn_extras and what they import: never ppe_snapshot, which each child imports itself under its own
 environment): signals as a fresh interpreter has them, its environment, directory, standard streams, argv and
-sys.path; torch's intra-op threads from its OMP_NUM_THREADS; the script runs as ``__main__``, and the child
+sys.path; torch's intra-op threads from its OMP_NUM_THREADS; numpy's and multiprocessing's random state drawn
+anew (not str hashes: every child has the zygote's hash seed); the script runs as ``__main__``, and the child
 then ends as the interpreter would (see ``exit_as_interpreter``).
 """
 import os
@@ -78,7 +80,14 @@ def serve(control: socket.socket):
                     return None
                 request = json.loads(message)
                 conn = socket.socket(fileno=fds[3])
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as e:  # no child: the caller starts a plain process
+                    for fd in fds[:3]:
+                        os.close(fd)
+                    conn.send(f"error {e}".encode())
+                    conn.close()
+                    continue
                 if pid == 0:
                     selector.close()
                     control.close()
@@ -157,6 +166,8 @@ def become(request: dict, fds: list[int]) -> None:
                           else len(os.sched_getaffinity(0)))
     if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator anew
         sys.modules["numpy.random"].seed()
+    if "multiprocessing.process" in sys.modules:  # and draws its own multiprocessing authkey
+        sys.modules["multiprocessing.process"].current_process().authkey = os.urandom(32)
 
 
 def run_script() -> int:
@@ -206,6 +217,7 @@ def exit_as_interpreter(status: int) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends its caller, which closes the control socket
     gc.collect()
     gc.freeze()  # the children's collections leave the zygote's objects (and their pages) alone
     forked = serve(socket.socket(fileno=int(sys.argv[1])))
