@@ -54,7 +54,7 @@ class _Zygote:
         env["OMP_NUM_THREADS"] = "1"  # no OpenMP / OpenBLAS thread may exist when it forks
         self.startup = _startup_env(env)
         try:
-            self.process = subprocess.Popen([sys.executable, ZYGOTE, str(theirs.fileno())], env=env,
+            self.process = subprocess.Popen([sys.executable, ZYGOTE, str(theirs.fileno())], env=env, cwd="/",
                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL)
         finally:
@@ -71,6 +71,12 @@ class _Zygote:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _receive(sock: socket.socket, timeout: float) -> bytes:
@@ -175,7 +181,8 @@ class WarmPopen:
             elif how == subprocess.STDOUT:
                 theirs[index] = theirs[1]
         self._conn, conn_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = json.dumps({"argv": args, "env": env, "cwd": None if cwd is None else os.fspath(cwd)}).encode()
+        request = json.dumps({"argv": args, "env": env, "cwd": os.getcwd() if cwd is None else os.fspath(cwd),
+                              "umask": _umask()}).encode()
         try:
             try:
                 with zygote.lock:

@@ -2,7 +2,7 @@
 once and forks a child for each ``python script.py ...`` the tests ask for.
 
 Started as ``python _zygote.py CONTROL_FD``. Requests come on the control socket (SOCK_SEQPACKET): a JSON
-``{"argv", "env", "cwd"}`` with four descriptors (the child's stdin, stdout, stderr and a socket of
+``{"argv", "env", "cwd", "umask"}`` with four descriptors (the child's stdin, stdout, stderr and a socket of
 its own to the caller). On that socket the zygote answers ``pid N`` once forked (``error ...`` if it could not
 fork), ``exited`` once the child has ended (it stays a zombie, as a Popen child does until waited for), and
 ``code N`` after the caller's ``reap``.
@@ -11,8 +11,8 @@ closes: its caller went away.
 
 A child is what ``python script.py`` would be, but for what the zygote imported already (torch,
 pytorch_pfn_extras and what they import: never ppe_snapshot, which each child imports itself under its own
-environment): signals as a fresh interpreter has them, its environment, directory, standard streams, argv and
-sys.path; torch's intra-op threads from its OMP_NUM_THREADS; numpy's and multiprocessing's random state drawn
+environment): signals as a fresh interpreter has them, its environment, directory, umask, standard streams, argv
+and sys.path; torch's intra-op threads from its OMP_NUM_THREADS; numpy's and multiprocessing's random state drawn
 anew (not str hashes: every child has the zygote's hash seed); the script runs as ``__main__``, and the child
 then ends as the interpreter would (see ``exit_as_interpreter``).
 """
@@ -144,8 +144,8 @@ def become(request: dict, fds: list[int]) -> None:
             signal.signal(sig, handler)
     os.environ.clear()
     os.environ.update(request["env"])
-    if request["cwd"] is not None:
-        os.chdir(request["cwd"])
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds):

@@ -39,6 +39,19 @@ def test_exit_status_argv_cwd_env_and_stdout(tmp_path):
     assert out == f"{[script, 'a', 'b c']} {work} seen __main__ {script} {tmp_path}\n"
 
 
+def test_the_callers_directory_and_umask_by_default(tmp_path, monkeypatch):
+    script = _script(tmp_path, "import os\nprint(os.getcwd(), oct(os.umask(0)))\n")
+    assert _warm_popen([sys.executable, script], stdout=subprocess.DEVNULL).wait(timeout=60) == 0  # zygote up
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    mask = os.umask(0o027)
+    try:
+        done = _warm.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    finally:
+        os.umask(mask)
+    assert (done.returncode, done.stdout) == (0, f"{tmp_path / 'here'} 0o27\n"), done.stderr
+
+
 def test_an_uncaught_exception_is_exit_status_1_with_its_traceback_on_stderr(tmp_path):
     script = _script(tmp_path, "import sys\nprint('out')\ndef f():\n    raise ValueError('boom')\nf()\n")
     done = _warm.run([sys.executable, script], capture_output=True, text=True, timeout=60)
