@@ -59,10 +59,13 @@ class _Zygote:
                                             stdout=subprocess.DEVNULL)
         finally:
             theirs.close()
-        ready = _receive(self.control, _READY_TIMEOUT)
-        if ready != b"ready 1":
+        try:
+            ready = _receive(self.control, _READY_TIMEOUT)
+            if ready != b"ready 1":
+                raise RuntimeError(f"it said {ready!r}")
+        except BaseException:
             self.close()
-            raise RuntimeError(f"the zygote did not start (it said {ready!r})")
+            raise
 
     def close(self) -> None:
         self.control.close()

@@ -180,3 +180,16 @@ def test_the_zygote_ends_with_the_process_that_started_it(tmp_path):
     assert done.returncode == 0, done.stderr
     out = done.stdout.split()
     assert out[0] == "child" and _gone(int(out[1]))
+
+
+def test_a_zygote_that_does_not_start_leaves_plain_processes(tmp_path, monkeypatch):
+    broken = tmp_path / "zygote.py"
+    broken.write_text("import sys\nsys.exit('no torch here')\n")
+    script = _script(tmp_path, "print('hi')\n")
+    monkeypatch.setattr(_warm, "ZYGOTE", str(broken))
+    monkeypatch.setattr(_warm, "_zygote", None)  # this process's zygote is restored afterwards
+    monkeypatch.setattr(_warm, "_broken", False)
+    with pytest.warns(RuntimeWarning, match="zygote did not start"):
+        process = _warm.popen([sys.executable, script], stdout=subprocess.PIPE)
+    assert type(process) is subprocess.Popen
+    assert process.communicate(timeout=60) == (b"hi\n", None) and process.returncode == 0
