@@ -191,12 +191,13 @@ def run_trial(spec: dict, world_size: int = 3, timeout: float = 120.0) -> dict:
     ``{"ranks": {rank: record or None}, "killed": {...} or None, "returncodes": [...]}``."""
     import subprocess
 
+    import _warm
     from _dist import free_port
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r), str(world_size), str(port),
-                               json.dumps(spec)], env=env) for r in range(world_size)]
+    procs = [_warm.popen([sys.executable, os.path.abspath(__file__), str(r), str(world_size), str(port),
+                          json.dumps(spec)], env=env) for r in range(world_size)]
     deadline = time.monotonic() + timeout
     try:
         for p in procs:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import _crash_child as child
+import _warm
 from _dist import WORKER_ENV, free_port
 from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict, retention
 
@@ -33,8 +34,8 @@ DEADLINE_S = 60.0
 
 
 def _spawn(args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **WORKER_ENV, **env})
+    return _warm.popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, env={**os.environ, **WORKER_ENV, **env})
 
 
 def _wait_until(ready: Callable[[], bool], what: str, procs: list[subprocess.Popen]) -> None:
@@ -223,8 +224,8 @@ def test_kill_during_incremental_saves_and_prunes_leaves_every_snapshot_restorab
     env = {**os.environ, **WORKER_ENV, "PPE_SNAPSHOT_BLOCK_KB": "4"}
     newest = 0
     for kill in range(3):
-        proc = subprocess.Popen([sys.executable, child.__file__, "incremental", str(root), "60"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = _warm.popen([sys.executable, child.__file__, "incremental", str(root), "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
             deadline = time.monotonic() + 60
             while not (root.exists() and any(p.name.startswith("snapshot_iter_") and (p / "manifest.json").exists()
@@ -242,8 +243,8 @@ def test_kill_during_incremental_saves_and_prunes_leaves_every_snapshot_restorab
         iterations = _listed_restore(root)
         assert iterations and max(iterations) > newest
         newest = max(iterations)
-    done = subprocess.run([sys.executable, child.__file__, "incremental", str(root), str(newest + 3)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = _warm.run([sys.executable, child.__file__, "incremental", str(root), str(newest + 3)],
+                     capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert _listed_restore(root) == [newest + 2, newest + 3]
     kept = {c.name: c for c in retention.list_snapshots(str(root), "snapshot_iter_{.iteration}")}

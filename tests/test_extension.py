@@ -5,7 +5,6 @@ import inspect
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import uuid
 import warnings
@@ -20,6 +19,7 @@ import ppe_snapshot
 from ppe_snapshot import Snapshot, SnapshotError, SnapshotMode, snapshot, snapshot_object
 from ppe_snapshot.storage import join
 
+import _warm
 from _extension_workers import WRITERS, Crash, Run, assert_same, flip_byte, make_writer, snapshot_names
 
 ITERS = 10
@@ -159,8 +159,8 @@ def test_resume_restores_global_rng_without_rng_in_the_target(tmp_path, writer, 
 
 def test_resume_after_sigkill_mid_run(tmp_path, straight):
     out = str(tmp_path)
-    child = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_extension_workers.py"),
-                            out, str(ITERS), "7", "ThreadWriter"], capture_output=True, text=True, timeout=120)
+    child = _warm.run([sys.executable, os.path.join(os.path.dirname(__file__), "_extension_workers.py"),
+                       out, str(ITERS), "7", "ThreadWriter"], capture_output=True, text=True, timeout=120)
     assert child.returncode == -9, child.stderr
     # Killed in iteration 8: the save of iteration 6 may still have been in flight.
     committed = [it for it in _iterations(tmp_path) if (tmp_path / f"snapshot_iter_{it}" / "manifest.json").exists()]

@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+import _warm
 from _dist import free_port
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_local_tier_child.py")
@@ -37,7 +38,8 @@ def run_ranks(spec: dict, world: int, per_node: int = 1, wrap=lambda rank: [],
         env = dict(os.environ, PPE_SNAPSHOT_NODE=str(rank // per_node), OMP_NUM_THREADS="1",
                    GLOO_SOCKET_IFNAME="lo")
         command = [*wrap(rank), sys.executable, CHILD, str(rank), str(world), str(port), json.dumps(spec)]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        # warm: forked from a zygote that imported torch once (a command under a wrapper starts as it is)
+        procs.append(_warm.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs: dict[int, list[str]] = {rank: [] for rank in range(world)}
     readers = [threading.Thread(target=lambda p=p, r=r: outputs[r].append(p.stdout.read()), daemon=True)
                for r, p in enumerate(procs)]

@@ -7,7 +7,6 @@ import io
 import json
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,6 +20,7 @@ from ppe_snapshot import Snapshot, StateDict
 from ppe_snapshot.engine import read_manifest
 from ppe_snapshot.storage import open_storage
 
+import _warm
 from _extension_workers import Run, make_writer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,8 +128,8 @@ def test_an_autoload_skip_is_printed_once(tmp_path):
         resumed.start_extensions()
         print("resumed at", resumed.iteration)
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    done = _warm.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "resumed at 4"
     assert done.stderr.count("snapshot_iter_6") == 1, done.stderr

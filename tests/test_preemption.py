@@ -14,6 +14,7 @@ import pytest
 import ppe_snapshot
 from ppe_snapshot import Preempted, Snapshot
 
+import _warm
 from _extension_workers import Run, make_writer, snapshot_names
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,9 +27,9 @@ def _start(out: str, writer: str, mode: str, world: int, iterations: int = ITERS
     # A fresh rendezvous file per run: a preempted run exits without destroying its group, and torch's
     # FileStore must never be reused once its file may be left behind (a second run on it can hang).
     init = f"file://{out}/rendezvous-{time.monotonic_ns()}"
-    return [subprocess.Popen([sys.executable, os.path.join(HERE, "_preempt_child.py"), out, writer, mode, str(rank),
-                              str(world), init, str(iterations)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env) for rank in range(world)]
+    return [_warm.popen([sys.executable, os.path.join(HERE, "_preempt_child.py"), out, writer, mode, str(rank),
+                         str(world), init, str(iterations)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True, env=env) for rank in range(world)]
 
 
 def _wait_for_iteration(proc: subprocess.Popen, at_least: int) -> int:

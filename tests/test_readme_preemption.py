@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+import _warm
 from _readme import python_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,9 +50,8 @@ def _script(tmp: Path) -> Path:
 
 
 def _start(script: Path, delay: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(script), str(delay)], cwd=script.parent, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return _warm.popen([sys.executable, str(script), str(delay)], cwd=script.parent, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def _batches(directory: Path) -> list[str]:
