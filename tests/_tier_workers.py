@@ -35,9 +35,10 @@ def same(got: dict[str, torch.Tensor], rank: int) -> bool:
 
 
 def read_from_peer(root: str, holds: bool) -> dict[str, Any]:
-    """Rank 1 serves its copy (``holds``; else it has none) of rank 0's part; rank 0 restores from it."""
+    """Rank 1 serves its copy (``holds``; else it has none) of rank 0's part, under ``root`` (a directory: sent
+    from its pages mapped; a ``memory://`` URL: read into buffers); rank 0 restores from it."""
     rank, group = dist.get_rank(), dist.new_group(backend="gloo")
-    path = os.path.join(root, "copy")
+    path = f"{root}/copy"
     if rank == 1:
         if holds:
             Snapshot.take(path, {"s": StateDict(state(0))}, pg=LOCAL)

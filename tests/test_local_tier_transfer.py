@@ -2,8 +2,6 @@
 and the reads behind every restore (large chunks hashed piece by piece)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -38,10 +36,12 @@ def test_large_chunks_are_read_in_pieces_only_where_small_reads_are_cheap(tmp_pa
 
 
 @pytest.mark.parametrize("holds", [True, False])
-def test_a_part_is_restored_from_a_partners_copy_over_the_group(tmp_path, dist_run, holds):
-    got = dist_run(w.read_from_peer, 2, str(tmp_path), holds)[0]
+@pytest.mark.parametrize("where", ["directory", "memory"])
+def test_a_part_is_restored_from_a_partners_copy_over_the_group(tmp_path, dist_run, holds, where):
+    root = str(tmp_path) if where == "directory" else f"memory://{tmp_path.name}"  # mapped, or read in buffers
+    got = dist_run(w.read_from_peer, 2, root, holds)[0]
     if holds:
-        assert got == {"none": False, "same": True, "url": os.path.join(str(tmp_path), "copy")}
+        assert got == {"none": False, "same": True, "url": f"{root}/copy"}
     else:
         assert got == {"none": True}
 

@@ -21,7 +21,7 @@ import torch
 from ppe_snapshot.engine import new_staging_buffer
 from ppe_snapshot.errors import SnapshotAbortedError
 from ppe_snapshot.local_tier.transfer import CHUNK, check_header, files_of, receive_doc, send_doc
-from ppe_snapshot.storage import BlobWriter, Storage, open_storage
+from ppe_snapshot.storage import BlobWriter, Storage, mapped, open_storage
 
 _YES, _NO = 0, 1
 
@@ -232,29 +232,50 @@ def _serve(group: Any, peer: int, tag: int, path: str | None) -> None:
         sending.drain()
 
 
+def _send_only(pages: memoryview) -> torch.Tensor:
+    """A tensor over read-only ``pages`` (a file's mapping, which the caller keeps alive until the send ended), for
+    gloo to send from: torch makes tensors of writable memory only, so it is made over the same address; nothing
+    writes to it (a write would fault)."""
+    address = np.frombuffer(pages, dtype=np.uint8).ctypes.data
+    return torch.frombuffer(memoryview((ctypes.c_char * pages.nbytes).from_address(address)).cast("B"),
+                            dtype=torch.uint8)
+
+
 class _Sending:
-    """Pieces of a copy's files sent one message each, the next read while the one before is on the wire (two
-    buffers, across requests); a piece that cannot be read goes as zeros (the reader's checksums then fail: it is
+    """Pieces of a copy's files sent one message each, at most two on the wire; each sent from the file's pages
+    mapped (:func:`~ppe_snapshot.storage.mapped`, kept until :meth:`drain`), else read into one of two buffers (the
+    next read while the one before is on the wire). A piece that cannot be read goes as zeros (the reader's checksums then fail: it is
     never left waiting)."""
 
     def __init__(self, group: Any, peer: int, tag: int, storage: Storage) -> None:
         self.group, self.peer, self.tag, self.storage = group, peer, tag, storage
+        self._mapped: dict[str, memoryview | None] = {}
         self._buffers: list[torch.Tensor] = []
         self._sent: list[Any] = []
         self._count = 0
 
     def piece(self, rel: str, at: int, nbytes: int) -> None:
+        if rel not in self._mapped:
+            self._mapped[rel] = mapped(self.storage, rel)
+        if len(self._sent) == 2:
+            self._sent.pop(0).wait()  # (a buffer: the one this piece goes into)
+        pages = self._mapped[rel]
+        if pages is not None and at + nbytes <= pages.nbytes:
+            view = _send_only(pages[at:at + nbytes])
+        else:
+            view = self._read(rel, at, nbytes)
+        self._sent.append(self.group.send([view], self.peer, self.tag))
+
+    def _read(self, rel: str, at: int, nbytes: int) -> torch.Tensor:
         if not self._buffers:
             self._buffers = [new_staging_buffer(CHUNK) for _ in range(2)]
-        if len(self._sent) == 2:
-            self._sent.pop(0).wait()  # its buffer is the one this piece goes into
         view = self._buffers[self._count % 2][:nbytes]
         self._count += 1
         try:
             self.storage.read_into(rel, at, memoryview(view.numpy()))
         except (OSError, EOFError):
             view.zero_()
-        self._sent.append(self.group.send([view], self.peer, self.tag))
+        return view
 
     def drain(self) -> None:
         sent, self._sent = self._sent, []

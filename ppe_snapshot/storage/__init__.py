@@ -16,6 +16,7 @@ from ppe_snapshot.storage.base import (
 )
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
+from ppe_snapshot.storage.pages import mapped
 from ppe_snapshot.storage.pools import shared_pool
 from ppe_snapshot.storage.stores import StoreProfile, register_store
 from ppe_snapshot.storage.trees import (
@@ -39,5 +40,5 @@ def join(base: str, name: str) -> str:
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree", "Tuning",
            "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join",
-           "memory_backed_dir", "open_storage", "open_tree", "open_url", "register_store", "remove_local_shadow",
+           "mapped", "memory_backed_dir", "open_storage", "open_tree", "open_url", "register_store", "remove_local_shadow",
            "shared_pool", "split_reference", "split_tuning", "url_to_fs"]
