@@ -40,12 +40,14 @@ _S3_ENV = {
 }
 
 
-#: The files whose tests start processes for most of their time, slowest first (about 60-150 s each on 2 cores).
-#: ``make test`` runs the suite on two pytest-xdist workers, a file to a worker, in collection order: these go
-#: first so that neither worker is left alone with a long file at the end.
-_LONG_FILES = ("test_preemption.py", "test_local_tier.py", "test_crash.py", "test_rank_failure.py",
-               "test_distributed_outcome.py", "test_process_writer_scripts.py", "test_s3_faults.py",
-               "test_object_stores.py", "test_writers.py", "test_demo.py", "test_readme_preemption.py")
+#: The files whose tests start processes for most of their time, slowest first (about 20-50 s each on 2 cores,
+#: most of their processes forked warm: ``_warm.py``). ``make test`` runs the suite on two pytest-xdist workers, a
+#: file to a worker, in collection order: these go first so that neither worker is left alone with a long file at
+#: the end.
+_LONG_FILES = ("test_local_tier.py", "test_preemption.py", "test_crash.py", "test_s3_faults.py",
+               "test_process_writer_scripts.py", "test_rank_failure.py", "test_object_stores.py",
+               "test_distributed_outcome.py", "test_writers.py", "test_demo.py", "test_cli_kinds.py",
+               "test_readme_preemption.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
