@@ -7,7 +7,8 @@ Four gloo ranks simulate two nodes of two (``PPE_SNAPSHOT_NODE``, a local direct
 with ``--mib`` MiB of state (16 tensors), SHARDED mode, the ThreadWriter, durable snapshots to local disk. Per
 round, each case in a fresh set of processes:
 
-- **blocking**: iterations of ``--compute`` seconds (a sleep standing for the training step); 6 iterations saving a local step each (local trigger 1, durable 1000) against 6 iterations saving an
+- **blocking**: iterations of ``--compute`` seconds (a sleep standing for the training step); 6 iterations saving
+  a local step each (local trigger 1, durable 1000) against 6 iterations saving an
   async durable snapshot each with the same writer (no tier), and iterations where both are due (local 1,
   durable 2; the 4th and 6th): the median time the loop waited per save, and, of that, the local tier's save
   (which, at such a step, copies the state from the durable save's staged image in the background; it includes

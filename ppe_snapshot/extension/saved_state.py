@@ -105,8 +105,9 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
 
 
 def restore_part(path: str | Storage, target: Any, kind: str, rng_rank: int, allow_pickle: bool) -> None:
-    """Restore the one-rank snapshot at local ``path`` (a local tier's part; or a storage holding it in memory)
-    into ``target`` as :func:`restore` does, raising :class:`~ppe_snapshot.run_dir.Unusable` when it cannot be used and nothing was touched yet."""
+    """Restore the one-rank snapshot at local ``path`` (a local tier's part; or a storage reading one: a partner's
+    copy) into ``target`` as :func:`restore` does, raising :class:`~ppe_snapshot.run_dir.Unusable` when it cannot
+    be used and nothing was touched yet."""
     snap = Snapshot(path, pg=LOCAL, allow_pickle=allow_pickle)
     _check_readable(snap)
     _restore_opened(snap, snap.metadata, target, kind, LOCAL, rng_rank)

@@ -244,8 +244,8 @@ def _send_only(pages: memoryview) -> torch.Tensor:
 class _Sending:
     """Pieces of a copy's files sent one message each, at most two on the wire; each sent from the file's pages
     mapped (:func:`~ppe_snapshot.storage.mapped`, kept until :meth:`drain`), else read into one of two buffers (the
-    next read while the one before is on the wire). A piece that cannot be read goes as zeros (the reader's checksums then fail: it is
-    never left waiting)."""
+    next read while the one before is on the wire). A piece that cannot be read goes as zeros (the reader's
+    checksums then fail: it is never left waiting)."""
 
     def __init__(self, group: Any, peer: int, tag: int, storage: Storage) -> None:
         self.group, self.peer, self.tag, self.storage = group, peer, tag, storage

@@ -39,6 +39,6 @@ def join(base: str, name: str) -> str:
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree", "Tuning",
-           "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join",
-           "mapped", "memory_backed_dir", "open_storage", "open_tree", "open_url", "register_store", "remove_local_shadow",
+           "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join", "mapped",
+           "memory_backed_dir", "open_storage", "open_tree", "open_url", "register_store", "remove_local_shadow",
            "shared_pool", "split_reference", "split_tuning", "url_to_fs"]
