@@ -36,18 +36,27 @@ def _pieces(offset: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
     return pieces
 
 
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+def _memory_at(address: int, nbytes: int) -> memoryview:
+    """The ``nbytes`` of this process's memory at ``address``, as a writable view (its owner keeps them alive)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
 def _joined(views: list[memoryview]) -> list[memoryview]:
     """``views`` with each run of neighbours in memory (one view's end the next one's start) made one view."""
     joined: list[tuple[int, int]] = []  # (address, bytes)
     for view in views:
         if not view.nbytes:
             continue
-        at = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        at = _address(view)
         if joined and joined[-1][0] + joined[-1][1] == at:
             joined[-1] = (joined[-1][0], joined[-1][1] + view.nbytes)
         else:
             joined.append((at, view.nbytes))
-    return [memoryview((ctypes.c_char * n).from_address(at)).cast("B") for at, n in joined]
+    return [_memory_at(at, n) for at, n in joined]
 
 
 class PeerFiles(Storage):
@@ -236,9 +245,7 @@ def _send_only(pages: memoryview) -> torch.Tensor:
     """A tensor over read-only ``pages`` (a file's mapping, which the caller keeps alive until the send ended), for
     gloo to send from: torch makes tensors of writable memory only, so it is made over the same address; nothing
     writes to it (a write would fault)."""
-    address = np.frombuffer(pages, dtype=np.uint8).ctypes.data
-    return torch.frombuffer(memoryview((ctypes.c_char * pages.nbytes).from_address(address)).cast("B"),
-                            dtype=torch.uint8)
+    return torch.frombuffer(_memory_at(_address(pages), pages.nbytes), dtype=torch.uint8)
 
 
 class _Sending:
