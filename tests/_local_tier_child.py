@@ -10,7 +10,8 @@ every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node
 ``spec["kill_in_copy"]`` (``[rank, step]``) has that rank SIGKILL itself while it sends its part of that local
 step to its partner (after the header, before the first chunk); ``spec["flip_in_copy"]`` (``[rank, step]``) has it
 flip a bit of what it sends of that step; ``spec["kill_in_serve"]`` (a rank) has that rank SIGKILL itself when it
-first sends bytes of a copy it holds to a rank restoring from it.
+first sends bytes of a copy it holds to a rank restoring from it; ``spec["kill_in_read"]`` (a rank), when it first
+waits for bytes of the copy it restores from.
 At the end it writes ``<dir>/result-rank<r>.pt``: the iteration, where autoload resumed from, the model's and the
 optimizer's state.
 """
@@ -66,6 +67,8 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
         _die_in_copy(f"step_{spec['kill_in_copy'][1]}/")
     if spec.get("kill_in_serve") == rank:
         _die_in_serve()
+    if spec.get("kill_in_read") == rank:
+        _die_in_read()
     if spec.get("flip_in_copy", [None])[0] == rank:
         _flip_in_copy(f"step_{spec['flip_in_copy'][1]}/")
     while not manager.stop_trigger:
@@ -119,6 +122,16 @@ def _die_in_serve() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     peer_reads._Sending.piece = die
+
+
+def _die_in_read() -> None:
+    """SIGKILL this process when it first asks a partner for bytes of the copy it restores from."""
+    from ppe_snapshot.local_tier import peer_reads
+
+    def die(self, rel, offset, views):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    peer_reads.PeerFiles._receive = die
 
 
 def _flip_in_copy(step: str) -> None:

@@ -149,16 +149,19 @@ def test_a_node_lost_resumes_from_the_partners_copies(tmp_path, uninterrupted):
     assert "(its own local part" in out[0][1]
 
 
-def test_a_holder_killed_while_serving_a_copy_costs_that_restart_only(tmp_path, uninterrupted):
+@pytest.mark.parametrize("victim", [{"kill_in_serve": 0}, {"kill_in_read": 2}], ids=["holder", "reader"])
+def test_a_rank_killed_while_a_copy_is_read_costs_that_restart_only(tmp_path, uninterrupted, victim):
     """Node 1 is lost and its directory wiped; in the restart, rank 0 dies as rank 2 reads its part from rank 0's
-    copy (the others are torn down); the next restart resumes from the same local step, bit-exact."""
+    copy, or rank 2 dies as it reads (the others are torn down); the next restart resumes from the same local step,
+    bit-exact."""
     spec = spec_for(tmp_path, "sharded", kill={"2": 13, "3": 13}, complete=12)
     first = run_ranks(spec, 4, per_node=2)
     assert [s for s, _ in first][2:] == [-9, -9], [out[-3000:] for _, out in first]
     shutil.rmtree(tmp_path / "node1")
     calm = {k: v for k, v in spec.items() if k not in ("kill", "complete")}
-    second = run_ranks({**calm, "kill_in_serve": 0}, 4, per_node=2)
-    assert second[0][0] == -9, second[0][1][-3000:]
+    second = run_ranks({**calm, **victim}, 4, per_node=2)
+    dead = next(iter(victim.values()))
+    assert second[dead][0] == -9, second[dead][1][-3000:]
     third = run_ranks(calm, 4, per_node=2)
     assert [s for s, _ in third] == [0] * 4, [out[-3000:] for _, out in third]
     assert_same_end(ends(tmp_path, 4), uninterrupted("sharded", 4, 2))
