@@ -11,7 +11,7 @@ every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node
 step to its partner (after the header, before the first chunk); ``spec["flip_in_copy"]`` (``[rank, step]``) has it
 flip a bit of what it sends of that step; ``spec["kill_in_serve"]`` (a rank) has that rank SIGKILL itself when it
 first sends bytes of a copy it holds to a rank restoring from it; ``spec["kill_in_read"]`` (a rank), when it first
-waits for bytes of the copy it restores from.
+waits for bytes of the copy it restores from (with the copy's header, or asked for).
 At the end it writes ``<dir>/result-rank<r>.pt``: the iteration, where autoload resumed from, the model's and the
 optimizer's state.
 """
@@ -114,24 +114,26 @@ def _die_in_copy(step: str) -> None:
     transfer._Stream.read = read_or_die
 
 
+def _die(*args: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _die_in_serve() -> None:
-    """SIGKILL this process when it first sends bytes of a copy it holds to the rank restoring from it."""
+    """SIGKILL this process when it first sends bytes of a copy it holds to the rank restoring from it: the small
+    files that go with the header (read first), or the pieces asked for."""
     from ppe_snapshot.local_tier import peer_reads
 
-    def die(self, rel, at, nbytes):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    peer_reads._Sending.piece = die
+    peer_reads._small_files = _die
+    peer_reads._Sending.piece = _die
 
 
 def _die_in_read() -> None:
-    """SIGKILL this process when it first asks a partner for bytes of the copy it restores from."""
+    """SIGKILL this process when it first waits for bytes of the copy it restores from: the small files that come
+    with the header, or the pieces it asked for."""
     from ppe_snapshot.local_tier import peer_reads
 
-    def die(self, rel, offset, views):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    peer_reads.PeerFiles._receive = die
+    peer_reads._receive_inline = _die
+    peer_reads.PeerFiles._receive = _die
 
 
 def _flip_in_copy(step: str) -> None:

@@ -52,7 +52,7 @@ def read_from_peer(root: str, holds: bool) -> dict[str, Any]:
         Snapshot(files, pg=LOCAL).restore({"s": StateDict(target)})
     finally:
         files.end()
-    return {"none": False, "same": same(target, 0), "url": files.url}
+    return {"none": False, "same": same(target, 0), "url": files.url, "sent with the header": sorted(files.inline)}
 
 
 def crafted_request(root: str) -> dict[str, Any]:

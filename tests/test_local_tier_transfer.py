@@ -41,7 +41,8 @@ def test_a_part_is_restored_from_a_partners_copy_over_the_group(tmp_path, dist_r
     root = str(tmp_path) if where == "directory" else f"memory://{tmp_path.name}"  # mapped, or read in buffers
     got = dist_run(w.read_from_peer, 2, root, holds)[0]
     if holds:
-        assert got == {"none": False, "same": True, "url": f"{root}/copy"}
+        assert got == {"none": False, "same": True, "url": f"{root}/copy",
+                       "sent with the header": ["index/rank0.idx", "index/shared.idx", "manifest.json"]}
     else:
         assert got == {"none": True}
 
@@ -52,7 +53,13 @@ def test_a_read_outside_the_copy_is_refused_and_ends_the_serving(tmp_path, dist_
     assert got["ended"].startswith("no more reads of ") and "refused" in got["ended"]
 
 
-@pytest.mark.parametrize("header", [{"files": [["../outside", 1]], "path": "/copy"}, {"files": [], "path": 7}])
+@pytest.mark.parametrize("header", [
+    {"files": [["../outside", 1]], "path": "/copy"},
+    {"files": [], "path": 7},
+    {"files": [["manifest.json", 10]], "path": "/copy", "inline": ["index/rank0.idx"]},  # not one of its files
+    {"files": [["data/rank0.bin", 1 << 30]], "path": "/copy", "inline": ["data/rank0.bin"]},  # 1 GiB "small" file
+    {"files": [["manifest.json", 10]], "path": "/copy", "inline": ["manifest.json", "manifest.json"]},
+])
 def test_a_malformed_copy_header_is_refused_and_the_holder_told(dist_run, header):
     got = dist_run(w.crafted_header, 2, header)
     assert got == [{"error": "rank 1 sent a malformed part header"}, {"told": {"done": True}}]

@@ -2,7 +2,9 @@
 straight into the rank's tensors (no file written first, no buffer of the part's size).
 
 The holder (:func:`serve_copy`, in a thread of its own while its own part is restored) sends a header (the copy's
-files and their sizes, the copy's path), then answers requests until told that the restore ended. The rank
+files and their sizes, the copy's path, which small files follow at once) and the small files' bytes (the
+manifest and index files: read before any tensor, they would cost a round trip each), then answers requests until
+told that the restore ended. The rank
 restores from :class:`PeerFiles`, a read-only storage whose every read is one request: the file, an offset and
 the sizes of the consecutive ranges wanted; the holder checks that they lie inside one of the copy's files,
 answers yes or no, and sends the bytes in messages of at most :data:`~.transfer.CHUNK` bytes, reading the next
@@ -24,6 +26,10 @@ from ppe_snapshot.local_tier.transfer import CHUNK, check_header, files_of, rece
 from ppe_snapshot.storage import BlobWriter, Storage, mapped, open_storage
 
 _YES, _NO = 0, 1
+
+#: Files of at most this many bytes, and at most :data:`INLINE_TOTAL` of them in all, are sent with the header.
+INLINE_FILE = 256 << 10
+INLINE_TOTAL = 4 << 20
 
 
 def _pieces(offset: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -70,9 +76,12 @@ class PeerFiles(Storage):
     #: Two read threads: one hashes what arrived while the other's bytes are on the wire.
     read_workers = 2
 
-    def __init__(self, group: Any, holder: int, tag: int, files: list[tuple[str, int]], url: str) -> None:
+    def __init__(self, group: Any, holder: int, tag: int, files: list[tuple[str, int]], url: str,
+                 inline: dict[str, bytes] | None = None) -> None:
         self.group, self.holder, self.tag, self.url = group, holder, tag, url
         self.sizes = dict(files)
+        #: The small files the holder sent with its header: read from here, without a request.
+        self.inline = inline or {}
         self._asking = threading.Lock()  # one request sent at a time, numbered in that order
         self._turn = threading.Condition()  # the answers received in the order of the requests
         self._asked = self._answered = 0
@@ -86,6 +95,12 @@ class PeerFiles(Storage):
         if offset < 0 or offset + sum(view.nbytes for view in wanted) > size:
             raise EOFError(f"{self.url}/{rel} holds {size} bytes, expected at least "
                            f"{offset + sum(view.nbytes for view in wanted)}")
+        if rel in self.inline:
+            self._check_open()
+            for view in wanted:
+                view[:] = self.inline[rel][offset:offset + view.nbytes]
+                offset += view.nbytes
+            return
         with self._asking:
             self._check_open()
             number = self._asked
@@ -180,14 +195,40 @@ def open_peer_files(group: Any, holder: int, tag: int) -> PeerFiles | None:
     try:
         doc = receive_doc(group, holder, tag)
         files = check_header(doc, holder)
-        if files is not None and not isinstance(doc.get("path"), str):
+        if files is None:
+            return None
+        inline = _inline_names(doc, dict(files))
+        if not isinstance(doc.get("path"), str) or inline is None:
             raise SnapshotAbortedError(f"rank {holder} sent a malformed part header")
+        received = _receive_inline(group, holder, tag, {name: dict(files)[name] for name in inline})
     except SnapshotAbortedError:
         _tell_done(group, holder, tag)
         raise
     except RuntimeError as e:
         raise SnapshotAbortedError(f"rank {holder}, which holds a copy of this rank's part, was cut off: {e}") from e
-    return None if files is None else PeerFiles(group, holder, tag, files, doc["path"])
+    return PeerFiles(group, holder, tag, files, doc["path"], received)
+
+
+def _receive_inline(group: Any, holder: int, tag: int, sizes: dict[str, int]) -> dict[str, bytes]:
+    """The small files that follow a header, one message each, of the sizes it announced."""
+    received = {}
+    for name, size in sizes.items():
+        data = torch.empty(size, dtype=torch.uint8)
+        group.recv([data], holder, tag).wait()
+        received[name] = bytes(data.numpy())
+    return received
+
+
+def _inline_names(doc: dict[str, Any], sizes: dict[str, int]) -> list[str] | None:
+    """The files a header says follow it, each one of the copy's, small, at most once, within the total; None
+    where they are not."""
+    names = doc.get("inline", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and 0 < sizes.get(n, 0) <= INLINE_FILE
+                                              for n in names):
+        return None
+    if len(set(names)) != len(names) or sum(sizes[n] for n in names) > INLINE_TOTAL:
+        return None
+    return names
 
 
 def _tell_done(group: Any, holder: int, tag: int) -> None:
@@ -218,11 +259,16 @@ def _serve(group: Any, peer: int, tag: int, path: str | None) -> None:
             files = files_of(path)
         except OSError:  # the peer hears that there is no copy
             files = None
-    for work in send_doc(group, {"failed": files is None, "files": files or [], "path": path}, peer, tag):
+    storage = open_storage(path) if files is not None else None
+    inline = _small_files(storage, files or [])
+    header = {"failed": files is None, "files": files or [], "path": path, "inline": list(inline)}
+    sent = send_doc(group, header, peer, tag)
+    sent += [group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, tag) for data in inline.values()]
+    for work in sent:
         work.wait()
-    if files is None:
+    if storage is None or files is None:
         return
-    storage, sizes = open_storage(path), dict(files)
+    sizes = dict(files)
     sending = _Sending(group, peer, tag, storage)
     try:
         while True:
@@ -239,6 +285,24 @@ def _serve(group: Any, peer: int, tag: int, path: str | None) -> None:
                 sending.piece(rel, at, nbytes)
     finally:
         sending.drain()
+
+
+def _small_files(storage: Storage | None, files: list[tuple[str, int]]) -> dict[str, bytes]:
+    """The copy's small files (:data:`INLINE_FILE`, :data:`INLINE_TOTAL`) that could be read, with their bytes
+    (those that could not are read on request: the reader then finds out)."""
+    small: dict[str, bytes] = {}
+    total = 0
+    for name, size in files:
+        if 0 < size <= INLINE_FILE and total + size <= INLINE_TOTAL:
+            assert storage is not None
+            try:
+                data = storage.read_bytes(name)
+            except OSError:
+                continue
+            if len(data) == size:
+                small[name] = data
+                total += size
+    return small
 
 
 def _send_only(pages: memoryview) -> torch.Tensor:
