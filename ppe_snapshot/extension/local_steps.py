@@ -19,8 +19,8 @@ from pytorch_pfn_extras.training.triggers import IntervalTrigger
 from ppe_snapshot import ppe_private
 from ppe_snapshot.engine import RNGState, StateDict, exchange, side_group
 from ppe_snapshot.local_tier import (
-    START_TAG, Fallback, LocalSaves, LocalTier, Ranks, Recovered, check_triggers, partners, recover, this_node,
-    wards,
+    START_TAG, Fallback, LocalSaves, LocalTier, Planning, Ranks, Recovered, check_triggers, partners, recover,
+    this_node, wards,
 )
 from ppe_snapshot.extension.saved_state import RNG_KEY, STATE_KEY
 from ppe_snapshot.settings import SETTINGS
@@ -58,6 +58,7 @@ class LocalSteps:
 
     def __init__(self, tier: LocalTier, saves: LocalSaves, trigger: TierTrigger) -> None:
         self.tier, self.saves, self.trigger = tier, saves, trigger
+        self._planning: Planning | None = None
 
     @classmethod
     def start(cls, tier: LocalTier, extension: Any, manager: ExtensionsManagerProtocol, out_dir: str,
@@ -113,11 +114,17 @@ class LocalSteps:
         else:
             self.saves.save(manager.iteration, app_state, metadata, loan.image, loan.release)
 
+    def begin_resume(self) -> None:
+        """Begin choosing the local step to resume from (every rank, before it lists the durable snapshots: the
+        ranks agree on both at once)."""
+        self._planning = Planning(self.saves)
+
     def resume(self, durable: int | None, restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
         """Restore from the newest local step newer than iteration ``durable``, as :func:`recover` does; a
         failure of the tier itself is a warning and a :class:`Fallback`."""
+        planning, self._planning = self._planning, None
         try:
-            return recover(self.saves, durable, restore)
+            return recover(self.saves, durable, restore, planning)
         except Exception as e:  # noqa: BLE001 - the tier may fail; durable snapshots remain
             logger.warning("the local tier could not be read: %s: %s; resuming from durable snapshots",
                            type(e).__name__, e)

@@ -32,6 +32,7 @@ class Resuming:
     def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
         """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
         was listed (the start-up pruning needs no second listing)."""
+        self._begin_resuming_locally()
         candidates = self._candidates()
         target = self._resolve_target(manager)
         touched: tuple[str, Exception | str] | None = None
@@ -56,6 +57,11 @@ class Resuming:
             raise cannot_start_fresh(f"{touched[0]} ({error})") from (error if isinstance(error, Exception) else None)
         self._resumed(manager, found, candidates)
         return candidates
+
+    def _begin_resuming_locally(self) -> None:
+        """Let the local tier choose its step (every rank) while the durable snapshots are listed."""
+        if self._local is not None:
+            self._local.begin_resume()
 
     def _resume_locally(self, manager: ExtensionsManagerProtocol, candidates: list[Candidate],
                         target: Any) -> bool | tuple[str, str] | None:

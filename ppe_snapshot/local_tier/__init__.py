@@ -8,8 +8,8 @@ ranks. The extension drives them (``ppe_snapshot.extension.local_steps``).
 from ppe_snapshot.local_tier.config import LocalTier, check_triggers, local_tier
 from ppe_snapshot.local_tier.layout import inventory, steps
 from ppe_snapshot.local_tier.nodes import partners, this_node, wards
-from ppe_snapshot.local_tier.recovery import Fallback, Recovered, recover
+from ppe_snapshot.local_tier.recovery import Fallback, Planning, Recovered, recover
 from ppe_snapshot.local_tier.saves import START_TAG, LocalSaves, Ranks
 
-__all__ = ["START_TAG", "Fallback", "LocalSaves", "LocalTier", "Ranks", "Recovered", "check_triggers", "inventory",
+__all__ = ["START_TAG", "Fallback", "LocalSaves", "LocalTier", "Planning", "Ranks", "Recovered", "check_triggers", "inventory",
            "local_tier", "partners", "recover", "steps", "this_node", "wards"]

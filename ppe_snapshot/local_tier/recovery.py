@@ -77,13 +77,10 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
     return None
 
 
-def recover(saves: LocalSaves, durable: int | None,
-            restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
-    """Restore this rank with ``restore(part)`` (the part's path, or a storage reading a partner's copy) from the
-    newest usable local step newer than iteration ``durable`` (every rank calls it); None where there is none.
-    ``restore`` raises :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
+def plan(saves: LocalSaves) -> dict[str, Any] | None:
+    """The plan of the newest step every rank can restore from the tier, whatever the durable snapshots (see
+    :func:`choose`; every rank calls it), or None."""
     ranks = saves.ranks
-    start = time.perf_counter()
     try:
         layout.remove_unfinished(saves.tree, ranks.rank, list(ranks.wards))
         summary = layout.held(saves.tree, ranks.rank, list(ranks.wards)).summary(ranks.world_size)
@@ -91,12 +88,46 @@ def recover(saves: LocalSaves, durable: int | None,
         logger.warning("the local tier directory %s cannot be read: %s", saves.directory, e)
         summary = layout.Held().summary(ranks.world_size)
     if ranks.group is None:
-        plan = choose([summary], 1, durable)
-    else:
-        plan = exchange(ranks.group, summary, _PLAN, lambda docs: choose(docs, ranks.world_size, durable))
-    if plan is None:
+        return choose([summary], 1, None)
+    return exchange(ranks.group, summary, _PLAN, lambda docs: choose(docs, ranks.world_size, None))
+
+
+class Planning:
+    """:func:`plan` in a thread of its own, begun while autoload lists the durable snapshots (the two exchanges
+    overlap: the plan does not depend on the listing)."""
+
+    def __init__(self, saves: LocalSaves) -> None:
+        self.started = time.perf_counter()
+        self._outcome: list[Any] = [None, None]  # (the plan, what it raised)
+        self._thread = threading.Thread(target=self._run, args=(saves,), name="ppe-snapshot-local-tier-plan",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, saves: LocalSaves) -> None:
+        try:
+            self._outcome[0] = plan(saves)
+        except Exception as e:  # noqa: BLE001 - raised again where the plan is used
+            self._outcome[1] = e
+
+    def result(self) -> dict[str, Any] | None:
+        self._thread.join()
+        if self._outcome[1] is not None:
+            raise self._outcome[1]
+        return self._outcome[0]
+
+
+def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str | Storage], None],
+            planned: Planning | None = None) -> Recovered | Fallback | None:
+    """Restore this rank with ``restore(part)`` (the part's path, or a storage reading a partner's copy) from the
+    newest usable local step newer than iteration ``durable`` (every rank calls it); None where there is none.
+    ``planned``: the plan, begun already (else it is made here). ``restore`` raises
+    :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
+    ranks = saves.ranks
+    start = time.perf_counter() if planned is None else planned.started
+    chosen = plan(saves) if planned is None else planned.result()
+    if chosen is None or (durable is not None and chosen["step"] <= durable):  # older steps are older still
         return None
-    step, fetch, spare = plan["step"], _by_rank(plan["fetch"]), _by_rank(plan["spare"])
+    step, fetch, spare = chosen["step"], _by_rank(chosen["fetch"]), _by_rank(chosen["spare"])
     mine, where = _restore_and_serve(saves, step, fetch, _FETCH, durable, restore)
     failed = _failures(ranks.group, mine, _OUTCOME)
     touched = any(t for _, t in failed.values())
@@ -118,8 +149,8 @@ def recover(saves: LocalSaves, durable: int | None,
     return Recovered(step, where, source, time.perf_counter() - start)
 
 
-def _by_rank(plan: dict[str, int]) -> dict[int, int]:
-    return {int(rank): holder for rank, holder in plan.items()}
+def _by_rank(holders: dict[str, int]) -> dict[int, int]:
+    return {int(rank): holder for rank, holder in holders.items()}
 
 
 def _restore_and_serve(saves: LocalSaves, step: int, fetch: dict[int, int], tag: int, durable: int | None,
