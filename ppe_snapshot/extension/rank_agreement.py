@@ -93,9 +93,7 @@ class _DistributedExtension:
             # rank then falls back (or raises) together
             outcome = None if failure is None else (f"rank {self._rank}: {failure.reason}", failure.error is not None,
                                                     failure.mismatch)
-            outcomes: list[tuple[str, bool, bool] | None] = [None] * self._size
-            dist.all_gather_object(outcomes, outcome)
-            problems = [o for o in outcomes if o is not None]
+            problems = [tuple(o) for o in self._everyone(outcome, lambda docs: [o for o in docs if o is not None])]
             if not problems:
                 found = candidate
                 break
@@ -108,6 +106,14 @@ class _DistributedExtension:
             raise cannot_start_fresh(", ".join(touched))
         self._resumed(manager, found, listed)
         return listed
+
+    def _everyone(self, doc: Any, decide: Any) -> Any:
+        """``decide`` of every rank's ``doc`` (JSON values), on every rank; a rank that died is named
+        (:class:`~ppe_snapshot.errors.SnapshotAbortedError`) rather than waited for."""
+        if self._size == 1:
+            return decide([doc])
+        side = side_group(None)
+        return exchange(side.group, doc, side.next_tag(), decide)
 
 
 class DistributedSnapshot(_DistributedExtension, SnapshotExtension):
@@ -221,13 +227,18 @@ class ShardedSnapshot(_DistributedExtension, SnapshotExtension):
             if c.kind != CandidateKind.SNAPSHOT:
                 self._skip(c, c.problem or "a single-file snapshot cannot hold the state of every rank")
         mine = [c for c in listed if c.kind == CandidateKind.SNAPSHOT]
-        seen: list[Any] = [None] * self._size
-        dist.all_gather_object(seen, problem or [c.name for c in mine])
-        problems = [p for p in seen if isinstance(p, str)]
+        problems, names = self._everyone(problem or [c.name for c in mine], _listed_everywhere)
         if problems:
             raise SnapshotError(f"autoload: could not list {self._out_dir}: {'; '.join(problems)}")
-        everywhere = set.intersection(*(set(names) for names in seen))
+        everywhere = set(names)
         for c in mine:
             if c.name not in everywhere:
                 self._skip(c, "it is not complete as seen from every rank")
         return listed, [c for c in mine if c.name in everywhere]
+
+
+def _listed_everywhere(docs: list[Any]) -> tuple[list[str], list[str]]:
+    """(why ranks could not list, the names every rank listed) from each rank's problem or names."""
+    problems = [doc for doc in docs if isinstance(doc, str)]
+    names = set.intersection(*(set(doc) for doc in docs)) if not problems else set()
+    return problems, sorted(names)
