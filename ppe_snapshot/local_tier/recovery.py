@@ -77,7 +77,7 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
     return None
 
 
-def plan(saves: LocalSaves) -> dict[str, Any] | None:
+def agreed_plan(saves: LocalSaves) -> dict[str, Any] | None:
     """The plan of the newest step every rank can restore from the tier, whatever the durable snapshots (see
     :func:`choose`; every rank calls it), or None."""
     ranks = saves.ranks
@@ -93,7 +93,7 @@ def plan(saves: LocalSaves) -> dict[str, Any] | None:
 
 
 class Planning:
-    """:func:`plan` in a thread of its own, begun while autoload lists the durable snapshots (the two exchanges
+    """:func:`agreed_plan` in a thread of its own, begun while autoload lists the durable snapshots (the two exchanges
     overlap: the plan does not depend on the listing)."""
 
     def __init__(self, saves: LocalSaves) -> None:
@@ -105,7 +105,7 @@ class Planning:
 
     def _run(self, saves: LocalSaves) -> None:
         try:
-            self._outcome[0] = plan(saves)
+            self._outcome[0] = agreed_plan(saves)
         except Exception as e:  # noqa: BLE001 - raised again where the plan is used
             self._outcome[1] = e
 
@@ -124,7 +124,7 @@ def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str | Sto
     :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
     ranks = saves.ranks
     start = time.perf_counter() if planned is None else planned.started
-    chosen = plan(saves) if planned is None else planned.result()
+    chosen = agreed_plan(saves) if planned is None else planned.result()
     if chosen is None or (durable is not None and chosen["step"] <= durable):  # older steps are older still
         return None
     step, fetch, spare = chosen["step"], _by_rank(chosen["fetch"]), _by_rank(chosen["spare"])
