@@ -1,5 +1,8 @@
-"""The local tier's rules that need no second process: its arguments, its triggers, partners, the choice of step."""
+"""The local tier's rules that need no second process: its arguments, its triggers, partners, the choice of step,
+the reuse of a retired part's data file."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import pytorch_pfn_extras as ppe
@@ -7,8 +10,11 @@ import torch
 
 import ppe_snapshot
 from ppe_snapshot import LocalTier
-from ppe_snapshot.local_tier import check_triggers, partners, wards
+from ppe_snapshot.engine import LOCAL, Snapshot, StateDict
+from ppe_snapshot.local_tier import check_triggers, layout, partners, wards
 from ppe_snapshot.local_tier.recovery import choose
+from ppe_snapshot.storage import open_tree
+from ppe_snapshot.storage.local import open_blob_writer
 
 
 def test_arguments_are_checked():
@@ -90,3 +96,46 @@ def test_the_newest_step_every_rank_can_restore_is_chosen():
     assert choose(held, 4, durable=None) == {"step": 2, "fetch": {"3": 1}, "spare": {"0": 2, "1": 3, "2": 0}}
     held[1]["copies"] = {}
     assert choose(held, 4, durable=None) is None
+
+
+def _take_part(tmp_path, step: int, numel: int) -> tuple[dict[str, torch.Tensor], str]:
+    state = {"w": torch.arange(numel, dtype=torch.float32) + step}
+    part = layout.own_part(step, 0)
+    Snapshot.take(str(tmp_path / part), {"s": StateDict(state)}, pg=LOCAL)
+    return state, part
+
+
+def test_a_retired_parts_data_file_is_written_over_by_the_next_part_of_its_slot(tmp_path):
+    """Retention keeps a retired part's data file as its slot's spare; the next part of the slot is written into
+    that same file (its memory pages reused, not freed and allocated again), cut to its own size, and restores
+    bit-exact; the spare is never a step."""
+    tree = open_tree(str(tmp_path))
+    _, old = _take_part(tmp_path, 2, 1 << 16)
+    layout.write_marker(tree, old, {"step": 2, "world_size": 1, "rank": 0})
+    inode = os.stat(tmp_path / old / "data" / "rank0.bin").st_ino
+    _, kept = _take_part(tmp_path, 4, 1 << 16)
+    layout.write_marker(tree, kept, {"step": 4, "world_size": 1, "rank": 0})
+    layout.prune_parts(tree, 0, [], keep=1)
+    assert layout.steps(tree) == [4] and os.stat(tmp_path / ".spare-rank0.bin").st_ino == inode
+    new = layout.own_part(6, 0)
+    layout.reuse_spare(tree, new)
+    state, _ = _take_part(tmp_path, 6, 1000)  # smaller than the file it is written into
+    assert not (tmp_path / ".spare-rank0.bin").exists()
+    data = tmp_path / new / "data" / "rank0.bin"
+    assert os.stat(data).st_ino == inode and os.path.getsize(data) < 1 << 18
+    got = {"w": torch.zeros(1000)}
+    Snapshot(str(tmp_path / new), pg=LOCAL).restore({"s": StateDict(got)})
+    assert torch.equal(got["w"], state["w"])
+    assert layout.steps(tree) == [4, 6] and [row["step"] for row in layout.inventory(tree)] == [4, 6]
+
+
+def test_a_file_written_again_is_cut_to_its_new_size_not_emptied(tmp_path):
+    """What lets a spare's pages be reused: a writer opened over an existing file keeps the bytes below the new
+    size (written over in place) and drops the rest."""
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * 8192)
+    writer = open_blob_writer(str(path), 4096)
+    assert path.read_bytes() == b"x" * 4096
+    writer.write([memoryview(b"y" * 4096)])
+    writer.close()
+    assert path.read_bytes() == b"y" * 4096

@@ -6,6 +6,12 @@
     <directory>/step_<iteration>/rank<r>.complete     written once every rank agreed the step is complete
     <directory>/step_<iteration>/copy-rank<w>/        the partner copy of rank w's part, held by w's partner
     <directory>/step_<iteration>/copy-rank<w>.complete
+    <directory>/.spare-rank<r>.bin, .spare-copy-rank<w>.bin   the data file of a retired part or copy
+
+A retired part's data file is kept as its slot's spare, and the next part or copy of that slot is written over it
+(:func:`reuse_spare`): its memory pages (tmpfs) are written again in place instead of freed and allocated afresh
+(fresh pages made a partner copy's writes 4-6x slower here from the 4th step on; benchmarks/RESULTS.md, issue 34).
+The memory bound is unchanged: the spare stands for the step in flight.
 
 A part or copy counts only with its ``.complete`` marker (a small JSON document: the step, the world size, the
 part's take id), written after the ranks agreed that every part and every partner copy of the step is complete
@@ -22,6 +28,8 @@ from ppe_snapshot.storage import Tree
 
 _STEP = re.compile(r"step_(\d+)")
 MARKER = ".complete"
+#: The data file of a part (a one-rank engine snapshot: rank 0's data file).
+_DATA = "data/rank0.bin"
 
 
 def step_dir(step: int) -> str:
@@ -128,9 +136,38 @@ def remove_part(tree: Tree, part: str) -> None:
             pass
 
 
+def _spare(part: str) -> str:
+    """The spare data file of ``part``'s slot (rank r's own parts, or the copies of rank w's), relative."""
+    return f".spare-{part.rpartition('/')[2]}.bin"
+
+
+def retire_part(tree: Tree, part: str) -> None:
+    """Remove ``part`` (relative) as :func:`remove_part` does, its data file kept as its slot's spare (replacing
+    an older one)."""
+    root = tree.root
+    if tree.exists(f"{root}/{part}{MARKER}"):
+        tree.remove(f"{root}/{part}{MARKER}")
+    data, spare = f"{root}/{part}/{_DATA}", f"{root}/{_spare(part)}"
+    if tree.is_file(data):
+        if tree.exists(spare):
+            tree.remove(spare)
+        tree.move(data, spare)
+    remove_part(tree, part)
+
+
+def reuse_spare(tree: Tree, part: str) -> None:
+    """Put the spare data file of ``part``'s slot, if any, where ``part``'s data file is about to be written (the
+    part has none yet): the write then goes over its pages."""
+    root = tree.root
+    spare, data = f"{root}/{_spare(part)}", f"{root}/{part}/{_DATA}"
+    if tree.is_file(spare) and not tree.exists(data):
+        tree.make_directory(data.rpartition("/")[0])
+        tree.move(spare, data)
+
+
 def prune_parts(tree: Tree, rank: int, wards: list[int], keep: int) -> None:
-    """Keep ``rank``'s newest ``keep`` complete parts and copies of its ``wards``; remove the older ones and the
-    leftovers (no marker) of steps older than the newest complete one."""
+    """Keep ``rank``'s newest ``keep`` complete parts and copies of its ``wards``; retire the older ones
+    (:func:`retire_part`) and the leftovers (no marker) of steps older than the newest complete one."""
     present = steps(tree)
     for name, part_of in [(rank, own_part)] + [(w, copy_of) for w in wards]:
         complete = [s for s in present if read_marker(tree, part_of(s, name)) is not None]
@@ -140,7 +177,7 @@ def prune_parts(tree: Tree, rank: int, wards: list[int], keep: int) -> None:
             if step in kept or (newest is not None and step > newest):
                 continue
             if tree.exists(f"{tree.root}/{part_of(step, name)}") or step in complete:
-                remove_part(tree, part_of(step, name))
+                retire_part(tree, part_of(step, name))
 
 
 def remove_unfinished(tree: Tree, rank: int, wards: list[int]) -> None:

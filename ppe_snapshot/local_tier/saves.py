@@ -92,6 +92,7 @@ class LocalSaves:
         self._slots.acquire()
         self._tags += 1
         pending, problem, staged = None, None, []
+        self._reuse_spares([layout.own_part(step, self.ranks.rank)])
         try:
             pending = Snapshot.async_take(self.part_path(step), app_state, pg=LOCAL, staging=self._staging(staged),
                                           metadata={**metadata, "ppe_snapshot_local_step": step},
@@ -107,6 +108,15 @@ class LocalSaves:
             logger.debug("local step %d: %d bytes staged, %d of them copied from the durable save's image", step,
                          pending.nbytes, pending.from_image_bytes)
         self._queue.put(_Step(step, _TAGS + 2 * (self._tags % (1 << 26)), pending, problem, staged, release))
+
+    def _reuse_spares(self, parts: list[str]) -> None:
+        """Put the spares of ``parts``' slots where they are about to be written (:func:`~.layout.reuse_spare`);
+        where that fails, they are written into fresh memory."""
+        try:
+            for part in parts:
+                layout.reuse_spare(self.tree, part)
+        except OSError as e:
+            logger.debug("the local tier's spares were not reused: %s: %s", type(e).__name__, e)
 
     def _staging(self, taken: list[torch.Tensor]) -> Callable[[int], torch.Tensor]:
         """The staging buffer of a save: one of the tier's own (a step's buffer comes back once its part is
@@ -195,6 +205,7 @@ class LocalSaves:
                 layout.remove_part(self.tree, layout.copy_of(item.step, ward))
         except OSError as e:  # the copies are received all the same (and dropped where they cannot be written)
             wrong = f"{type(e).__name__}: {e}"
+        self._reuse_spares([layout.copy_of(item.step, ward) for ward in ranks.wards])
         incoming = [transfer.Incoming(w, join(self.directory, layout.copy_of(item.step, w))) for w in ranks.wards]
         sent = transfer.move(ranks.group, item.tag, send, incoming)
         for part in incoming:

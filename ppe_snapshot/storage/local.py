@@ -190,12 +190,11 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 def open_blob_writer(path: str, size: int | None = None) -> BlobWriter:
     """An O_DIRECT writer where the file system supports it, else a buffered one.
 
-    With ``size``, the file's space is reserved first: O_DIRECT writes get no
-    delayed allocation, so ranks writing side by side would otherwise get
-    their files' extents interleaved on disk (measured here: 16-17 extents per
-    128 MiB file), and reading a file back would seek.
+    With ``size``, the file's space is reserved first: O_DIRECT writes get no delayed allocation, so ranks writing
+    side by side would otherwise get their files' extents interleaved on disk (measured here: 16-17 extents per
+    128 MiB file), and reading a file back would seek. A file already there is cut to ``size``, not emptied.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT  # not O_TRUNC: a file there (a local tier's spare) keeps its tmpfs pages
     fd = -1
     if SETTINGS.direct_io and hasattr(os, "O_DIRECT"):
         try:
@@ -204,8 +203,9 @@ def open_blob_writer(path: str, size: int | None = None) -> BlobWriter:
             if e.errno != errno.EINVAL:  # EINVAL: this file system refuses O_DIRECT
                 raise
     direct = fd >= 0
-    if not direct:
-        fd = os.open(path, flags, 0o644)
+    fd = fd if direct else os.open(path, flags, 0o644)
+    if os.fstat(fd).st_size > (size or 0):  # the pages below ``size`` are written over
+        os.ftruncate(fd, size or 0)
     if size:
         try:
             os.posix_fallocate(fd, 0, size)
