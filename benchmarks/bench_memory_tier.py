@@ -277,24 +277,25 @@ def _cases(directory: str, mib: int, compute: float, s3: tuple[str, dict] | None
     os.makedirs(directory)
     run_ranks({**shared, "case": "save", "local": 1, "durable": 2, "iterations": 3})
     restart = {**shared, "case": "restart", "local": 1, "durable": 2, "iterations": 1, "step": 3}
-    own = run_ranks({**restart, "floor": "read"})
-    assert all(r["resumed_from"] and "step_3" in r["resumed_from"] for r in own), own
-    out["read floor (tmpfs -> tensors)"] = max(r["floor_s"] for r in own)
-    out[BARE_OWN] = max(r["bare_s"] for r in own)
-    out["restore, own parts"] = max(r["autoload_s"] for r in own)
-    out["  the first iteration's start, whole"] = max(r["initialize_s"] for r in own)
-    out["  own parts / read floor, this round"] = out["restore, own parts"] / out["read floor (tmpfs -> tensors)"]
+    out.update(_restart(restart, "read", ("read floor (tmpfs -> tensors)", BARE_OWN, "restore, own parts",
+                                          "  the first iteration's start, whole", "  own parts / read floor, this round")))
     shutil.rmtree(os.path.join(directory, "node1"))
-    lost = run_ranks({**restart, "floor": "transfer"})
-    assert all(r["resumed_from"] and "step_3" in r["resumed_from"] for r in lost), lost
-    out["transfer floor (gloo, alone)"] = max(r["floor_s"] for r in lost)
-    out[BARE] = max(r["bare_s"] for r in lost)
-    out["restore, node lost"] = max(r["autoload_s"] for r in lost)
-    out["  the first iteration's start, whole "] = max(r["initialize_s"] for r in lost)
-    out["  node lost / transfer floor, this round"] = out["restore, node lost"] / out["transfer floor (gloo, alone)"]
+    out.update(_restart(restart, "transfer", ("transfer floor (gloo, alone)", BARE, "restore, node lost",
+                                              "  the first iteration's start, whole ",
+                                              "  node lost / transfer floor, this round")))
     if s3 is not None:
         out["restore from shaped S3, 4 ranks"] = s3_restart(shared, f"{s3[0]}/{os.path.basename(directory)}", s3[1])
     return out
+
+
+def _restart(restart: dict, floor: str, names: tuple[str, ...]) -> dict[str, float]:
+    """A restart from local step 3 with its ``floor`` measured first: the slowest rank's floor, work done bare,
+    restore and first iteration's whole start, and the restore over the floor, under ``names``."""
+    ranks = run_ranks({**restart, "floor": floor})
+    assert all(r["resumed_from"] and "step_3" in r["resumed_from"] for r in ranks), ranks
+    floor_s, bare, restore, start = (max(r[k] for r in ranks) for k in ("floor_s", "bare_s", "autoload_s",
+                                                                        "initialize_s"))
+    return dict(zip(names, (floor_s, bare, restore, start, restore / floor_s)))
 
 
 def s3_round(mib: int, options: dict) -> dict[str, float]:
