@@ -4,12 +4,12 @@ straight into the rank's tensors (no file written first, no buffer of the part's
 The holder (:func:`serve_copy`, in a thread of its own while its own part is restored) sends a header (the copy's
 files and their sizes, the copy's path, which small files follow at once) and the small files' bytes (the
 manifest and index files: read before any tensor, they would cost a round trip each), then answers requests until
-told that the restore ended. The rank
-restores from :class:`PeerFiles`, a read-only storage whose every read is one request: the file, an offset and
-the sizes of the consecutive ranges wanted; the holder checks that they lie inside one of the copy's files,
-answers yes or no, and sends the bytes in messages of at most :data:`~.transfer.CHUNK` bytes, reading the next
-while the one before is on the wire. Reads from several threads are pipelined, answered in the order they were
-asked. Each chunk is checked against its checksum by the engine as it is restored, as from a file.
+told that the restore ended. The rank restores from :class:`PeerFiles`, a read-only storage whose every read is
+one request: the file, an offset and the sizes of the consecutive ranges wanted; the holder checks that they lie
+inside one of the copy's files, answers yes or no, and sends the bytes in messages of at most
+:data:`~.transfer.CHUNK` bytes, reading the next while the one before is on the wire. Reads from several threads
+are pipelined, answered in the order they were asked. Each chunk is checked against its checksum by the engine as
+it is restored, as from a file.
 """
 from __future__ import annotations
 
