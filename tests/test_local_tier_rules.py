@@ -12,7 +12,7 @@ import ppe_snapshot
 from ppe_snapshot import LocalTier
 from ppe_snapshot.engine import LOCAL, Snapshot, StateDict
 from ppe_snapshot.local_tier import check_triggers, layout, partners, wards
-from ppe_snapshot.local_tier.recovery import choose
+from ppe_snapshot.local_tier.recovery import choose, usable
 from ppe_snapshot.storage import open_tree
 from ppe_snapshot.storage.local import open_blob_writer
 
@@ -90,12 +90,12 @@ def test_the_newest_step_every_rank_can_restore_is_chosen():
             {"own": [2], "copies": {"0": [2, 4]}}, {"own": [], "copies": {"1": [2, 4]}}]
     # Rank 2 lacks step 4 and rank 3 every step: their partners (0 and 1) hold copies.
     # Ranks 0 and 1 restore their own parts; rank 2 and 3 hold copies of them, spares should those fail.
-    assert choose(held, 4, durable=None) == {"step": 4, "fetch": {"2": 0, "3": 1}, "spare": {"0": 2, "1": 3}}
-    assert choose(held, 4, durable=4) is None  # not newer than the durable snapshot
+    assert choose(held, 4) == {"step": 4, "fetch": {"2": 0, "3": 1}, "spare": {"0": 2, "1": 3}}
+    assert usable(choose(held, 4), 3) and not usable(choose(held, 4), 4)  # not newer than the durable snapshot
     held[0]["copies"] = {"2": [2]}
-    assert choose(held, 4, durable=None) == {"step": 2, "fetch": {"3": 1}, "spare": {"0": 2, "1": 3, "2": 0}}
+    assert choose(held, 4) == {"step": 2, "fetch": {"3": 1}, "spare": {"0": 2, "1": 3, "2": 0}}
     held[1]["copies"] = {}
-    assert choose(held, 4, durable=None) is None
+    assert choose(held, 4) is None
 
 
 def _take_part(tmp_path, step: int, numel: int) -> tuple[dict[str, torch.Tensor], str]:

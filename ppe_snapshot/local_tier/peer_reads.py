@@ -197,10 +197,11 @@ def open_peer_files(group: Any, holder: int, tag: int) -> PeerFiles | None:
         files = check_header(doc, holder)
         if files is None:
             return None
-        inline = _inline_names(doc, dict(files))
+        sizes = dict(files)
+        inline = _inline_names(doc, sizes)
         if not isinstance(doc.get("path"), str) or inline is None:
             raise SnapshotAbortedError(f"rank {holder} sent a malformed part header")
-        received = _receive_inline(group, holder, tag, {name: dict(files)[name] for name in inline})
+        received = _receive_inline(group, holder, tag, {name: sizes[name] for name in inline})
     except SnapshotAbortedError:
         _tell_done(group, holder, tag)
         raise

@@ -1,8 +1,9 @@
 """Restoring from the local tier: the newest step every rank can restore, from its own part or a partner's copy.
 
 Every rank says which complete parts and copies it holds (:class:`~.layout.Held`); rank 0 chooses the newest
-step newer than the newest durable snapshot for which every rank has its own part or some rank holds a copy of
-it (a copy counts only for the world size it was saved with: a resharding restore comes from durable snapshots).
+step for which every rank has its own part or some rank holds a copy of it (a copy counts only for the world size
+it was saved with: a resharding restore comes from durable snapshots), used only if newer than the newest durable
+snapshot.
 Every rank restores its part: its own, or the copy a partner holds, read over the side group straight into its
 tensors while the holder serves it (:mod:`.peer_reads`); every chunk is checked against its checksum as it is read
 (and, where no durable snapshot exists to fall back to, the whole part checked before anything is loaded), and the
@@ -51,10 +52,11 @@ class Fallback:
     touched: bool
 
 
-def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None) -> dict[str, Any] | None:
+def choose(summaries: list[dict[str, Any]], world_size: int) -> dict[str, Any] | None:
     """The plan every rank follows (``{"step": s, "fetch": {rank: holder}, "spare": {rank: holder}}``: the ranks
-    whose part is fetched from a copy, and those restoring their own part of which another rank holds a copy), given
-    each rank's :meth:`~.layout.Held.summary`, or None where no complete step is newer than iteration ``durable``."""
+    whose part is fetched from a copy, and those restoring their own part of which another rank holds a copy) for
+    the newest step every rank can restore, given each rank's :meth:`~.layout.Held.summary`; None where there is
+    none. Whether it is newer than the durable snapshots is :func:`usable`'s question."""
     own = [set(doc.get("own", ())) for doc in summaries]
     holders: dict[tuple[int, int], int] = {}
     for holder, doc in enumerate(summaries):
@@ -62,8 +64,6 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
             for step in steps:
                 holders.setdefault((int(ward), step), holder)
     for step in sorted(set().union(*own, {s for _, s in holders}), reverse=True):
-        if durable is not None and step <= durable:
-            break
         fetch: dict[str, int] = {}
         for rank in range(world_size):
             if step not in own[rank]:
@@ -77,9 +77,15 @@ def choose(summaries: list[dict[str, Any]], world_size: int, durable: int | None
     return None
 
 
+def usable(plan: dict[str, Any] | None, durable: int | None) -> bool:
+    """Whether ``plan`` (of :func:`choose`) restores a step newer than iteration ``durable`` (older steps, which the
+    plan passed over, are older still)."""
+    return plan is not None and (durable is None or plan["step"] > durable)
+
+
 def agreed_plan(saves: LocalSaves) -> dict[str, Any] | None:
-    """The plan of the newest step every rank can restore from the tier, whatever the durable snapshots (see
-    :func:`choose`; every rank calls it), or None."""
+    """The plan of the newest step every rank can restore from the tier (:func:`choose`; every rank calls it), or
+    None."""
     ranks = saves.ranks
     try:
         layout.remove_unfinished(saves.tree, ranks.rank, list(ranks.wards))
@@ -88,8 +94,8 @@ def agreed_plan(saves: LocalSaves) -> dict[str, Any] | None:
         logger.warning("the local tier directory %s cannot be read: %s", saves.directory, e)
         summary = layout.Held().summary(ranks.world_size)
     if ranks.group is None:
-        return choose([summary], 1, None)
-    return exchange(ranks.group, summary, _PLAN, lambda docs: choose(docs, ranks.world_size, None))
+        return choose([summary], 1)
+    return exchange(ranks.group, summary, _PLAN, lambda docs: choose(docs, ranks.world_size))
 
 
 class Planning:
@@ -125,7 +131,7 @@ def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str | Sto
     ranks = saves.ranks
     start = time.perf_counter() if planned is None else planned.started
     chosen = agreed_plan(saves) if planned is None else planned.result()
-    if chosen is None or (durable is not None and chosen["step"] <= durable):  # older steps are older still
+    if not usable(chosen, durable):
         return None
     step, fetch, spare = chosen["step"], _by_rank(chosen["fetch"]), _by_rank(chosen["spare"])
     mine, where = _restore_and_serve(saves, step, fetch, _FETCH, durable, restore)
