@@ -26,8 +26,8 @@ from ppe_snapshot.dcp.keys import IndexKey, engine_leaves, index_key, is_tensor,
 from ppe_snapshot.dcp.layout import ADAPTER_VERSION, DCP_KEY, location, properties_from_json, valid_location
 from ppe_snapshot.engine import MANIFEST_NAME, group_rank, read_manifest
 from ppe_snapshot.engine.codec import (
-    BytesEntry, Chunk, Manifest, ShardedTensorEntry, TensorEntry, decode_value, inflate, is_direct, leaf_loader,
-    new_take_id, read_into, tensor_bytes, torch_dtype,
+    BytesEntry, Chunk, DeviceReads, Manifest, ReadBatch, ShardedTensorEntry, TensorEntry, decode_value, inflate,
+    is_direct, leaf_loader, new_take_id, read_into, tensor_bytes, torch_dtype,
 )
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import Storage, open_storage
@@ -152,7 +152,9 @@ def _region(storage: Storage, source: _TensorSource, offsets: Sequence[int], len
     return buffer.view(source.dtype).as_strided(tuple(lengths), strides, (lo - base) // itemsize)
 
 
-def _read_tensor(storage: Storage, source: _TensorSource, item: ReadItem, target: torch.Tensor) -> None:
+def _read_tensor(storage: Storage, source: _TensorSource, item: ReadItem, target: torch.Tensor,
+                 device: DeviceReads) -> bool:
+    """Read ``item`` into ``target``: now (True), or left to ``device`` (False: complete after its ``join()``)."""
     offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
     if tuple(target.shape) != lengths:
         raise ValueError(f"{source.fqn}: the load planner resolved a target of shape {list(target.shape)} "
@@ -160,10 +162,14 @@ def _read_tensor(storage: Storage, source: _TensorSource, item: ReadItem, target
     whole = not any(offsets) and lengths == source.shape
     if whole and target.dtype == source.dtype and is_direct(target):
         read_into(storage, source.chunks, tensor_bytes(target), source.fqn)
-        return
+        return True
+    if whole and target.dtype == source.dtype and not target.is_cpu and device.add(storage, source.chunks, target,
+                                                                                   source.fqn):
+        return False
     region = _region(storage, source, offsets, lengths)
     with torch.no_grad():
         target.copy_(region)
+    return True
 
 
 class SnapshotStorageReader(StorageReader):
@@ -230,6 +236,8 @@ class SnapshotStorageReader(StorageReader):
         if self._sources is None:
             raise ValueError("read_metadata() must run before read_data()")
         storage = open_storage(self.path, self.storage_options)
+        device = DeviceReads(ReadBatch())  # device targets: pipelined through page-locked buffers
+        pending: list[tuple[ReadItem, torch.Tensor]] = []  # committed once ``device`` has read them
         try:
             for item in plan.items:
                 source = self._sources.get(index_key(item.storage_index.fqn, item.storage_index.offset))
@@ -237,12 +245,19 @@ class SnapshotStorageReader(StorageReader):
                     raise KeyError(f"{item.storage_index} is not in snapshot {self.path}")
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(source.load(storage)))
-                else:
-                    target = planner.resolve_tensor(item).detach()
-                    _read_tensor(storage, source, item, target)
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                if _read_tensor(storage, source, item, target, device):
                     planner.commit_tensor(item, target)
+                else:
+                    pending.append((item, target))
         finally:
-            storage.close()
+            try:
+                device.join()
+            finally:
+                storage.close()
+        for item, target in pending:
+            planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -17,7 +17,8 @@ Paths and values
 Bytes
     ``data_file(rank)`` (the data file a rank writes), ``Payload`` and ``PayloadAppender`` (append payloads to a
     data file, their chunks checksummed), ``needs_bounce`` / ``host_copy_buffer`` (a tensor written through a
-    host copy), ``is_direct``, ``tensor_bytes``, ``read_into`` (verified reads of chunks).
+    host copy), ``is_direct``, ``tensor_bytes``, ``read_into`` (verified reads of chunks), ``DeviceReads`` over a
+    ``ReadBatch`` (verified reads into device tensors, pipelined through page-locked buffers).
 Incremental writes
     ``write_pieces(storage, file, pieces, base, storage_options)``: a data file whose pieces unchanged since
     snapshot ``base`` are referenced, not written (``base=`` of the DCP writer); ``block_size(block_bytes)``: the
@@ -28,7 +29,7 @@ Committing
     then writes it in the format version takes write, the manifest last).
 """
 from ppe_snapshot.engine._files import (
-    PayloadAppender, host_copy_buffer, is_direct, needs_bounce, read_into, tensor_bytes,
+    DeviceReads, PayloadAppender, ReadBatch, host_copy_buffer, is_direct, needs_bounce, read_into, tensor_bytes,
 )
 from ppe_snapshot.engine._format import (
     BytesEntry, Chunk, Container, ContainerEntry, Entry, Manifest, ObjectEntry, PickleEntry, Raw, Shard,
@@ -48,8 +49,8 @@ __all__ = [
     "can_store_raw", "child_path", "decode_value", "dtype_name", "encode_value", "escape", "inflate", "leaf_loader",
     "torch_dtype",
     # bytes
-    "Payload", "PayloadAppender", "data_file", "host_copy_buffer", "is_direct", "needs_bounce", "read_into",
-    "tensor_bytes",
+    "DeviceReads", "Payload", "PayloadAppender", "ReadBatch", "data_file", "host_copy_buffer", "is_direct",
+    "needs_bounce", "read_into", "tensor_bytes",
     # committing
     "commit_manifest", "new_take_id", "refuse_overwrite",
     # incremental writes

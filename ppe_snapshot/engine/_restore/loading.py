@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from ppe_snapshot.engine._files import (
-    ChunkReader, ReadBatch, check_stored, chunk_limit, fill, is_direct, read_into, read_through_host, tensor_bytes,
+    ChunkReader, DeviceReads, ReadBatch, check_stored, chunk_limit, fill, is_direct, read_into, read_through_host,
+    tensor_bytes,
 )
 from ppe_snapshot.engine._format import (
     BytesEntry, Entry, Manifest, PickleEntry, Raw, Shard, ShardedTensorEntry, TensorEntry, torch_dtype,
@@ -51,18 +52,19 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
                budget: int | None = None) -> Any:
     """The value stored at logical ``path`` (and everything under it), into ``obj_out`` where it fits."""
     reads = ReadBatch()
+    device = DeviceReads(reads) if budget is None else None  # (a budget bounds the host buffers: one at a time)
     version = version_of(manifest.version)
     bulk = BulkTensors(storage, manifest, rank, reads) if version.indexed else None
     try:
         value = inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
-                        leaf_loader(storage, allow_pickle, budget, reads, version), obj_out,
+                        leaf_loader(storage, allow_pickle, budget, reads, version, device), obj_out,
                         load_children=bulk.children if bulk is not None else None)
         if bulk is not None:
             bulk.flush()
     except RecursionError:
         raise _too_deep(storage, path) from None
     finally:
-        reads.join()
+        (reads if device is None else device).join()
     if bulk is not None:
         bulk.finish()
     return value
@@ -87,7 +89,8 @@ def _too_deep(storage: Storage, path: str) -> CorruptSnapshotError:
 
 
 def leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None,
-                reads: ReadBatch | None = None, version: FormatVersion | None = None) -> LoadLeaf:
+                reads: ReadBatch | None = None, version: FormatVersion | None = None,
+                device: DeviceReads | None = None) -> LoadLeaf:
     """The loader of one stored value, chosen by its kind (``inflate`` handles containers and inline objects).
 
     Tensors go into the template's tensor when it fits (reads may be left to ``reads``: complete after its
@@ -99,9 +102,9 @@ def leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None,
 
     def load(path: str, entry: Entry, template: Any) -> Any:
         if isinstance(entry, TensorEntry) and not is_sharded(template):  # most leaves; checked first
-            return load_tensor(storage, path, entry, template, budget, reads)
+            return load_tensor(storage, path, entry, template, budget, reads, device)
         if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded entry, or a sharded target
-            return load_sharded(storage, path, entry, template, budget, reads, more_shards)
+            return load_sharded(storage, path, entry, template, budget, reads, more_shards, device)
         if isinstance(entry, PickleEntry):
             return load_pickle(storage, path, entry, allow_pickle)
         return load_bytes(storage, path, entry)  # the last kind of leaf
@@ -109,10 +112,11 @@ def leaf_loader(storage: Storage, allow_pickle: bool, budget: int | None = None,
 
 
 def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
-                budget: int | None = None, reads: ReadBatch | None = None) -> Any:
+                budget: int | None = None, reads: ReadBatch | None = None, device: DeviceReads | None = None) -> Any:
     """The saved tensor or array at ``path``, loaded into ``target`` in place when it fits.
 
-    Reads straight into the result may be left to ``reads``; the result is complete after its ``join()``.
+    Reads straight into the result may be left to ``reads``, and reads into a device tensor to ``device``; the
+    result is complete after their ``join()``.
     """
     if entry.kind == Raw.NDARRAY:
         return _load_array(storage, path, entry, target, reads)
@@ -123,7 +127,7 @@ def load_tensor(storage: Storage, path: str, entry: TensorEntry, target: Any,
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     if is_direct(target):
         fill(reads, storage, entry.chunks, tensor_bytes(target), path)
-    else:
+    elif target.is_cpu or device is None or not device.add(storage, entry.chunks, target, path):
         read_through_host(storage, entry.chunks, target, path, budget)
     return target
 
@@ -189,7 +193,8 @@ def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) ->
 
 def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,
                  budget: int | None = None, batch: ReadBatch | None = None,
-                 more_shards: Callable[[ShardedTensorEntry], Callable[[], list[Shard]] | None] | None = None) -> Any:
+                 more_shards: Callable[[ShardedTensorEntry], Callable[[], list[Shard]] | None] | None = None,
+                 device: DeviceReads | None = None) -> Any:
     """Load the saved sharded tensor into ``target`` in place (a DTensor, ShardedTensor or
     full-size tensor); without a tensor target, into a new full tensor.
 
@@ -220,7 +225,7 @@ def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | Tensor
     dests = [local for _, local in regions]
     with torch.no_grad():
         for index, items in sorted(by_shard.items()):
-            _read_shard(storage, path, entry.shards[index], items, dests, budget, batch)
+            _read_shard(storage, path, entry.shards[index], items, dests, budget, batch, device)
     return target
 
 
@@ -261,8 +266,9 @@ def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 
 def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], dests: list[torch.Tensor],
-                budget: int | None, batch: ReadBatch | None) -> None:
-    """Copy the parts ``items`` of one saved shard into their destinations (whole-shard reads via ``batch``)."""
+                budget: int | None, batch: ReadBatch | None, device: DeviceReads | None) -> None:
+    """Copy the parts ``items`` of one saved shard into their destinations (whole-shard reads via ``batch``, or
+    ``device`` for a device tensor)."""
     item = items[0]
     if len(items) == 1 and not any(item.storage_offsets) and list(item.lengths) == shard.sizes:
         dest = _region(dests[item.dest_index.index], item.dest_offsets, item.lengths)
@@ -270,7 +276,8 @@ def _read_shard(storage: Storage, path: str, shard: Shard, items: list[Any], des
             fill(batch, storage, shard.chunks, tensor_bytes(dest), path)
             return
         if dest.is_contiguous():
-            read_through_host(storage, shard.chunks, dest, path, budget)
+            if dest.is_cpu or device is None or not device.add(storage, shard.chunks, dest, path):
+                read_through_host(storage, shard.chunks, dest, path, budget)
             return
     _stream_shard(storage, path, shard, items, dests, budget)
 
