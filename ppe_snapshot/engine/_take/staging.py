@@ -14,6 +14,7 @@ import xxhash
 
 from ppe_snapshot.engine._files import chunk_limit, FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
 from ppe_snapshot.engine._format import Chunk, Raw
+from ppe_snapshot.engine._take.device_gather import DeviceGather, gathers, on_device
 from ppe_snapshot.engine._util import MEMORY, new_private_buffer
 from ppe_snapshot.storage import Storage
 
@@ -109,9 +110,9 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
     A small CPU tensor is copied as a slice of ``MEMORY`` (about 0.3 us,
     against 8 us for slicing, viewing and ``copy_``: the cost per tensor of a
     state of 10^5 tensors); a large one with ``copy_``, on torch's intra-op threads;
-    anything else (see :func:`is_copyable_raw`: device, non-contiguous,
-    conjugate or negative views, subclasses) with ``copy_`` too, which
-    resolves it.
+    a small tensor on a device is gathered with its neighbours and copied to the host with them in one transfer
+    (:mod:`~ppe_snapshot.engine._take.device_gather`); anything else (see :func:`is_copyable_raw`: device,
+    non-contiguous, conjugate or negative views, subclasses) with ``copy_`` too, which resolves it.
     """
     if buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous() or buffer.numel() < layout.size:
         raise ValueError(f"a staging buffer must be a contiguous CPU uint8 tensor of at least {layout.size} bytes, "
@@ -120,9 +121,10 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
     if reused:
         clear_padding(layout, buffer)
     base, cuda, memory, deferred = buffer.data_ptr(), False, MEMORY, []
+    gather = DeviceGather() if on_device(layout) else None
     rows: Iterator[tuple[Any, str, int, int]] = zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes)
     if image is not None:  # a separate pass: the loop below costs per tensor what it did without an image
-        rows = _not_in(image, rows, deferred)
+        rows = _not_in(image, rows, deferred, gather)
     for data, kind, offset, n in rows:
         if kind == Raw.TENSOR:
             if not n:
@@ -130,6 +132,9 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
             if n < SMALL_COPY_BYTES and is_copyable_raw(data):
                 source, at = data.data_ptr(), base + offset
                 memory[at:at + n] = memory[source:source + n]
+            elif gather is not None and gathers(data, n):
+                gather.add(data, offset, n)
+                continue
             else:
                 on_cuda = data.is_cuda
                 cuda |= on_cuda
@@ -139,14 +144,19 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
             np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
         else:
             buffer[offset:offset + n].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        if gather is not None:
+            gather.break_run()
+    if gather is not None:
+        cuda |= gather.copy_into(buffer)
     if cuda:
         torch.cuda.synchronize()
     return deferred
 
 
-def _not_in(image: StagedImage, rows: Iterable[tuple[Any, str, int, int]], deferred: Deferred
-            ) -> Iterator[tuple[Any, str, int, int]]:
-    """The rows whose tensor ``image`` does not hold; those it holds go to ``deferred``."""
+def _not_in(image: StagedImage, rows: Iterable[tuple[Any, str, int, int]], deferred: Deferred,
+            gather: DeviceGather | None) -> Iterator[tuple[Any, str, int, int]]:
+    """The rows whose tensor ``image`` does not hold; those it holds go to ``deferred`` (and cut ``gather``'s
+    run: they are copied later)."""
     for row in rows:
         data, kind, offset, n = row
         staged = image.view_of(data, n) if kind == Raw.TENSOR and n else None
@@ -154,6 +164,8 @@ def _not_in(image: StagedImage, rows: Iterable[tuple[Any, str, int, int]], defer
             yield row
         else:
             deferred.append((staged, offset, n))
+            if gather is not None:
+                gather.break_run()
 
 
 def copy_deferred(buffer: torch.Tensor, deferred: Deferred) -> None:

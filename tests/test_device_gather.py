@@ -1,0 +1,58 @@
+"""Small device tensors staged in one go (``engine/_take/device_gather.py``), tested on CPU tensors standing in for
+device ones: which tensors form a run, the run's bytes in the image (padding zeroed, nothing outside it touched),
+and staging through it bit-exact. tests/test_cuda.py stages many small CUDA tensors through the same path."""
+from __future__ import annotations
+
+import torch
+
+from ppe_snapshot import Snapshot, StateDict
+from ppe_snapshot.engine._files import ALIGNMENT
+from ppe_snapshot.engine._take import device_gather, staging
+from ppe_snapshot.engine._take.device_gather import DeviceGather
+from test_staging import assert_values, mixed_state, mutate, values_of
+
+
+def test_runs_are_cut_by_gaps_by_other_payloads_and_by_their_span(monkeypatch):
+    monkeypatch.setattr(device_gather, "RUN_BYTES", 1024)
+    gather = DeviceGather()
+    a, b, c, d, e = (torch.full((n,), float(i + 1)) for i, n in enumerate((10, 16, 4, 200, 100)))
+    gather.add(a, 0, 40)
+    gather.add(b, 64, 64)  # only padding between: the same run
+    gather.add(c, 192, 16)  # a gap of ALIGNMENT bytes (another payload's room): a new run
+    gather.break_run()
+    gather.add(d, 256, 800)  # after something else: a new run
+    gather.add(e, 1088, 400)  # would make the run span more than RUN_BYTES: a new run
+    assert [[offset for _, offset, _ in run.tensors] for run in gather.runs] == [[0, 64], [192], [256], [1088]]
+    assert 192 - (64 + 64) == ALIGNMENT
+
+    image = torch.full((1536,), 0xEE, dtype=torch.uint8)
+    assert gather.copy_into(image) is False  # nothing left running off the host
+    as_floats = image.view(torch.float32)
+    assert torch.equal(as_floats[:10], a) and torch.equal(as_floats[16:32], b)
+    assert torch.equal(as_floats[48:52], c) and torch.equal(as_floats[64:264], d)
+    assert torch.equal(as_floats[272:372], e)
+    assert image[40:64].eq(0).all()  # padding inside a run: zeroed
+    assert image[128:192].eq(0xEE).all() and image[1056:1088].eq(0xEE).all()  # between runs: not the runs' bytes
+    assert image[1488:].eq(0xEE).all()
+
+
+def test_staging_through_the_gather_is_the_state_at_the_call(monkeypatch, tmp_path):
+    """The small tensors of a state of every layout gathered as if they lay on a device; the values at the call
+    restored bit-exact after the state changed, twice (the second take stages into the first one's buffer)."""
+    monkeypatch.setattr(staging, "on_device", lambda layout: True)
+    monkeypatch.setattr(staging, "is_copyable_raw", lambda tensor: False)
+    monkeypatch.setattr(staging, "gathers", lambda t, n: 0 < n < device_gather.SMALL_DEVICE_BYTES
+                        and not t.is_neg() and not (t.dtype.is_complex and t.is_conj()))
+    runs: list[int] = []
+    copy_into = DeviceGather.copy_into
+    monkeypatch.setattr(DeviceGather, "copy_into",
+                        lambda self, buffer: runs.extend(len(r.tensors) for r in self.runs) or copy_into(self, buffer))
+    for i in range(2):
+        state, owners = mixed_state()
+        mutate(owners[i:])
+        expected = values_of(state)
+        pending = Snapshot.async_take(str(tmp_path / f"s{i}"), {"state": StateDict(state)})
+        mutate(owners)
+        pending.wait()
+        assert_values(Snapshot(str(tmp_path / f"s{i}")).read_object("0/state"), expected)
+    assert len(runs) == 2 and runs[0] == runs[1] >= 300  # per take, the small tensors (plain ones first) in a run
