@@ -36,18 +36,28 @@ demo: $(RUN_STAMP)
 bench: venv
 	$(PY) benchmarks/bench_engine.py
 
-# The checks that need a CUDA GPU (CI has none, and these tests skip there): the CUDA tests, the FSDP2 example
-# over NCCL (stopped at 25, resumed on the GPU, then resumed on two CPU ranks over gloo), and staging with the
-# state on the GPU. GPU_PY: a Python whose torch has CUDA, with this package's requirements.
+# The checks that need a CUDA GPU (CI has none, and these tests skip there): the CUDA tests, benchmarks/bench_gpu.py
+# (issue 35's figures), the FSDP2 example over NCCL (stopped at 25, resumed on the GPU, then resumed on two CPU
+# ranks over gloo), and staging with the state on the GPU. GPU_PY: a Python whose torch has CUDA, with this
+# package's requirements. Each step has its own time limit and log (GPU_LOG), so that one hang costs only itself.
 GPU_PY ?= $(PY)
 GPU_RUN := /tmp/ppe-snapshot-gpu-check
+GPU_LOG ?= /tmp/ppe-snapshot-gpu-logs
+CUDA_TESTS := $(shell grep -l "needs CUDA" tests/test_*.py)
 gpu-check: $(if $(filter $(PY),$(GPU_PY)),venv)
-	$(GPU_PY) -m pytest -q tests -k cuda
-	rm -rf $(GPU_RUN)
-	$(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda --out $(GPU_RUN) --stop-at 25
-	$(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda --out $(GPU_RUN)
-	GLOO_SOCKET_IFNAME=lo $(GPU_PY) -m torch.distributed.run --nproc_per_node=2 examples/train_sharded.py --out $(GPU_RUN) --iterations 50
-	$(GPU_PY) benchmarks/bench_staging.py --device cuda --rounds 3 --many 10000 --rss 0
+	rm -rf $(GPU_RUN) && mkdir -p $(GPU_LOG)
+	-timeout 240 $(GPU_PY) -m pytest -q -k cuda $(CUDA_TESTS) > $(GPU_LOG)/tests.log 2>&1; tail -3 $(GPU_LOG)/tests.log
+	-timeout 300 $(GPU_PY) benchmarks/bench_gpu.py --gib 4 --rounds 3 > $(GPU_LOG)/bench_gpu.log 2>&1; \
+		tail -40 $(GPU_LOG)/bench_gpu.log
+	-( timeout 100 $(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda \
+		--out $(GPU_RUN) --stop-at 25 && \
+	   timeout 100 $(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda \
+		--out $(GPU_RUN) && \
+	   GLOO_SOCKET_IFNAME=lo timeout 100 $(GPU_PY) -m torch.distributed.run --nproc_per_node=2 \
+		examples/train_sharded.py --out $(GPU_RUN) --iterations 50 ) > $(GPU_LOG)/example.log 2>&1; \
+		echo "train_sharded: exit $$?"; tail -3 $(GPU_LOG)/example.log
+	-timeout 150 $(GPU_PY) benchmarks/bench_staging.py --device cuda --rounds 3 --many 10000 --rss 0 \
+		> $(GPU_LOG)/bench_staging.log 2>&1; tail -25 $(GPU_LOG)/bench_staging.log
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache benchmarks/out

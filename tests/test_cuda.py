@@ -194,3 +194,30 @@ def test_cuda_a_staging_buffer_that_cannot_be_pinned_only_warns(tmp_path, monkey
         writer.finalize()
         for buffer in taken:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+
+
+def test_cuda_many_small_tensors_gathered_and_a_large_one_pipelined(tmp_path):
+    """Small device tensors are staged in gathered runs (one transfer each) and restored through shared
+    page-locked buffers (one transfer each, then scattered on the device); a tensor larger than a buffer goes
+    through several; non-contiguous ones the usual way. Values at the call, bit-exact, in place."""
+    from ppe_snapshot.engine._files import device_reads
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"s{i}": torch.randn(i % 50 + 1, device="cuda", generator=g) for i in range(3000)}
+    state.update(ints=torch.arange(77, device="cuda"), flags=torch.rand(9, device="cuda", generator=g) > 0.5,
+                 bf16=torch.randn(31, device="cuda", generator=g).to(torch.bfloat16),
+                 big=torch.randn(device_reads.DEVICE_BUFFER_BYTES // 4 * 2 + 12345, device="cuda", generator=g),
+                 transposed=torch.randn(40, 30, device="cuda", generator=g).t())
+    expected = {k: v.clone() for k, v in state.items()}
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": StateDict(state)})
+    for tensor in state.values():  # after the call: not in the snapshot
+        if tensor.dtype == torch.bool:
+            tensor.logical_not_()
+        else:
+            tensor.add_(1)
+    pending.wait()
+    target = StateDict(zeros_like(expected))
+    pointers = {k: v.data_ptr() for k, v in target.items()}
+    Snapshot(str(tmp_path / "s")).restore({"s": target})
+    assert_same(dict(target), expected)
+    assert {k: v.data_ptr() for k, v in target.items()} == pointers
