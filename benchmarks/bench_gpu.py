@@ -14,8 +14,8 @@ rotating order, and the floors:
 - **page-cache read**: the snapshot's data files read into a host buffer, cached (the page cache).
 
 Methods: ``Snapshot.take`` (durable), ``Snapshot.async_take`` and a ThreadWriter (blocking; their first call is
-reported on its own: made in a fresh process before the rounds, the writer after ``prepare_staging`` as the
-extension calls it), ``Snapshot.restore`` in place with a warm page cache and a cold one (the cold one only where
+reported on its own: made in a fresh process before the rounds, after ``Snapshot.prepare_staging`` and the
+writer's ``prepare_staging``, as the extension calls it), ``Snapshot.restore`` in place with a warm page cache and a cold one (the cold one only where
 ``/proc/sys/vm/drop_caches`` is writable); the peers the same way. Report: medians, and each figure over its floor.
 On a machine without a GPU, ``--device cpu`` runs the same methods on a CPU state (a check of the script).
 """
@@ -220,12 +220,13 @@ class Bench:
         """The first call of async_take and of a writer in this process (the writer prepared as the extension
         does), before any round."""
         self.writer.prepare_staging(self.state)
-        time.sleep(self.size / (2 << 30) + 0.5)  # the background preparation's time (a training step or so)
+        ps.Snapshot.prepare_staging({"m": ps.StateDict(self.state)})
+        time.sleep(self.size / (1 << 30) + 0.5)  # the background preparations' time (a training step or so)
         self.path("writer")
         self.timed("ThreadWriter blocking, first call (prepared)", lambda: self.writer("writer", self.dir, self.state))
         self.writer.wait()
         path, pending = self.path("async"), []
-        self.timed("Snapshot.async_take blocking, first call",
+        self.timed("Snapshot.async_take blocking, first call (prepared)",
                    lambda: pending.append(ps.Snapshot.async_take(path, {"m": ps.StateDict(self.state)})))
         pending[0].wait()
 
@@ -251,7 +252,7 @@ class Bench:
             ("durable save / dd write", "Snapshot.take (durable)", "floor: dd write, O_DIRECT"),
             ("async_take steady / D2H", "Snapshot.async_take blocking, steady", "floor: D2H into page-locked memory"),
             ("ThreadWriter steady / D2H", "ThreadWriter blocking, steady", "floor: D2H into page-locked memory"),
-            ("async_take first / steady", "Snapshot.async_take blocking, first call",
+            ("async_take first (prepared) / steady", "Snapshot.async_take blocking, first call (prepared)",
              "Snapshot.async_take blocking, steady"),
             ("ThreadWriter first / steady", "ThreadWriter blocking, first call (prepared)",
              "ThreadWriter blocking, steady"),

@@ -14,7 +14,8 @@ round runs every method once, in a rotating order, each right after the same
 
 ``Snapshot.async_take`` is a method of the rounds too (it keeps its buffer from one call to the next). It also
 times the first call of each method (buffer allocation; with ``--prepare`` the writers first get
-``prepare_staging``, as the extension calls it at initialize()), and the writers' calls for
+``prepare_staging``, as the extension calls it at initialize(), and ``Snapshot.prepare_staging`` is called for
+``async_take``), and the writers' calls for
 64 MiB in ``--many`` small tensors (the cost per tensor), and the RSS over
 ``--rss`` consecutive snapshots of 128 MiB per writer (reused buffers: flat).
 Report: medians, and the writers' blocking time over the 2-thread copy of
@@ -145,6 +146,10 @@ class AsyncTake:
 
     def __init__(self) -> None:
         ps.Snapshot.release_staging()  # the first call allocates, as a fresh process's would
+
+    def prepare(self, state: dict) -> None:
+        """``Snapshot.prepare_staging`` (``--prepare``)."""
+        ps.Snapshot.prepare_staging({"state": ps.StateDict(state)})
 
     def __call__(self, path: str, state: dict) -> dict[str, float]:
         start = time.perf_counter()

@@ -13,7 +13,8 @@ Taking and restoring
     :class:`PendingSnapshot`. In stages, for writers that run the write elsewhere:
     ``job = prepare_take(path, app_state, *, pg=..., ...)`` plans this rank's share (every rank of ``pg``
     calls it) and returns a :class:`TakeJob`; ``job.stage(provider)`` copies the state into a staging buffer
-    (``new_staging_buffer(size, pin)``; ``new_shared_buffer(nbytes)`` for another process to map);
+    (``new_staging_buffer(size, pin)``; ``new_shared_buffer(nbytes)`` for another process to map;
+    ``staging_estimate(state)``: the bytes an image of a state dict takes, and whether it is on a GPU);
     ``job.write_and_commit()`` writes and commits (in a thread, or in another process: the job pickles; there
     ``release_staging()`` / ``use_staged(buffer)`` hand the staged image over). ``job.stage(buffer,
     keep_image=True)`` returns a :class:`StagedImage`, which a second take of the same step (``image=``, or
@@ -44,7 +45,7 @@ from ppe_snapshot.engine._ranks import LOCAL, agree_max, exchange, group_rank, s
 from ppe_snapshot.engine._snapshot import PendingSnapshot, Snapshot
 from ppe_snapshot.engine._state import OptimizerState, RNGState, Stateful, StateDict
 from ppe_snapshot.engine._take import (
-    StagedImage, TakeJob, check_base, judge_writers, new_staging_buffer, prepare_take,
+    StagedImage, TakeJob, check_base, judge_writers, new_staging_buffer, prepare_take, staging_estimate,
 )
 from ppe_snapshot.engine._util import gc_paused, new_shared_buffer
 from ppe_snapshot.engine._versions import read_manifest, upgrade as upgrade_snapshot
@@ -52,7 +53,7 @@ from ppe_snapshot.engine._versions import read_manifest, upgrade as upgrade_snap
 __all__ = [
     # taking and restoring
     "LOCAL", "PendingSnapshot", "Snapshot", "StagedImage", "TakeJob", "align", "gc_paused", "group_rank", "new_shared_buffer",
-    "new_staging_buffer", "prepare_take",
+    "new_staging_buffer", "prepare_take", "staging_estimate",
     # between ranks
     "agree_max", "exchange", "side_group",
     # state objects

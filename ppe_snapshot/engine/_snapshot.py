@@ -11,9 +11,10 @@ from ppe_snapshot.engine._files import verify_chunks
 from ppe_snapshot.engine._format import Entry, Manifest
 from ppe_snapshot.engine._ranks import group_rank
 from ppe_snapshot.engine._restore import load_state, read_value
-from ppe_snapshot.engine._state import check_app_state, restore_order
+from ppe_snapshot.engine._state import check_app_state, restore_order, take_states
 from ppe_snapshot.engine._take import (
-    StagedImage, TakeJob, TensorPrepare, give_back, prepare_take, release_staging_buffers, take_staging_buffer,
+    StagedImage, TakeJob, TensorPrepare, give_back, prepare_staging_buffer, prepare_take, release_staging_buffers,
+    staging_estimate, take_staging_buffer,
 )
 from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.engine._versions import read_manifest
@@ -124,6 +125,16 @@ class Snapshot:
         job.stage(buffer, image=staged_from)
         back_to_pool = None if staging is not None else partial(give_back, job.staged, pin)
         return PendingSnapshot(job, cls(job.storage.url, pg, storage_options), after_write=back_to_pool)
+
+    @staticmethod
+    def prepare_staging(app_state: dict[str, Any]) -> None:
+        """Have the staging buffer of an :meth:`async_take` of ``app_state`` ready before that call: allocated in a
+        background thread, every page faulted in (page-locked for state on a GPU), and kept as the buffer a
+        finished write gives back is. The first ``async_take`` then blocks for its copy only, as later ones do;
+        one that comes before the buffer is ready waits for it. Call it once the state exists (e.g. after the
+        optimizer's first step made its state); it holds the memory until :meth:`release_staging`."""
+        check_app_state(app_state)
+        prepare_staging_buffer(*staging_estimate(take_states(app_state)))
 
     @staticmethod
     def release_staging() -> int:

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from ppe_snapshot.engine import StateDict, TakeJob, align, check_base, gc_paused, group_rank, prepare_take
+from ppe_snapshot.engine import StateDict, TakeJob, check_base, gc_paused, group_rank, prepare_take, staging_estimate
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.writing import _replace
 from ppe_snapshot.writing._errors import add_note, surfaced
@@ -34,8 +33,6 @@ from ppe_snapshot.writing._replace import AfterCommit
 from ppe_snapshot.writing._runners import FileWork, Runner, TakeWork, Work
 from ppe_snapshot.writing.contract import ImageLoan
 
-#: What :func:`staging_estimate` adds for the values it does not count (numbers, strings, RNG states).
-STAGING_SLACK = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -342,26 +339,6 @@ class WriterCore:
         logger.warning("%s: a staged image lent out was not given back within %s s; its buffer stays open",
                        self._name, SETTINGS.commit_timeout)
         return False
-
-
-def staging_estimate(state: Any) -> tuple[int, bool]:
-    """The bytes a staged image of ``state`` (nested dicts, lists and tuples of tensors, arrays and other values)
-    takes, with room for its small values, and whether any tensor is on a GPU."""
-    nbytes, on_cuda, todo = STAGING_SLACK, False, [state]
-    while todo:
-        value = todo.pop()
-        if isinstance(value, torch.Tensor):
-            nbytes += align(value.numel() * value.element_size())
-            on_cuda |= value.is_cuda
-        elif isinstance(value, np.ndarray):
-            nbytes += align(value.nbytes)
-        elif isinstance(value, (bytes, bytearray)):
-            nbytes += align(len(value))
-        elif isinstance(value, Mapping):
-            todo.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            todo.extend(value)
-    return nbytes, on_cuda
 
 
 def _stats(path: str, nbytes: int | None) -> dict[str, Any]:

@@ -9,21 +9,94 @@ the one most recently given back; a buffer given back while one of its kind is i
 least as large, and is dropped otherwise. The memory held between snapshots is therefore at most one staging
 image per kind (the largest recent state), beside the buffers of writes still in flight.
 :func:`release_staging_buffers` drops the idle ones (``Snapshot.release_staging()``).
+
+The first ``async_take`` has no buffer to reuse: :func:`prepare_staging_buffer` (``Snapshot.prepare_staging``)
+makes one ready ahead, in a background thread (allocated, every page faulted in, page-locked for state on a GPU),
+and gives it back here as if a write had ended; an ``async_take`` that comes while it is being made waits for it
+rather than allocate another.
 """
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import torch
+
+from ppe_snapshot.engine._files import align
+from ppe_snapshot.engine._take.staging import PAGE, new_staging_buffer
+
+logger = logging.getLogger(__name__)
+
+#: What :func:`staging_estimate` adds for the values it does not count (numbers, strings, RNG states).
+STAGING_SLACK = 1 << 20
 
 _lock = threading.Lock()
 #: The idle buffer of each kind, by whether it is page-locked.
 _idle: dict[bool, torch.Tensor] = {}
+#: The buffer of each kind being made ready (:func:`prepare_staging_buffer`): its thread and size.
+_preparing: dict[bool, tuple[threading.Thread, int]] = {}
+
+
+def staging_estimate(state: Any) -> tuple[int, bool]:
+    """The bytes a staged image of ``state`` (nested dicts, lists and tuples of tensors, arrays and other values)
+    takes, with room for its small values, and whether any tensor is on a GPU."""
+    nbytes, on_cuda, todo = STAGING_SLACK, False, [state]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, torch.Tensor):
+            nbytes += align(value.numel() * value.element_size())
+            on_cuda |= value.is_cuda
+        elif isinstance(value, np.ndarray):
+            nbytes += align(value.nbytes)
+        elif isinstance(value, (bytes, bytearray)):
+            nbytes += align(len(value))
+        elif isinstance(value, Mapping):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+    return nbytes, on_cuda
+
+
+def prepare_staging_buffer(nbytes: int, pin: bool) -> None:
+    """Make a buffer of ``nbytes`` ready for the next ``async_take`` in a background thread; nothing where the
+    idle buffer of its kind, or the one being made, holds that already. A failure (no memory to page-lock) is
+    a warning: the take allocates as it would have."""
+    with _lock:
+        idle, preparing = _idle.get(pin), _preparing.get(pin)
+        if (idle is not None and idle.numel() >= nbytes) or (preparing is not None and preparing[1] >= nbytes):
+            return
+        thread = threading.Thread(target=_make_ready, args=(nbytes, pin), name="ppe-snapshot-prepare-staging",
+                                  daemon=True)
+        _preparing[pin] = (thread, nbytes)
+    thread.start()
+
+
+def _make_ready(nbytes: int, pin: bool) -> None:
+    try:
+        buffer = new_staging_buffer(nbytes, pin)
+        if nbytes:
+            buffer.numpy()[::PAGE] = 0  # each page faulted in here, not by the first staging copy
+        give_back(buffer, pin)
+    except Exception as e:  # noqa: BLE001 - the take allocates as before
+        logger.warning("making a staging buffer of %d bytes ready failed (%s: %s); the next async_take allocates "
+                       "its own", nbytes, type(e).__name__, e)
+    finally:
+        with _lock:
+            if _preparing.get(pin, (None,))[0] is threading.current_thread():
+                del _preparing[pin]
 
 
 def take_staging_buffer(nbytes: int, pin: bool) -> torch.Tensor | None:
-    """The idle buffer of its kind (page-locked if ``pin``) if it holds ``nbytes``, else None (stage into a new
-    one). It holds an older image, whose padding the staging copy clears."""
+    """The idle buffer of its kind (page-locked if ``pin``) if it holds ``nbytes`` (waiting for one being made
+    ready that will), else None (stage into a new one). It holds an older image, whose padding the staging copy
+    clears."""
+    with _lock:
+        preparing = _preparing.get(pin)
+    if preparing is not None and preparing[1] >= nbytes:
+        preparing[0].join()
     with _lock:
         idle = _idle.get(pin)
         if idle is None or idle.numel() < nbytes:
