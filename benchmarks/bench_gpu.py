@@ -15,8 +15,9 @@ rotating order, and the floors:
 
 Methods: ``Snapshot.take`` (durable), ``Snapshot.async_take`` and a ThreadWriter (blocking; their first call is
 reported on its own: made in a fresh process before the rounds, after ``Snapshot.prepare_staging`` and the
-writer's ``prepare_staging``, as the extension calls it), ``Snapshot.restore`` in place with a warm page cache and a cold one (the cold one only where
-``/proc/sys/vm/drop_caches`` is writable); the peers the same way. Report: medians, and each figure over its floor.
+writer's ``prepare_staging``, as the extension calls it), ``Snapshot.restore`` in place with a warm page cache
+and a cold one (the cold one only where ``/proc/sys/vm/drop_caches`` is writable); the peers the same way.
+Report: medians, and each figure over its floor.
 On a machine without a GPU, ``--device cpu`` runs the same methods on a CPU state (a check of the script).
 """
 from __future__ import annotations

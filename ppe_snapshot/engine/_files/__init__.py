@@ -14,8 +14,9 @@ from ppe_snapshot.engine._files.reads import (
 )
 
 __all__ = [
-    "align", "ALIGNMENT", "check_stored", "checksum", "CHUNK_BYTES", "chunk_limit", "ChunkReader", "coalesced", "DeviceReads",
-    "FileLayout", "fill", "host_copy_buffer", "is_copyable_raw", "is_direct", "lay_out", "mismatch_error",
-    "needs_bounce", "payload_chunks", "PayloadAppender", "read_file_into", "read_into", "read_through_host",
-    "read_views_into", "ReadBatch", "tensor_bytes", "verify_chunks", "write_from_sources", "Written",
+    "align", "ALIGNMENT", "check_stored", "checksum", "CHUNK_BYTES", "chunk_limit", "ChunkReader", "coalesced",
+    "DeviceReads", "FileLayout", "fill", "host_copy_buffer", "is_copyable_raw", "is_direct", "lay_out",
+    "mismatch_error", "needs_bounce", "payload_chunks", "PayloadAppender", "read_file_into", "read_into",
+    "read_through_host", "read_views_into", "ReadBatch", "tensor_bytes", "verify_chunks", "write_from_sources",
+    "Written",
 ]

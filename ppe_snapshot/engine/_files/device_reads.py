@@ -121,7 +121,11 @@ class DeviceReads:
             torch.cuda.current_stream(batch.device).synchronize()
         self._devices.add(batch.device)
         host = self._host_buffer(batch.device)
-        self._reads.submit(batch.storage, self._read_and_copy, batch, host)
+        try:
+            self._reads.submit(batch.storage, self._read_and_copy, batch, host)
+        except BaseException:
+            self._free.put((host, None))  # (a later batch must not wait for it)
+            raise
 
     def _host_buffer(self, device: torch.device) -> torch.Tensor:
         if self._made < self._count:
