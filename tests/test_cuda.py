@@ -197,9 +197,9 @@ def test_cuda_a_staging_buffer_that_cannot_be_pinned_only_warns(tmp_path, monkey
 
 
 def test_cuda_many_small_tensors_gathered_and_a_large_one_pipelined(tmp_path):
-    """Small device tensors are staged in gathered runs (one transfer each) and restored through shared
-    page-locked buffers (one transfer each, then scattered on the device); a tensor larger than a buffer goes
-    through several; non-contiguous ones the usual way. Values at the call, bit-exact, in place."""
+    """Small device tensors are staged in gathered runs (one transfer each) and restored in bulk through
+    page-locked slabs (one transfer per slab, then scattered on the device); a tensor larger than a buffer goes
+    through several pipelined ones; non-contiguous ones the usual way. Values at the call, bit-exact, in place."""
     from ppe_snapshot.engine._files import device_reads
 
     g = torch.Generator(device="cuda").manual_seed(3)

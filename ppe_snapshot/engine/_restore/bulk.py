@@ -1,7 +1,7 @@
 """Restoring many small tensors of a version-2 snapshot in bulk: no entry object per tensor.
 
 A dict's children that are small plain tensors (up to ``SMALL_BYTES``) stored in one chunk, restored into
-existing CPU tensors of the same dtype and shape, are read straight from the index's columns: the walk matches
+existing tensors of the same dtype and shape, are read straight from the index's columns: the walk matches
 children to index rows and targets, and each time ``FLUSH_BYTES`` of them are pending (from any number of dicts:
 an optimizer's state is a small dict per parameter) hands them to the read pool, sorted into runs of
 neighbouring bytes of a file, while it goes on; the rest when the walk ends. A run is one vectored read straight
@@ -10,7 +10,8 @@ verified in the target: a damaged chunk raises ``CorruptSnapshotError`` naming i
 (the mean under ``TINY_BYTES``, where the gaps would outnumber the bytes) are read into a buffer and copied out
 after the check instead. Everything else goes the usual way (``loading.leaf_loader``); what a reader must check
 (sizes vs shapes, files inside the snapshot) was checked when the index was decoded or is checked here, before
-a byte reaches a target.
+a byte reaches a target. A target on a device (a GPU) is read into a page-locked host slab instead, copied to the
+device with the slab's other tensors (:mod:`~ppe_snapshot.engine._restore.device_slabs`).
 
 The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg``
 and ``is_conj`` are asked after the reads, by ``finish``), the copies of tiny chunks keep it (a memoryview
@@ -29,6 +30,7 @@ import xxhash
 
 from ppe_snapshot.engine._files import ReadBatch, mismatch_error, read_file_into, read_views_into
 from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, Manifest, torch_dtype
+from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 from ppe_snapshot.engine._state import child_path
 from ppe_snapshot.engine._util import MEMORY
 from ppe_snapshot.engine._versions import version_of
@@ -45,6 +47,11 @@ PER_TENSOR_COST = 256
 #: Runs whose chunks average less than this go through a buffer (one copy each) rather than one iovec each:
 #: below it, making a view of each target costs more than the copy (measured here: about 2 KiB).
 TINY_BYTES = 2048
+
+
+def in_host_memory(target: torch.Tensor) -> bool:
+    """Whether a target's bytes are read straight into its memory (on the host), not through a slab."""
+    return target.is_cpu
 
 
 class _Lookup:
@@ -89,8 +96,10 @@ def _fits(index: Index) -> list[tuple[torch.dtype, tuple[int, ...], int] | None]
 class BulkTensors:
     """Loads plain tensor children of containers in bulk for a restore of ``rank`` (see the module doc)."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, rank: int, reads: ReadBatch) -> None:
-        self._storage, self._manifest, self._rank, self._reads = storage, manifest, rank, reads
+    def __init__(self, storage: Storage, manifest: Manifest, rank: int, reads: ReadBatch,
+                 slabs: DeviceSlabs | None = None) -> None:
+        """``slabs``: where device targets are read to (else they go the usual way)."""
+        self._storage, self._manifest, self._rank, self._reads, self._slabs = storage, manifest, rank, reads, slabs
         self._lookup: _Lookup | None = None
         self._loaded: list[torch.Tensor] = []
         # Picks not yet handed to the read pool (from any number of dicts: an optimizer's state is a small dict
@@ -100,11 +109,16 @@ class BulkTensors:
         self._pending = 0
 
     def finish(self) -> None:
-        """Once every read is done: a target with the negative or conjugate bit (a view made by ``_neg_view``,
-        ``conj()`` or ``.imag``, or such a view detached) shows its memory negated or conjugated, so the bytes
-        read into it are turned round in place, to show the saved values. Checked here, not in the walk:
-        ``is_neg`` and ``is_conj`` release the GIL, which costs 10-30 us each while a read thread runs."""
+        """Once every read is done: the device targets' slabs copied to them; a host target with the negative
+        or conjugate bit (a view made by ``_neg_view``, ``conj()`` or ``.imag``, or such a view detached) shows its
+        memory negated or conjugated, so the bytes read into it are turned round in place, to show the saved
+        values. Checked here, not in the walk: ``is_neg`` and ``is_conj`` release the GIL, which costs 10-30 us
+        each while a read thread runs."""
+        if self._slabs is not None:
+            self._slabs.copy()
         for target in self._loaded:
+            if not in_host_memory(target):  # copied from a slab by copy_, which minds the bits
+                continue
             if target.is_neg():
                 target.neg_()
             if target.dtype.is_complex and target.is_conj():
@@ -128,7 +142,7 @@ class BulkTensors:
         lookup = self._tables()
         if not lookup.tables:
             return {}
-        get, strided, code_of, fits = template.get, torch.strided, lookup.codes.get, lookup.fits
+        get, strided, code_of, fits, slabs = template.get, torch.strided, lookup.codes.get, lookup.fits, self._slabs
         loaded: dict[str, torch.Tensor] = {}
         codes, pointers, pending = self._codes, self._pointers, self._pending
         for key in keys:
@@ -143,13 +157,25 @@ class BulkTensors:
             dtype, shape, cost = fit
             # (no is_neg / is_conj here: they release the GIL, to the read threads for milliseconds; see finish)
             if target.dtype is not dtype or target.shape != shape or target.layout is not strided \
-                    or not target.is_cpu or not target.is_contiguous():
+                    or not target.is_contiguous():
                 continue  # the usual path: reads through a buffer, or names the mismatch
+            full = False
+            if in_host_memory(target):
+                pointers.append(target.data_ptr())
+            elif slabs is not None and (address := slabs.place(target, cost - PER_TENSOR_COST)) is not None:
+                pointers.append(address)
+                full = slabs.full()
+            else:
+                continue
             codes.append(code)
-            pointers.append(target.data_ptr())
             loaded[key] = target
             pending += cost
-            if pending >= FLUSH_BYTES:
+            if full:  # the slabs' reads land, then the slabs go to the device
+                self._submit(lookup, codes, pointers)
+                codes, pointers, pending = [], [], 0
+                self._reads.join()
+                slabs.copy()
+            elif pending >= FLUSH_BYTES:
                 self._submit(lookup, codes, pointers)
                 codes, pointers, pending = [], [], 0
                 # Let a read thread take the GIL and start its read now, not 5 ms later (the interpreter's

@@ -33,6 +33,7 @@ from ppe_snapshot.engine._format import (
     BytesEntry, Entry, Manifest, PickleEntry, Raw, Shard, ShardedTensorEntry, TensorEntry, torch_dtype,
 )
 from ppe_snapshot.engine._restore.bulk import BulkTensors
+from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 from ppe_snapshot.engine._state import (
     LoadLeaf, check_tensor_target, dtensor_class, escape, inflate, is_sharded, sharded_tensor_class, state_of,
 )
@@ -54,7 +55,8 @@ def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_o
     reads = ReadBatch()
     device = DeviceReads(reads) if budget is None else None  # (a budget bounds the host buffers: one at a time)
     version = version_of(manifest.version)
-    bulk = BulkTensors(storage, manifest, rank, reads) if version.indexed else None
+    bulk = BulkTensors(storage, manifest, rank, reads, None if device is None else DeviceSlabs()) \
+        if version.indexed else None
     try:
         value = inflate(path, lambda p: manifest.lookup(rank, p, own_shards=True),
                         leaf_loader(storage, allow_pickle, budget, reads, version, device), obj_out,

@@ -1,0 +1,102 @@
+"""Many small device tensors restored in bulk: read into page-locked host slabs, copied to the device one slab at a
+time, scattered there in one go.
+
+The bulk path (:mod:`~ppe_snapshot.engine._restore.bulk`) reads small tensors straight into their targets' memory,
+which a device tensor does not offer. For such a target it asks :class:`DeviceSlabs` for a place instead: the
+slab of its device and dtype holds its bytes right after the previous target's (no gap), so the slab is the exact
+concatenation of its targets. Once the reads have landed (and been verified there), each slab goes to the device
+in one transfer, is cut into the targets' shapes with one call (``torch._utils._unflatten_dense_tensors``) and
+copied into them with one ``torch._foreach_copy_``: a few launches per slab, no torch call per tensor.
+
+Host memory: slabs of ``SLAB_BYTES`` (page-locked for CUDA), at most ``HELD_BYTES`` of them at once; the walk
+hands its picks over, joins the reads and copies the slabs each time they are full (:meth:`full`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: One host slab; a device tensor larger than this goes the usual way.
+SLAB_BYTES = 8 << 20
+#: The slabs held at once, before the walk waits for their reads and copies them.
+HELD_BYTES = 128 << 20
+
+
+@dataclass
+class _Slab:
+    host: torch.Tensor
+    address: int  # of ``host``'s first byte
+    used: int = 0
+    targets: list[torch.Tensor] = field(default_factory=list)
+
+
+class DeviceSlabs:
+    """Host places for small device tensors read in bulk, and their copy to the device (see the module doc)."""
+
+    def __init__(self, slab_bytes: int | None = None, held_bytes: int | None = None) -> None:
+        self._slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
+        self._held_bytes = HELD_BYTES if held_bytes is None else held_bytes
+        self._open: dict[tuple[torch.device, torch.dtype], _Slab] = {}  # the slab being filled, per kind
+        self._filled: list[tuple[torch.device, torch.dtype, _Slab]] = []
+        self._spare: list[torch.Tensor] = []  # host slabs copied out already, for the next ones
+        self._in_use = 0  # bytes of the slabs being filled or waiting to be copied
+
+    def place(self, target: torch.Tensor, nbytes: int) -> int | None:
+        """The host address ``target``'s ``nbytes`` are to be read to; None where it is too large for a slab."""
+        if nbytes > self._slab_bytes:
+            return None
+        kind = (target.device, target.dtype)
+        slab = self._open.get(kind)
+        if slab is None or slab.used + nbytes > self._slab_bytes:
+            if slab is not None:
+                self._filled.append((*kind, slab))
+            host = self._host_slab(target.device)
+            slab = self._open[kind] = _Slab(host, host.data_ptr())
+        address = slab.address + slab.used
+        slab.used += nbytes
+        slab.targets.append(target)
+        return address
+
+    def full(self) -> bool:
+        """Whether the slabs in use reach the bound: the caller joins their reads and calls :meth:`copy`."""
+        return self._in_use >= self._held_bytes
+
+    def _host_slab(self, device: torch.device) -> torch.Tensor:
+        self._in_use += self._slab_bytes
+        if self._spare:
+            return self._spare.pop()
+        if device.type == "cuda":
+            try:
+                return torch.empty(self._slab_bytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:  # no page-locked memory to be had: slower copies, same bytes
+                logger.warning("restoring small GPU tensors through plain host memory: page-locking failed (%s)", e)
+        return torch.empty(self._slab_bytes, dtype=torch.uint8)
+
+    def copy(self) -> None:
+        """Once every read into the slabs has landed and been verified: copy each slab into its targets. The
+        slabs are kept for the places asked for next."""
+        slabs = self._filled + [(*kind, slab) for kind, slab in self._open.items()]
+        self._filled, self._open, self._in_use = [], {}, 0
+        devices = set()
+        with torch.no_grad():
+            for device, dtype, slab in slabs:
+                if not slab.targets:
+                    continue
+                cuda = device.type == "cuda"
+                staged = torch.empty(slab.used // dtype.itemsize, dtype=dtype, device=device)
+                staged.copy_(slab.host[:slab.used].view(dtype), non_blocking=cuda)
+                views = torch._utils._unflatten_dense_tensors(staged, slab.targets)
+                try:
+                    torch._foreach_copy_(slab.targets, views)
+                except RuntimeError:  # a target with the negative or conjugate bit, which foreach copies refuse
+                    for target, view in zip(slab.targets, views):
+                        target.copy_(view)
+                if cuda:
+                    devices.add(device)
+        for device in devices:  # the host slabs are read into again after this
+            torch.cuda.synchronize(device)
+        self._spare += [slab.host for _, _, slab in slabs]
