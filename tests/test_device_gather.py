@@ -41,8 +41,7 @@ def test_staging_through_the_gather_is_the_state_at_the_call(monkeypatch, tmp_pa
     restored bit-exact after the state changed, twice (the second take stages into the first one's buffer)."""
     monkeypatch.setattr(staging, "on_device", lambda layout: True)
     monkeypatch.setattr(staging, "is_copyable_raw", lambda tensor: False)
-    monkeypatch.setattr(staging, "gathers", lambda t, n: 0 < n < device_gather.SMALL_DEVICE_BYTES
-                        and not t.is_neg() and not (t.dtype.is_complex and t.is_conj()))
+    monkeypatch.setattr(staging, "gathers", device_gather.gatherable)  # (the rule, but for the device)
     runs: list[int] = []
     copy_into = DeviceGather.copy_into
     monkeypatch.setattr(DeviceGather, "copy_into",
@@ -56,3 +55,6 @@ def test_staging_through_the_gather_is_the_state_at_the_call(monkeypatch, tmp_pa
         pending.wait()
         assert_values(Snapshot(str(tmp_path / f"s{i}")).read_object("0/state"), expected)
     assert len(runs) == 2 and runs[0] == runs[1] >= 300  # per take, the small tensors (plain ones first) in a run
+    assert not device_gather.gatherable(torch.zeros(4, 4).t(), 64)  # copied on their own: not contiguous, ...
+    assert not device_gather.gatherable(torch.zeros(4)._neg_view(), 16)  # ... a negative view, ...
+    assert not device_gather.gatherable(torch.zeros(1 << 18), 1 << 20)  # ... not small

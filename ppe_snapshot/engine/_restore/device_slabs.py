@@ -44,6 +44,7 @@ class DeviceSlabs:
         self._filled: list[tuple[torch.device, torch.dtype, _Slab]] = []
         self._spare: list[torch.Tensor] = []  # host slabs copied out already, for the next ones
         self._in_use = 0  # bytes of the slabs being filled or waiting to be copied
+        self._warned = False
 
     def place(self, target: torch.Tensor, nbytes: int) -> int | None:
         """The host address ``target``'s ``nbytes`` are to be read to; None where it is too large for a slab."""
@@ -73,7 +74,10 @@ class DeviceSlabs:
             try:
                 return torch.empty(self._slab_bytes, dtype=torch.uint8, pin_memory=True)
             except RuntimeError as e:  # no page-locked memory to be had: slower copies, same bytes
-                logger.warning("restoring small GPU tensors through plain host memory: page-locking failed (%s)", e)
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("restoring small GPU tensors through plain host memory: page-locking failed "
+                                   "(%s)", e)
         return torch.empty(self._slab_bytes, dtype=torch.uint8)
 
     def copy(self) -> None:

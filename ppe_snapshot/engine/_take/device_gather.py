@@ -4,8 +4,9 @@ Copied one by one, each small device tensor costs a copy launch and a transfer o
 H100 (10,000 tensors of 64 MiB in all blocked a save 0.25 s, where one transfer of 64 MiB takes about 1.5 ms).
 Staging (:func:`~ppe_snapshot.engine._take.staging.stage`) hands such tensors here instead. Each run of them that
 lie next to each other in the file image (nothing but padding between them) is gathered into one zeroed device
-buffer of the run's span, at the same offsets as in the image, with one ``torch._foreach_copy_``; then the span is
-copied into the staging buffer in one transfer (its padding zeros, as :func:`clear_padding` would leave it).
+buffer of the run's span, at the same offsets as in the image, with one ``torch._foreach_copy_`` per dtype; then
+the span is copied into the staging buffer in one transfer (its padding zeros, as :func:`clear_padding` would
+leave it).
 """
 from __future__ import annotations
 
@@ -39,9 +40,15 @@ def on_device(layout: FileLayout) -> bool:
 
 
 def gathers(tensor: torch.Tensor, nbytes: int) -> bool:
-    """Whether staging gathers ``tensor`` (of ``nbytes``) rather than copying it on its own: a small tensor on a
-    device, no conjugate or negative view (those a copy resolves one by one)."""
-    return (not tensor.is_cpu and 0 < nbytes < SMALL_DEVICE_BYTES and not tensor.is_neg()
+    """Whether staging gathers ``tensor`` (of ``nbytes``) rather than copying it on its own: a tensor on a device
+    that :func:`gatherable` allows."""
+    return not tensor.is_cpu and gatherable(tensor, nbytes)
+
+
+def gatherable(tensor: torch.Tensor, nbytes: int) -> bool:
+    """Small and contiguous, no conjugate or negative view (one such tensor among them would make the foreach
+    copy copy each of its group one by one)."""
+    return (0 < nbytes < SMALL_DEVICE_BYTES and tensor.is_contiguous() and not tensor.is_neg()
             and not (tensor.dtype.is_complex and tensor.is_conj()))
 
 
@@ -73,9 +80,13 @@ class DeviceGather:
         with torch.no_grad():
             for run in self.runs:
                 gathered = torch.zeros(run.end - run.start, dtype=torch.uint8, device=run.device)
-                places = [gathered[at - run.start:at - run.start + n].view(t.dtype).view(t.shape)
-                          for t, at, n in run.tensors]
-                torch._foreach_copy_(places, [t.detach() for t, _, _ in run.tensors])
+                by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+                for t, at, n in run.tensors:  # one foreach copy per dtype: a mixed list is copied one by one
+                    places, sources = by_dtype.setdefault(t.dtype, ([], []))
+                    places.append(gathered[at - run.start:at - run.start + n].view(t.dtype).view(t.shape))
+                    sources.append(t.detach())
+                for places, sources in by_dtype.values():
+                    torch._foreach_copy_(places, sources)
                 on_cuda = run.device.type == "cuda"
                 buffer[run.start:run.end].copy_(gathered, non_blocking=on_cuda)
                 cuda |= on_cuda
