@@ -57,8 +57,8 @@ def test_small_tensors_share_a_buffer_and_one_transfer(tmp_path, transfers):
 
 def test_a_large_tensor_goes_through_the_buffers_in_whole_chunks(tmp_path, transfers, monkeypatch):
     made = []
-    new = device_reads._new_host_buffer
-    monkeypatch.setattr(device_reads, "_new_host_buffer", lambda n, pin: made.append(n) or new(n, pin))
+    new = device_reads.host_buffer
+    monkeypatch.setattr(device_reads, "host_buffer", lambda n, pin: made.append(n) or new(n, pin))
     torch.manual_seed(1)
     state = {"big": torch.randn(64, 1024), "after": torch.arange(10)}  # 256 KiB in blocks of 32 KiB
     storage, chunks = _saved(tmp_path, state, block_bytes=32 * KiB)

@@ -3,7 +3,7 @@ device tensors through page-locked buffers (``device_reads``).
 
 The face of this subpackage: what the rest of the engine uses of it (modules here import each other directly).
 """
-from ppe_snapshot.engine._files.device_reads import DeviceReads
+from ppe_snapshot.engine._files.device_reads import DeviceReads, host_buffer
 from ppe_snapshot.engine._files.packing import (
     ALIGNMENT, CHUNK_BYTES, FileLayout, PayloadAppender, Written, align, checksum, chunk_limit, host_copy_buffer,
     is_copyable_raw, is_direct, lay_out, needs_bounce, payload_chunks, tensor_bytes, write_from_sources,
@@ -15,7 +15,7 @@ from ppe_snapshot.engine._files.reads import (
 
 __all__ = [
     "align", "ALIGNMENT", "check_stored", "checksum", "CHUNK_BYTES", "chunk_limit", "ChunkReader", "coalesced",
-    "DeviceReads", "FileLayout", "fill", "host_copy_buffer", "is_copyable_raw", "is_direct", "lay_out",
+    "DeviceReads", "FileLayout", "fill", "host_buffer", "host_copy_buffer", "is_copyable_raw", "is_direct", "lay_out",
     "mismatch_error", "needs_bounce", "payload_chunks", "PayloadAppender", "read_file_into", "read_into",
     "read_through_host", "read_views_into", "ReadBatch", "tensor_bytes", "verify_chunks", "write_from_sources",
     "Written",

@@ -130,7 +130,7 @@ class DeviceReads:
     def _host_buffer(self, device: torch.device) -> torch.Tensor:
         if self._made < self._count:
             self._made += 1
-            return _new_host_buffer(self._buffer_bytes, device.type == "cuda")
+            return host_buffer(self._buffer_bytes, device.type == "cuda")
         host, copied = self._free.get()
         if copied is not None:
             copied.synchronize()  # the copy out of it has ended
@@ -179,11 +179,19 @@ def _to_device(batch: _Batch, host: torch.Tensor) -> Any:
     return event
 
 
-def _new_host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+_pinning_failed = False
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A host buffer for reads on their way to a device: page-locked if ``pin`` and the system allows it, else
+    plain (slower copies, the same bytes; said once per process)."""
+    global _pinning_failed
     if pin:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as e:  # no page-locked memory to be had: slower copies, same bytes
-            logger.warning("restoring into a GPU through plain host memory: page-locking %d bytes failed (%s)",
-                           nbytes, e)
+        except RuntimeError as e:
+            if not _pinning_failed:
+                _pinning_failed = True
+                logger.warning("restoring into a GPU through plain host memory: page-locking %d bytes failed (%s)",
+                               nbytes, e)
     return torch.empty(nbytes, dtype=torch.uint8)

@@ -13,12 +13,11 @@ hands its picks over, joins the reads and copies the slabs each time they are fu
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
-logger = logging.getLogger(__name__)
+from ppe_snapshot.engine._files import host_buffer
 
 #: One host slab; a device tensor larger than this goes the usual way.
 SLAB_BYTES = 8 << 20
@@ -44,7 +43,6 @@ class DeviceSlabs:
         self._filled: list[tuple[torch.device, torch.dtype, _Slab]] = []
         self._spare: list[torch.Tensor] = []  # host slabs copied out already, for the next ones
         self._in_use = 0  # bytes of the slabs being filled or waiting to be copied
-        self._warned = False
 
     def place(self, target: torch.Tensor, nbytes: int) -> int | None:
         """The host address ``target``'s ``nbytes`` are to be read to; None where it is too large for a slab."""
@@ -70,15 +68,7 @@ class DeviceSlabs:
         self._in_use += self._slab_bytes
         if self._spare:
             return self._spare.pop()
-        if device.type == "cuda":
-            try:
-                return torch.empty(self._slab_bytes, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError as e:  # no page-locked memory to be had: slower copies, same bytes
-                if not self._warned:
-                    self._warned = True
-                    logger.warning("restoring small GPU tensors through plain host memory: page-locking failed "
-                                   "(%s)", e)
-        return torch.empty(self._slab_bytes, dtype=torch.uint8)
+        return host_buffer(self._slab_bytes, device.type == "cuda")
 
     def copy(self) -> None:
         """Once every read into the slabs has landed and been verified: copy each slab into its targets. The
