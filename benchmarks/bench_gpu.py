@@ -96,6 +96,7 @@ class Bench:
 
     def record(self, name: str, seconds: float) -> None:
         self.times.setdefault(name, []).append(seconds)
+        print(f"{name}: {seconds:.3f} s", flush=True)  # (a run cut short by a time limit still says this much)
 
     def timed(self, name: str, fn: Callable[[], object]) -> float:
         sync(self.device)
