@@ -79,15 +79,44 @@ class DeviceGather:
         cuda = False
         with torch.no_grad():
             for run in self.runs:
-                gathered = torch.zeros(run.end - run.start, dtype=torch.uint8, device=run.device)
-                by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+                span = run.end - run.start
+                gathered = torch.zeros(span + -span % _WIDEST, dtype=torch.uint8, device=run.device)
+                by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int, int]]] = {}
                 for t, at, n in run.tensors:  # one foreach copy per dtype: a mixed list is copied one by one
-                    places, sources = by_dtype.setdefault(t.dtype, ([], []))
-                    places.append(gathered[at - run.start:at - run.start + n].view(t.dtype).view(t.shape))
-                    sources.append(t.detach())
-                for places, sources in by_dtype.values():
-                    torch._foreach_copy_(places, sources)
+                    by_dtype.setdefault(t.dtype, []).append((t, at - run.start, n))
+                for dtype, members in by_dtype.items():
+                    torch._foreach_copy_(_places(gathered.view(dtype), members), [t for t, _, _ in members])
                 on_cuda = run.device.type == "cuda"
-                buffer[run.start:run.end].copy_(gathered, non_blocking=on_cuda)
+                buffer[run.start:run.end].copy_(gathered[:span], non_blocking=on_cuda)
                 cuda |= on_cuda
         return cuda
+
+
+#: Every dtype's size divides this: a gathered buffer of a multiple of it can be viewed as any dtype.
+_WIDEST = 16
+#: Stand-ins for the padding between two tensors of one dtype in a run, by its count of elements (only their sizes
+#: are read).
+_gaps: dict[int, torch.Tensor] = {}
+
+
+def _places(typed: torch.Tensor, members: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+    """Views of ``typed`` (a run's gathered buffer as its members' dtype), each shaped as its member and at its
+    offset (bytes from the run's start), made by one call rather than three torch calls per tensor."""
+    item = typed.element_size()
+    first = position = members[0][1] // item
+    shapes: list[torch.Tensor] = []
+    kept: list[int] = []
+    for t, at, n in members:
+        if at // item > position:
+            elements = at // item - position
+            gap = _gaps.get(elements)
+            if gap is None:
+                gap = torch.empty(elements, device="meta")
+                if elements < ALIGNMENT:  # padding: kept (other tensors of the run between: of any size, not)
+                    _gaps[elements] = gap
+            shapes.append(gap)
+        kept.append(len(shapes))
+        shapes.append(t)
+        position = (at + n) // item
+    views = torch._utils._unflatten_dense_tensors(typed[first:position], shapes)
+    return [views[i] for i in kept]
