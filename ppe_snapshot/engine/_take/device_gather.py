@@ -112,7 +112,7 @@ def _places(typed: torch.Tensor, members: list[tuple[torch.Tensor, int, int]]) -
             gap = _gaps.get(elements)
             if gap is None:
                 gap = torch.empty(elements, device="meta")
-                if elements < ALIGNMENT:  # padding: kept (other tensors of the run between: of any size, not)
+                if elements < ALIGNMENT:  # padding, of few sizes: kept; the room of other dtypes' tensors is not
                     _gaps[elements] = gap
             shapes.append(gap)
         kept.append(len(shapes))
