@@ -1,8 +1,9 @@
 """The local tier's rules that need no second process: its arguments, its triggers, partners, the choice of step,
-the reuse of a retired part's data file."""
+what the durable snapshots' names settle, the reuse of a retired part's data file."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import pytorch_pfn_extras as ppe
@@ -12,7 +13,8 @@ import ppe_snapshot
 from ppe_snapshot import LocalTier
 from ppe_snapshot.engine import LOCAL, Snapshot, StateDict
 from ppe_snapshot.local_tier import check_triggers, layout, partners, wards
-from ppe_snapshot.local_tier.recovery import choose, usable
+from ppe_snapshot import run_dir
+from ppe_snapshot.local_tier.recovery import Settled, choose, settled, settled_by_names, usable
 from ppe_snapshot.storage import open_tree
 from ppe_snapshot.storage.local import open_blob_writer
 
@@ -96,6 +98,77 @@ def test_the_newest_step_every_rank_can_restore_is_chosen():
     assert choose(held, 4) == {"step": 2, "fetch": {"3": 1}, "spare": {"0": 2, "1": 3, "2": 0}}
     held[1]["copies"] = {}
     assert choose(held, 4) is None
+
+
+def test_durable_names_settle_a_restart_only_when_the_local_step_is_newer_than_all():
+    plan = {"step": 10, "fetch": {}, "spare": {}}
+    seen = [{"own": [10], "named": {"newest": 8, "complete": True}}, {"own": [10], "named": {"newest": 9,
+                                                                                          "complete": False}}]
+    assert settled_by_names(seen) == {"newest": 9, "complete": False}  # every rank's newest; complete on all
+    assert settled(plan, settled_by_names(seen)) == Settled(None)  # no rank-wide fallback: parts checked first
+    seen[1]["named"]["complete"] = True
+    assert settled(plan, settled_by_names(seen)) == Settled(9)
+    seen[1]["named"]["newest"] = 10  # a durable name at the step (complete or not): they must be listed
+    assert settled(plan, settled_by_names(seen)) is None
+    seen[1]["named"] = None  # a rank that could not tell
+    assert settled_by_names(seen) is None and settled(plan, None) is None
+    assert settled(None, {"newest": None, "complete": False}) is None  # no step to restore
+    assert settled(plan, {"newest": None, "complete": False}) == Settled(None)  # no durable name at all
+
+
+def test_named_positions_come_from_the_names_and_one_existence_check(tmp_path):
+    fmt = "snapshot_iter_{.iteration}"
+    assert run_dir.named_positions(str(tmp_path), fmt) == run_dir.NamedPositions(None, False)
+    (tmp_path / "snapshot_iter_12").mkdir()  # a save in progress: no manifest
+    (tmp_path / "other_3").mkdir()
+    assert run_dir.named_positions(str(tmp_path), fmt) == run_dir.NamedPositions(12, False)
+    (tmp_path / "snapshot_iter_4").mkdir()
+    (tmp_path / "snapshot_iter_4" / "manifest.json").write_text("not read")
+    assert run_dir.named_positions(str(tmp_path), fmt) == run_dir.NamedPositions(12, True)
+    (tmp_path / "snapshot_iter_4").rename(tmp_path / "snapshot_iter_x4")  # no longer a match
+    (tmp_path / "snapshot_iter_2").write_bytes(b"")  # a single-file snapshot counts as complete
+    assert run_dir.named_positions(str(tmp_path), fmt) == run_dir.NamedPositions(12, True)
+    assert run_dir.named_positions(str(tmp_path), "snapshot_epoch_{.epoch}") == run_dir.NamedPositions(None, False)
+    (tmp_path / "snapshot_epoch_1").mkdir()
+    assert run_dir.named_positions(str(tmp_path), "snapshot_epoch_{.epoch}") is None  # the names tell no iteration
+
+
+def _run(tmp_path, epochs: int, iterations: int) -> tuple[Any, Any, torch.nn.Module]:
+    """A DEFAULT-mode run of ``iterations`` iterations at most (10 per epoch; durable snapshots every 8 iterations,
+    local steps every 2), autoloading; each iteration adds 1 to the weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), max_epochs=epochs,
+                                             iters_per_epoch=10, out_dir=str(tmp_path / "out"))
+    extension = ppe_snapshot.snapshot(autoload=True, local=LocalTier(directory=str(tmp_path / "local"),
+                                                                     trigger=(2, "iteration")))
+    manager.extend(extension, trigger=(8, "iteration"))
+    for _ in range(iterations):
+        if manager.stop_trigger:
+            break
+        with manager.run_iteration(), torch.no_grad():
+            model.weight += 1.0
+    return manager, extension, model
+
+
+def test_a_local_step_newer_than_every_durable_name_is_restored_without_opening_them(tmp_path, monkeypatch):
+    """The names under the output directory show local step 10 newer than every durable snapshot: none is
+    opened. A durable name at 12 (a save in progress) leaves it open: the snapshots are listed and checked, and
+    step 10 is still the newest complete one."""
+    opened: list[str] = []
+    classify = run_dir.listing._classify
+    monkeypatch.setattr(run_dir.listing, "_classify", lambda tree, out_dir, rel, *more: (
+        opened.append(rel), classify(tree, out_dir, rel, *more))[1])
+    _, _, model = _run(tmp_path, 1, 10)  # durable snapshot 8, local steps to 10
+    want = model.weight.detach().clone()
+    assert sorted(os.listdir(tmp_path / "out")) == ["snapshot_iter_8"]
+    for durable_names in (["snapshot_iter_8"], ["snapshot_iter_12", "snapshot_iter_8"]):
+        opened.clear()
+        manager, extension, model = _run(tmp_path, 2, 1)
+        assert manager.iteration == 11 and extension.resumed_from == str(tmp_path / "local" / "step_10" / "rank0")
+        assert torch.equal(model.weight.detach(), want + 1.0)
+        assert sorted(opened) == (durable_names if len(durable_names) > 1 else [])
+        (tmp_path / "out" / "snapshot_iter_12").mkdir(exist_ok=True)
 
 
 def _take_part(tmp_path, step: int, numel: int) -> tuple[dict[str, torch.Tensor], str]:

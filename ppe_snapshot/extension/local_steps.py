@@ -114,24 +114,37 @@ class LocalSteps:
         else:
             self.saves.save(manager.iteration, app_state, metadata, loan.image, loan.release)
 
-    def begin_resume(self) -> None:
+    def begin_resume(self, names: Callable[[], Any] | None = None) -> None:
         """Begin choosing the local step to resume from (every rank, before it lists the durable snapshots: the
-        ranks agree on both at once)."""
-        self._planning = Planning(self.saves)
+        ranks agree on both at once); ``names()``: this rank's view of the durable snapshots' names (see
+        :func:`ppe_snapshot.local_tier.recovery.agreed_plan`)."""
+        self._planning = Planning(self.saves, names)
 
-    def resume(self, durable: int | None, restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
-        """Restore from the newest local step newer than iteration ``durable``, as :func:`recover` does; a
-        failure of the tier itself is a warning and a :class:`Fallback`."""
+    def resume(self, durable: Callable[[], int | None],
+               restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
+        """Restore from the newest local step newer than the newest complete durable snapshot, as :func:`recover`
+        does; ``durable()`` lists the durable snapshots (every rank at once) and returns that snapshot's
+        iteration, called only where their names do not show the local step newer than all of them. A failure
+        of the tier itself is a warning and a :class:`Fallback`; what ``durable()`` raises propagates."""
         planning, self._planning = self._planning, None
         try:
-            return recover(self.saves, durable, restore, planning)
+            settled = planning.durable_by_names() if planning is not None else None
         except Exception as e:  # noqa: BLE001 - the tier may fail; durable snapshots remain
-            logger.warning("the local tier could not be read: %s: %s; resuming from durable snapshots",
-                           type(e).__name__, e)
-            return Fallback(f"{type(e).__name__}: {e}", touched=False)
+            return _unreadable(e)
+        newest = settled.newest if settled is not None else durable()
+        try:
+            return recover(self.saves, newest, restore, planning)
+        except Exception as e:  # noqa: BLE001 - the tier may fail; durable snapshots remain
+            return _unreadable(e)
 
     def finish(self) -> None:
         self.saves.finish(timeout=SETTINGS.commit_timeout)
+
+
+def _unreadable(error: Exception) -> Fallback:
+    logger.warning("the local tier could not be read: %s: %s; resuming from durable snapshots",
+                   type(error).__name__, error)
+    return Fallback(f"{type(error).__name__}: {error}", touched=False)
 
 
 def _usable(directory: str) -> str | None:

@@ -20,6 +20,7 @@ from ppe_snapshot.engine import LOCAL, RNGState, exchange, side_group
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotError
 from ppe_snapshot.extension.ppe_extension import SnapshotExtension
 from ppe_snapshot.extension.preemption import Preemption
+from ppe_snapshot.extension.resuming import DurableListing
 from ppe_snapshot.extension.save_outcomes import SaveOutcomes, summary
 from ppe_snapshot.extension.saved_state import state_to_save
 from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh, target_changed
@@ -79,13 +80,14 @@ class _DistributedExtension:
         # load_state_dict() that is collective works; when any rank fails, all fall back together.
         target = self._resolve_target(manager)
         self._begin_resuming_locally()
-        listed, agreed = self._agree()
+        listing = DurableListing(self._agree)
         touched: list[str] = []
-        local = self._resume_locally(manager, agreed, target)
+        local = self._resume_locally(manager, listing, target)
         if local is True:
-            return listed
+            return listing.listed
         if local is not None:
             touched.append(f"{local[0]} ({local[1]})")
+        listed, agreed = listing()
         found = None
         for candidate in reversed(agreed):
             failure = attempt(lambda: self._restore(candidate, target, self._restore_pg))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
@@ -21,6 +21,33 @@ from ppe_snapshot.run_dir import Candidate, attempt, cannot_start_fresh, skip, t
 logger = logging.getLogger(__name__)
 
 
+class DurableListing:
+    """The durable snapshots as ``agree()`` lists them ((what this rank listed, those every rank will try)), listed
+    once, when first asked: a restart from the local tier whose step is newer than every durable name needs none."""
+
+    def __init__(self, agree: Callable[[], tuple[list[Candidate], list[Candidate]]]) -> None:
+        self._agree = agree
+        self._result: tuple[list[Candidate], list[Candidate]] | None = None
+
+    def __call__(self) -> tuple[list[Candidate], list[Candidate]]:
+        if self._result is None:
+            self._result = self._agree()
+        return self._result
+
+    @property
+    def listed(self) -> list[Candidate] | None:
+        """What this rank listed; None where nothing was."""
+        return None if self._result is None else self._result[0]
+
+    @property
+    def agreed(self) -> list[Candidate]:
+        return [] if self._result is None else self._result[1]
+
+    def newest_complete(self) -> int | None:
+        """The iteration of the newest complete snapshot every rank will try (listing them now if not yet)."""
+        return max((c.iteration for c in self()[1] if c.complete and c.iteration is not None), default=None)
+
+
 class Resuming:
     """Autoload's steps; the attributes they use are the extension's (``_format``, ``_out_dir``, ``_local``...)."""
 
@@ -31,16 +58,17 @@ class Resuming:
 
     def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
         """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
-        was listed (the start-up pruning needs no second listing)."""
+        was listed (the start-up pruning needs no second listing), None where nothing was."""
         self._begin_resuming_locally()
-        candidates = self._candidates()
+        listing = DurableListing(lambda: (self._candidates(),) * 2)
         target = self._resolve_target(manager)
         touched: tuple[str, Exception | str] | None = None
-        local = self._resume_locally(manager, candidates, target)
+        local = self._resume_locally(manager, listing, target)
         if local is True:
-            return candidates
+            return listing.listed
         if local is not None:
             touched = local
+        candidates, _ = listing()
         found = None
         for candidate in reversed(candidates):
             failure = attempt(lambda: self._restore(candidate, target, LOCAL))
@@ -61,17 +89,23 @@ class Resuming:
     def _begin_resuming_locally(self) -> None:
         """Let the local tier choose its step (every rank) while the durable snapshots are listed."""
         if self._local is not None:
-            self._local.begin_resume()
+            self._local.begin_resume(self._durable_names)
 
-    def _resume_locally(self, manager: ExtensionsManagerProtocol, candidates: list[Candidate],
+    def _durable_names(self) -> dict[str, Any] | None:
+        """What the names under the output directory tell of the durable snapshots (JSON), opening none."""
+        assert self._format is not None
+        named = run_dir.named_positions(self._out_dir, self._format, self._storage_options)
+        return None if named is None else dataclasses.asdict(named)
+
+    def _resume_locally(self, manager: ExtensionsManagerProtocol, listing: DurableListing,
                         target: Any) -> bool | tuple[str, str] | None:
-        """Restore from the local tier where it holds a step newer than the newest complete durable snapshot in
-        ``candidates`` (every rank calls it): True when it did; ``(where, why)`` when it failed after touching the
-        state; None otherwise (durable snapshots are tried as without a tier)."""
+        """Restore from the local tier where it holds a step newer than the newest complete durable snapshot
+        (every rank calls it; ``listing`` lists those only where their names leave it open): True when it did;
+        ``(where, why)`` when it failed after touching the state; None otherwise (durable snapshots are tried as
+        without a tier)."""
         if self._local is None:
             return None
-        durable = max((c.iteration for c in candidates if c.complete and c.iteration is not None), default=None)
-        result = self._local.resume(durable, lambda part: saved_state.restore_part(
+        result = self._local.resume(listing.newest_complete, lambda part: saved_state.restore_part(
             part, target, self._target_kind, self._rng_rank, self._reads_pickle))
         if result is None:
             return None
@@ -80,7 +114,7 @@ class Resuming:
             return (self._local.saves.directory, result.reason) if result.touched else None
         self.resumed_from, self.resumed_name = result.path, None
         if self._owns_out_dir:  # durable names at or after the resumed step are saved again
-            self._superseded = {c.name: dataclasses.replace(c, snapshot=None) for c in candidates
+            self._superseded = {c.name: dataclasses.replace(c, snapshot=None) for c in listing.agreed
                                 if c.iteration is not None and c.iteration >= result.step}
         logger.info("resumed from local step %d (%s, %s) at iteration %s in %.3f s", result.step, result.source,
                     result.path, manager.iteration, result.seconds)

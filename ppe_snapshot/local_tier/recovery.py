@@ -3,7 +3,8 @@
 Every rank says which complete parts and copies it holds (:class:`~.layout.Held`); rank 0 chooses the newest
 step for which every rank has its own part or some rank holds a copy of it (a copy counts only for the world size
 it was saved with: a resharding restore comes from durable snapshots), used only if newer than the newest durable
-snapshot.
+snapshot. Each rank's view of the durable snapshots' names goes with its holdings: where the chosen step is newer
+than every name, the durable snapshots need not be listed nor opened (:func:`settled`).
 Every rank restores its part: its own, or the copy a partner holds, read over the side group straight into its
 tensors while the holder serves it (:mod:`.peer_reads`); every chunk is checked against its checksum as it is read
 (and, where no durable snapshot exists to fall back to, the whole part checked before anything is loaded), and the
@@ -83,9 +84,10 @@ def usable(plan: dict[str, Any] | None, durable: int | None) -> bool:
     return plan is not None and (durable is None or plan["step"] > durable)
 
 
-def agreed_plan(saves: LocalSaves) -> dict[str, Any] | None:
+def agreed_plan(saves: LocalSaves, names: Callable[[], Any] | None = None) -> tuple[dict[str, Any] | None, Any]:
     """The plan of the newest step every rank can restore from the tier (:func:`choose`; every rank calls it), or
-    None."""
+    None; and what the durable snapshots' names tell, agreed (:func:`settled_by_names`): ``names()`` is this rank's
+    view of them (JSON, or None where it cannot tell)."""
     ranks = saves.ranks
     try:
         layout.remove_unfinished(saves.tree, ranks.rank, list(ranks.wards))
@@ -93,33 +95,74 @@ def agreed_plan(saves: LocalSaves) -> dict[str, Any] | None:
     except OSError as e:  # this rank holds nothing usable; the others may still fetch from no one else
         logger.warning("the local tier directory %s cannot be read: %s", saves.directory, e)
         summary = layout.Held().summary(ranks.world_size)
-    if ranks.group is None:
-        return choose([summary], 1)
-    return exchange(ranks.group, summary, _PLAN, lambda docs: choose(docs, ranks.world_size))
+    summary["named"] = _names(names)
+    decide = lambda docs: (choose(docs, ranks.world_size), settled_by_names(docs))  # noqa: E731
+    return decide([summary]) if ranks.group is None else tuple(exchange(ranks.group, summary, _PLAN, decide))
+
+
+def _names(names: Callable[[], Any] | None) -> Any:
+    if names is None:
+        return None
+    try:
+        return names()
+    except Exception as e:  # noqa: BLE001 - the durable snapshots are then listed in full, and fail there
+        logger.debug("the durable snapshots' names could not be read: %s: %s", type(e).__name__, e)
+        return None
+
+
+def settled_by_names(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What every rank's view of the durable snapshots' names (``{"newest": iteration or None, "complete":
+    bool}``, None where a rank cannot tell) says of all of them: the newest iteration any name holds and whether
+    every rank saw one seemingly complete; None where some rank cannot tell."""
+    named = [doc.get("named") for doc in summaries]
+    if any(n is None for n in named):
+        return None
+    newest = [n["newest"] for n in named if n["newest"] is not None]
+    return {"newest": max(newest, default=None), "complete": all(n["complete"] for n in named)}
 
 
 class Planning:
     """:func:`agreed_plan` in a thread of its own, begun while autoload lists the durable snapshots (the two exchanges
-    overlap: the plan does not depend on the listing)."""
+    overlap: the plan does not depend on the listing); ``names`` as there."""
 
-    def __init__(self, saves: LocalSaves) -> None:
+    def __init__(self, saves: LocalSaves, names: Callable[[], Any] | None = None) -> None:
         self.started = time.perf_counter()
-        self._outcome: list[Any] = [None, None]  # (the plan, what it raised)
-        self._thread = threading.Thread(target=self._run, args=(saves,), name="ppe-snapshot-local-tier-plan",
+        self._outcome: list[Any] = [None, None]  # ((the plan, the names' agreed view), what it raised)
+        self._thread = threading.Thread(target=self._run, args=(saves, names), name="ppe-snapshot-local-tier-plan",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, saves: LocalSaves) -> None:
+    def _run(self, saves: LocalSaves, names: Callable[[], Any] | None) -> None:
         try:
-            self._outcome[0] = agreed_plan(saves)
+            self._outcome[0] = agreed_plan(saves, names)
         except Exception as e:  # noqa: BLE001 - raised again where the plan is used
             self._outcome[1] = e
 
-    def result(self) -> dict[str, Any] | None:
+    def result(self) -> tuple[dict[str, Any] | None, Any]:
         self._thread.join()
         if self._outcome[1] is not None:
             raise self._outcome[1]
         return self._outcome[0]
+
+    def durable_by_names(self) -> Settled | None:
+        """:func:`settled` by the plan and the names (every rank's). Raises what planning raised."""
+        return settled(*self.result())
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The newest durable snapshot's iteration as the names tell it: a bound on the newest complete one, or None
+    where no name seems complete (none to fall back to: a local part is then checked whole before it is loaded)."""
+    newest: int | None
+
+
+def settled(plan: dict[str, Any] | None, named: dict[str, Any] | None) -> Settled | None:
+    """Where the ``plan``'s step is newer than every durable snapshot's name (``named``, of
+    :func:`settled_by_names`), what stands for the newest complete durable snapshot; else None: the durable
+    snapshots must be listed and checked to know."""
+    if plan is None or named is None or (named["newest"] is not None and plan["step"] <= named["newest"]):
+        return None
+    return Settled(named["newest"] if named["complete"] else None)
 
 
 def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str | Storage], None],
@@ -130,7 +173,7 @@ def recover(saves: LocalSaves, durable: int | None, restore: Callable[[str | Sto
     :class:`~ppe_snapshot.run_dir.Unusable` when it failed before touching any state."""
     ranks = saves.ranks
     start = time.perf_counter() if planned is None else planned.started
-    chosen = agreed_plan(saves) if planned is None else planned.result()
+    chosen, _ = agreed_plan(saves) if planned is None else planned.result()
     if not usable(chosen, durable):
         return None
     step, fetch, spare = chosen["step"], _by_rank(chosen["fetch"]), _by_rank(chosen["spare"])

@@ -112,8 +112,26 @@ def list_snapshots(out_dir: str, fmt: str | FilenameFormat, storage_options: dic
     ``keep_newest_open``: the newest engine snapshot's candidate keeps the snapshot its check opened (autoload
     restores from it without reading its manifest again); every other candidate lets its own go as soon as a
     newer one is found, so that a run directory of many large manifests is never held in memory at once."""
-    matcher = fmt if isinstance(fmt, FilenameFormat) else FilenameFormat(fmt)
     tree = open_tree(out_dir, storage_options)
+    candidates = []
+    newest: int | None = None  # the position in candidates of the newest one holding its opened snapshot
+    for rel, path, values, is_dir in _matching(tree, fmt):
+        candidate = _classify(tree, out_dir, rel, path, values, is_dir, storage_options)
+        if candidate.snapshot is not None:
+            if keep_newest_open and (newest is None or candidates[newest].sort_key() < candidate.sort_key()):
+                if newest is not None:
+                    candidates[newest] = dataclasses.replace(candidates[newest], snapshot=None)
+                newest = len(candidates)
+            else:
+                candidate = dataclasses.replace(candidate, snapshot=None)
+        candidates.append(candidate)
+    return sorted(candidates, key=Candidate.sort_key)
+
+
+def _matching(tree: Tree, fmt: str | FilenameFormat) -> list[tuple[str, str, dict[str, str], bool]]:
+    """Every name under ``tree`` matching ``fmt``: (name relative to the root, path, its field values, whether it
+    is a directory)."""
+    matcher = fmt if isinstance(fmt, FilenameFormat) else FilenameFormat(fmt)
     level: list[tuple[str, str, dict[str, str]]] = [("", tree.root, {})]  # (relative name, fs path, values)
     found: list[tuple[str, str, dict[str, str], bool]] = []
     for depth in range(matcher.depth):
@@ -135,19 +153,34 @@ def list_snapshots(out_dir: str, fmt: str | FilenameFormat, storage_options: dic
                 else:
                     below.append(entry)
         level = below
-    candidates = []
-    newest: int | None = None  # the position in candidates of the newest one holding its opened snapshot
-    for rel, path, values, is_dir in found:
-        candidate = _classify(tree, out_dir, rel, path, values, is_dir, storage_options)
-        if candidate.snapshot is not None:
-            if keep_newest_open and (newest is None or candidates[newest].sort_key() < candidate.sort_key()):
-                if newest is not None:
-                    candidates[newest] = dataclasses.replace(candidates[newest], snapshot=None)
-                newest = len(candidates)
-            else:
-                candidate = dataclasses.replace(candidate, snapshot=None)
-        candidates.append(candidate)
-    return sorted(candidates, key=Candidate.sort_key)
+    return found
+
+
+@dataclass(frozen=True)
+class NamedPositions:
+    """What the names under an output directory tell before any snapshot there is opened: the newest iteration a
+    name holds (None: no name matches), and whether a name holds a snapshot that seems complete (a single file,
+    or a directory with its manifest; the newest such, looked for newest first). Where some name holds no
+    iteration, the names tell nothing (:func:`named_positions` returns None)."""
+    newest: int | None
+    complete: bool
+
+
+def named_positions(out_dir: str, fmt: str | FilenameFormat,
+                    storage_options: dict[str, Any] | None = None) -> NamedPositions | None:
+    """The iterations the names of the snapshots under ``out_dir`` hold (:class:`NamedPositions`), read from the
+    names and one existence check, no manifest: what a restart from the local tier needs to know that its step is
+    newer than every durable snapshot. None where a name matching ``fmt`` holds no iteration."""
+    tree = open_tree(out_dir, storage_options)
+    named = []
+    for _, path, values, is_dir in _matching(tree, fmt):
+        iteration, _ = position_in_name(values)
+        if iteration is None:
+            return None
+        named.append((iteration, path, is_dir))
+    complete = any(not is_dir or tree.exists(f"{path}/{MANIFEST_NAME}")
+                   for _, path, is_dir in sorted(named, key=lambda n: n[0], reverse=True))
+    return NamedPositions(max((n[0] for n in named), default=None), complete)
 
 
 def _classify(tree: Tree, out_dir: str, rel: str, path: str, values: dict[str, str],
