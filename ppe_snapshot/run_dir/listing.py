@@ -159,18 +159,19 @@ def _matching(tree: Tree, fmt: str | FilenameFormat) -> list[tuple[str, str, dic
 @dataclass(frozen=True)
 class NamedPositions:
     """What the names under an output directory tell before any snapshot there is opened: the newest iteration a
-    name holds (None: no name matches), and whether a name holds a snapshot that seems complete (a single file,
-    or a directory with its manifest; the newest such, looked for newest first). Where some name holds no
-    iteration, the names tell nothing (:func:`named_positions` returns None)."""
+    name holds (None: no name matches), and whether some name holds a snapshot that seems complete (a single file,
+    or a directory with its manifest). Where some name holds no iteration, the names tell nothing
+    (:func:`named_positions` returns None)."""
     newest: int | None
     complete: bool
 
 
 def named_positions(out_dir: str, fmt: str | FilenameFormat,
                     storage_options: dict[str, Any] | None = None) -> NamedPositions | None:
-    """The iterations the names of the snapshots under ``out_dir`` hold (:class:`NamedPositions`), read from the
-    names and one existence check, no manifest: what a restart from the local tier needs to know that its step is
-    newer than every durable snapshot. None where a name matching ``fmt`` holds no iteration."""
+    """The iterations the names of the snapshots under ``out_dir`` hold (:class:`NamedPositions`), from one listing
+    and existence checks of manifests newest first, up to the first found (one, usually), no manifest read: what a
+    restart from the local tier needs to know that its step is newer than every durable snapshot. None where a
+    name matching ``fmt`` holds no iteration."""
     tree = open_tree(out_dir, storage_options)
     named = []
     for _, path, values, is_dir in _matching(tree, fmt):
