@@ -297,3 +297,37 @@ def dist_fixed_name_and_initialize(out_dir: str, mode: str, writer: str) -> dict
     loaded = resumed.snapshot.initialize(resumed.manager)
     return {"listing": listing, "loaded": loaded, "resumed_from": resumed.snapshot.resumed_from,
             "iteration": resumed.manager.iteration, "model": model, "resumed_model": resumed.model.state_dict()}
+
+
+class _PreparingWriter(writing.ThreadWriter):
+    """A ThreadWriter that records the tensor bytes of each state it is asked to prepare staging for."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prepared: list[int] = []
+
+    def prepare_staging(self, target: Any) -> None:
+        leaves = torch.utils._pytree.tree_leaves(target)
+        self.prepared.append(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
+        super().prepare_staging(target)
+
+
+def dist_staging_ahead(out_dir: str, mode: str) -> dict[str, Any]:
+    """Three iterations of a Linear(512, 256) with Adam, saved at the 2nd with a ThreadWriter: what the writer was
+    asked to prepare staging for, the size of its staging buffer and the bytes its save staged."""
+    torch.manual_seed(dist.get_rank())
+    model = torch.nn.Linear(512, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    manager = ppe.training.ExtensionsManager(model, optimizer, 1, iters_per_epoch=3, out_dir=out_dir)
+    writer = _PreparingWriter(out_dir=out_dir)
+    manager.extend(ppe_snapshot.snapshot(writer=writer, **_snapshot_kwargs(mode)), trigger=(2, "iteration"))
+    x = torch.randn(4, 512)
+    for _ in range(3):
+        with manager.run_iteration():
+            model(x).sum().backward()
+            optimizer.step()
+    writer.wait()
+    buffer = writer.staging_buffers[0] if writer.staging_buffers else None
+    staged = writer.last_stats["bytes"] if writer.last_stats else None
+    writer.finalize()
+    return {"prepared": writer.prepared, "buffer": None if buffer is None else buffer.numel(), "staged": staged}

@@ -11,7 +11,7 @@ from ppe_snapshot import Snapshot
 
 from _extension_workers import (
     assert_same, dist_crash_and_resume, dist_error_on_one_rank, dist_fixed_name_and_initialize,
-    dist_resume_from_error_snapshot, dist_saver_rank_out_of_range,
+    dist_resume_from_error_snapshot, dist_saver_rank_out_of_range, dist_staging_ahead,
 )
 
 ITERS = 10
@@ -136,3 +136,19 @@ def test_fixed_name_replaced_and_initialize_returns_the_name_on_every_rank(dist_
         assert r["iteration"] == 5
         assert_same(r["resumed_model"], r["model"], f"rank {rank}")
     assert Snapshot(str(tmp_path / "latest")).metadata["iteration"] == 5
+
+
+@pytest.mark.parametrize("mode", ["DISTRIBUTED", "SHARDED"])
+def test_the_writing_ranks_staging_is_made_ready_before_their_first_save(dist_run, tmp_path, mode):
+    """Every rank that writes has its writer make the staging memory ready at initialize() for the model, and
+    after the first optimizer step for the model and Adam's state, sized from the tensors it holds (state_dict()
+    is a collective in these modes: not called outside a save); the save then stages into a buffer that fits. A
+    DISTRIBUTED rank that writes nothing prepares nothing."""
+    weights = (512 * 256 + 256) * 4
+    results = dist_run(dist_staging_ahead, 2, str(tmp_path), mode)
+    for rank, r in enumerate(results):
+        if mode == "DISTRIBUTED" and rank != 1:  # the saver is the last rank
+            assert r["prepared"] == [] and r["staged"] is None, r
+            continue
+        assert r["prepared"] == [weights, 3 * weights + 8], r  # Adam: exp_avg, exp_avg_sq and a 4-byte step each
+        assert r["buffer"] >= r["staged"] > 3 * weights, r

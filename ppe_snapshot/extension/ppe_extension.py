@@ -133,10 +133,15 @@ class SnapshotExtension(Resuming, extension.Extension):
         ppe_compat.check_inside(name)  # a callable's names, and fields' values, are known only now
         return name
 
-    #: Whether ``initialize()`` has the writer make its staging memory ready (:mod:`.staging_ahead`), and what
-    #: removes the optimizer hooks that do it again after the first step.
-    _stages_ahead = True
+    #: What removes the optimizer hooks that have the writer make its staging memory ready again after the first
+    #: step (:mod:`.staging_ahead`).
     _end_staging_ahead: Callable[[], None] = staticmethod(lambda: None)
+
+    def _staged_state(self, manager: ExtensionsManagerProtocol) -> Callable[[], Any] | None:
+        """What tells the size of this rank's saves (:func:`.staging_ahead.prepare_staging_ahead`), None where it
+        saves nothing: here the state itself."""
+        target = self._resolve_target(manager)
+        return lambda: state_to_save(target)
 
     @property
     def _owns_out_dir(self) -> bool:
@@ -202,8 +207,9 @@ class SnapshotExtension(Resuming, extension.Extension):
             writer.base = self.resumed_from  # the first save references it
         if self.policy is not None and self._format is not None and self._prunes():
             self._prune(listed)  # a run killed between a commit and its pruning left more than the policy keeps
-        if writer is not None and self._file_savefun is None and self._stages_ahead:
-            self._end_staging_ahead = prepare_staging_ahead(writer, manager, self._resolve_target(manager))
+        staged = self._staged_state(manager) if writer is not None and self._file_savefun is None else None
+        if staged is not None:
+            self._end_staging_ahead = prepare_staging_ahead(writer, manager, staged)
         if self.preemption is not None:
             self.preemption.install()
             if not self.preemption.wrap_trigger(manager, self):

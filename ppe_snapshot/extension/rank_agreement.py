@@ -11,7 +11,7 @@ agree on the candidates before trying any.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
@@ -23,6 +23,7 @@ from ppe_snapshot.extension.preemption import Preemption
 from ppe_snapshot.extension.resuming import DurableListing
 from ppe_snapshot.extension.save_outcomes import SaveOutcomes, summary
 from ppe_snapshot.extension.saved_state import state_to_save
+from ppe_snapshot.extension.staging_ahead import local_tensors
 from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh, target_changed
 from ppe_snapshot.writing import BackgroundAbortError, BackgroundSaveError
 
@@ -34,7 +35,6 @@ class _DistributedExtension:
     :class:`SnapshotExtension` among an extension's bases (its methods override and extend that class's)."""
 
     _mode = "DISTRIBUTED"
-    _stages_ahead = False  # state_dict() may be a collective: not called outside a save (see staging_ahead)
     #: The engine process group of a restore: each rank reads alone (LOCAL) or its own part (None).
     _restore_pg: Any = LOCAL
 
@@ -108,6 +108,18 @@ class _DistributedExtension:
             raise cannot_start_fresh(", ".join(touched))
         self._resumed(manager, found, listed)
         return listed
+
+    def _staged_state(self, manager: ExtensionsManagerProtocol) -> Callable[[], Any] | None:
+        """The tensors of a rank that writes, where the target is the manager: ``state_dict()`` may be a collective,
+        which must not run outside a save (:func:`.staging_ahead.local_tensors`)."""
+        if self._target is not None or not self._writes:
+            return None
+        return lambda: local_tensors(manager)
+
+    @property
+    def _writes(self) -> bool:
+        """Whether this rank's saves write a state (its writer stages it): the saver rank's."""
+        return self._is_saver
 
     def _everyone(self, doc: Any, decide: Any) -> Any:
         """``decide`` of every rank's ``doc`` (JSON values), on every rank; a rank that died is named
@@ -206,6 +218,10 @@ class ShardedSnapshot(_DistributedExtension, SnapshotExtension):
 
     _mode = "SHARDED"
     _restore_pg = None
+
+    @property
+    def _writes(self) -> bool:  # every rank writes its part
+        return True
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         self._save(manager, self._format_name(manager), state_to_save(self._resolve_target(manager)), None)
