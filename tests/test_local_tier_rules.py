@@ -170,6 +170,36 @@ def test_a_local_step_newer_than_every_durable_name_is_restored_without_opening_
         (tmp_path / "out" / "snapshot_iter_12").mkdir(exist_ok=True)  # for the second pass
 
 
+def test_the_tiers_staging_is_made_ready_at_start_and_after_the_first_optimizer_step(tmp_path, monkeypatch):
+    """The local tier's own staging buffer, like a writer's: made ready at initialize() for the model (Adam has no
+    state yet) and after the first optimizer step for the model and Adam's state; the first local step stages into
+    that buffer, which fits, and restores bit-exact."""
+    from ppe_snapshot.local_tier import LocalSaves
+    asked: list[int] = []
+    prepare = LocalSaves.prepare_staging
+    monkeypatch.setattr(LocalSaves, "prepare_staging", lambda self, state: (
+        asked.append(sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(state)
+                         if isinstance(t, torch.Tensor))), prepare(self, state))[1])
+    model = torch.nn.Linear(2048, 1024)
+    optimizer = torch.optim.Adam(model.parameters())
+    manager = ppe.training.ExtensionsManager(model, optimizer, 1, iters_per_epoch=4, out_dir=str(tmp_path / "out"))
+    extension = ppe_snapshot.snapshot(local=LocalTier(directory=str(tmp_path / "local"), trigger=(2, "iteration")))
+    manager.extend(extension, trigger=(4, "iteration"))
+    x = torch.randn(4, 2048)
+    for _ in range(2):
+        with manager.run_iteration():
+            model(x).sum().backward()
+            optimizer.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    saves = extension._local.saves
+    saves.finish()
+    weights = (2048 * 1024 + 1024) * 4
+    assert asked == [weights, 3 * weights + 8]  # Adam: exp_avg, exp_avg_sq and a 4-byte step per tensor
+    assert saves._buffers.all[0].numel() >= 3 * weights
+    got = Snapshot(str(tmp_path / "local" / "step_2" / "rank0"), pg=LOCAL).read_object("0/state/models/main")
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def _take_part(tmp_path, step: int, numel: int) -> tuple[dict[str, torch.Tensor], str]:
     state = {"w": torch.arange(numel, dtype=torch.float32) + step}
     part = layout.own_part(step, 0)

@@ -137,11 +137,28 @@ class SnapshotExtension(Resuming, extension.Extension):
     #: step (:mod:`.staging_ahead`).
     _end_staging_ahead: Callable[[], None] = staticmethod(lambda: None)
 
+    def _prepare_staging(self, manager: ExtensionsManagerProtocol) -> None:
+        """Have the writer (where this rank's saves stage through it) and the local tier make their staging memory
+        ready before the first save (:mod:`.staging_ahead`)."""
+        state = self._staged_state(manager)
+        writer = self._engine_writer
+        prepares = [writer.prepare_staging] if writer is not None and self._file_savefun is None and self._writes \
+            else []
+        if self._local is not None:
+            prepares.append(self._local.saves.prepare_staging)
+        if state is not None and prepares:
+            self._end_staging_ahead = prepare_staging_ahead(prepares, manager, state)
+
     def _staged_state(self, manager: ExtensionsManagerProtocol) -> Callable[[], Any] | None:
-        """What tells the size of this rank's saves (:func:`.staging_ahead.prepare_staging_ahead`), None where it
-        saves nothing: here the state itself."""
+        """What tells the size of this rank's saves, None where it cannot be known outside a save: here the state
+        itself."""
         target = self._resolve_target(manager)
         return lambda: state_to_save(target)
+
+    @property
+    def _writes(self) -> bool:
+        """Whether this rank's saves write a state (its writer stages it)."""
+        return True
 
     @property
     def _owns_out_dir(self) -> bool:
@@ -207,9 +224,7 @@ class SnapshotExtension(Resuming, extension.Extension):
             writer.base = self.resumed_from  # the first save references it
         if self.policy is not None and self._format is not None and self._prunes():
             self._prune(listed)  # a run killed between a commit and its pruning left more than the policy keeps
-        staged = self._staged_state(manager) if writer is not None and self._file_savefun is None else None
-        if staged is not None:
-            self._end_staging_ahead = prepare_staging_ahead(writer, manager, staged)
+        self._prepare_staging(manager)
         if self.preemption is not None:
             self.preemption.install()
             if not self.preemption.wrap_trigger(manager, self):

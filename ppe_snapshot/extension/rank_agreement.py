@@ -110,15 +110,12 @@ class _DistributedExtension:
         return listed
 
     def _staged_state(self, manager: ExtensionsManagerProtocol) -> Callable[[], Any] | None:
-        """The tensors of a rank that writes, where the target is the manager: ``state_dict()`` may be a collective,
-        which must not run outside a save (:func:`.staging_ahead.local_tensors`)."""
-        if self._target is not None or not self._writes:
-            return None
-        return lambda: local_tensors(manager)
+        """The tensors this rank holds, where the target is the manager: ``state_dict()`` may be a collective, which
+        must not run outside a save (:func:`.staging_ahead.local_tensors`)."""
+        return None if self._target is not None else lambda: local_tensors(manager)
 
     @property
-    def _writes(self) -> bool:
-        """Whether this rank's saves write a state (its writer stages it): the saver rank's."""
+    def _writes(self) -> bool:  # the saver rank's
         return self._is_saver
 
     def _everyone(self, doc: Any, decide: Any) -> Any:

@@ -2,8 +2,8 @@
 
 A background writer's first save used to allocate its staging buffer and fault every page in while the loop
 waited: on this project's VM a 1 GiB state's first save blocked 1.26 s against 0.28 s for the next ones. The
-writer is asked to make the buffer ready in a background thread (``SnapshotWriter.prepare_staging``) once the
-extension knows the state: at ``initialize()`` (the models, and the optimizers' state where autoload restored
+writer is asked to make the buffer ready in a background thread (``SnapshotWriter.prepare_staging``), and so is
+the local tier for its own (``LocalSaves.prepare_staging``), once the extension knows the state: at ``initialize()`` (the models, and the optimizers' state where autoload restored
 it), and again after the first optimizer step, which is when an optimizer such as Adam creates its state.
 
 In DEFAULT mode the state is the one a save takes (``state_dict()``). In the other modes ``state_dict()`` may be a
@@ -18,22 +18,26 @@ from typing import Any, Callable
 import torch
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
-from ppe_snapshot.writing import SnapshotWriter
 
 
-def prepare_staging_ahead(writer: SnapshotWriter, manager: ExtensionsManagerProtocol, state: Callable[[], Any]
-                          ) -> Callable[[], None]:
-    """Have ``writer`` make a save of ``state()`` (the state, or a stand-in of its size) ready now, and again after
-    the manager's first optimizer step; returns what removes the step hooks (torch does not let a hook remove
-    itself while the optimizer runs its hooks: it does nothing after the first step until then)."""
-    writer.prepare_staging(state())
+def prepare_staging_ahead(prepares: list[Callable[[Any], None]], manager: ExtensionsManagerProtocol,
+                          state: Callable[[], Any]) -> Callable[[], None]:
+    """Have each of ``prepares`` (a writer's ``prepare_staging``, the local tier's) make a save of ``state()`` (the
+    state, or a stand-in of its size) ready now, and again after the manager's first optimizer step; returns what
+    removes the step hooks (torch does not let a hook remove itself while the optimizer runs its hooks: it does
+    nothing after the first step until then)."""
+    def prepare() -> None:
+        staged = state()
+        for each in prepares:
+            each(staged)
+    prepare()
     fired = False
 
     def after_first_step(*_: Any) -> None:
         nonlocal fired
         if not fired:
             fired = True
-            writer.prepare_staging(state())
+            prepare()
 
     hooks = [optimizer.register_step_post_hook(after_first_step)
              for optimizer in getattr(manager, "optimizers", {}).values()]

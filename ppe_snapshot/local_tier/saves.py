@@ -21,9 +21,10 @@ from typing import Any, Callable
 
 import torch
 
-from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, StagedImage, exchange, new_staging_buffer
+from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, StagedImage, exchange, staging_estimate
 from ppe_snapshot.local_tier import layout, transfer
 from ppe_snapshot.storage import Tree, join, open_tree
+from ppe_snapshot.writing import StagingBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ class _Step:
     tag: int
     pending: PendingSnapshot | None
     problem: str | None
-    staged: list[torch.Tensor]
     #: Ends the loan of the durable save's staged image the part copies from (None: no loan).
     release: Callable[[], None] | None = None
 
@@ -67,8 +67,8 @@ class LocalSaves:
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._slots = threading.Semaphore(1)  # one step in flight: a save waits for the previous one
         self._tags = 0
-        self._buffers: list[torch.Tensor] = []
-        self._buffers_lock = threading.Lock()
+        #: The staging buffer of the step in flight, reused by the next (one step in flight at a time).
+        self._buffers = StagingBuffers(1)
         #: Why the tier stopped (a rank lost from its group), or None.
         self.stopped: str | None = None
         self._thread = threading.Thread(target=self._work, name="ppe-snapshot-local-tier", daemon=True)
@@ -91,23 +91,21 @@ class LocalSaves:
             return
         self._slots.acquire()
         self._tags += 1
-        pending, problem, staged = None, None, []
+        pending, problem = None, None
         self._reuse_spares([layout.own_part(step, self.ranks.rank)])
         try:
-            pending = Snapshot.async_take(self.part_path(step), app_state, pg=LOCAL, staging=self._staging(staged),
+            pending = Snapshot.async_take(self.part_path(step), app_state, pg=LOCAL, staging=self._staging,
                                           metadata={**metadata, "ppe_snapshot_local_step": step},
                                           staged_from=staged_from)
         except Exception as e:  # noqa: BLE001 - the tier fails alone; the other ranks still hear of it
             problem = f"{type(e).__name__}: {e}"
-            with self._buffers_lock:
-                self._buffers.extend(staged)
             if release is not None:
                 release()
             release = None
         else:
             logger.debug("local step %d: %d bytes staged, %d of them copied from the durable save's image", step,
                          pending.nbytes, pending.from_image_bytes)
-        self._queue.put(_Step(step, _TAGS + 2 * (self._tags % (1 << 26)), pending, problem, staged, release))
+        self._queue.put(_Step(step, _TAGS + 2 * (self._tags % (1 << 26)), pending, problem, release))
 
     def _reuse_spares(self, parts: list[str]) -> None:
         """Put the spares of ``parts``' slots where they are about to be written (:func:`~.layout.reuse_spare`);
@@ -118,20 +116,15 @@ class LocalSaves:
         except OSError as e:
             logger.debug("the local tier's spares were not reused: %s: %s", type(e).__name__, e)
 
-    def _staging(self, taken: list[torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        """The staging buffer of a save: one of the tier's own (a step's buffer comes back once its part is
-        written; at most one per step in flight), grown when the state grew; page-locked once CUDA is in use."""
-        def provide(nbytes: int) -> torch.Tensor:
-            with self._buffers_lock:
-                fits = [b for b in self._buffers if b.numel() >= nbytes]
-                if fits:
-                    self._buffers.remove(fits[0])
-                elif self._buffers:
-                    self._buffers.pop()  # too small: dropped for a larger one
-            buffer = fits[0] if fits else new_staging_buffer(nbytes, pin=torch.cuda.is_initialized())
-            taken.append(buffer)
-            return buffer[:nbytes]
-        return provide
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """The staging buffer of a save: the tier's own, free again once the step before is complete, grown when
+        the state grew; page-locked once CUDA is in use."""
+        return self._buffers.get(0, nbytes, torch.cuda.is_initialized())[:nbytes]
+
+    def prepare_staging(self, state: Any) -> None:
+        """Make the staging buffer of a save of ``state`` (or of a stand-in of its size) ready in a background
+        thread, so that the first local save blocks only for its copy (see ``StagingBuffers.reserve``)."""
+        self._buffers.reserve(*staging_estimate(state))
 
     def finish(self, timeout: float | None = None) -> None:
         """Let the steps in flight end (their copies and agreement), then stop the worker."""
@@ -170,8 +163,6 @@ class LocalSaves:
         finally:
             if item.release is not None:
                 item.release()
-            with self._buffers_lock:
-                self._buffers.extend(item.staged)
         return None
 
     def _complete(self, item: _Step) -> None:

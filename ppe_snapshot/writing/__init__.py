@@ -31,6 +31,7 @@ _HOMES = {
     "ImageLoan": "contract",
     "SaveStats": "contract",
     "SnapshotWriter": "contract",
+    "StagingBuffers": "_buffers",  # (not public: the local tier's saves keep their buffer the writers' way)
 }
 
 __all__ = ["BackgroundAbortError", "BackgroundSaveError", "ImageLoan", "ProcessQueueWriter", "ProcessWriter", "SaveStats",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from ppe_snapshot.writing._ppe_writers import (
         ProcessQueueWriter, ProcessWriter, SimpleWriter, ThreadQueueWriter, ThreadWriter,
     )
+    from ppe_snapshot.writing._buffers import StagingBuffers
     from ppe_snapshot.writing.contract import ImageLoan, SaveStats, SnapshotWriter
 
 
