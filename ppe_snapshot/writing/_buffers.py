@@ -11,10 +11,9 @@ from concurrent.futures import Future
 
 import torch
 
-from ppe_snapshot.engine import new_staging_buffer
+from ppe_snapshot.engine import fault_in, new_staging_buffer
 
 _MiB = 1 << 20
-_PAGE = 4096
 
 
 def grown_size(current: int, needed: int) -> int:
@@ -56,7 +55,7 @@ class StagingBuffers:
     def _make_ready(self, pending: "Future[torch.Tensor]", nbytes: int, pin: bool) -> None:
         try:
             buffer = self.allocate(nbytes, pin)
-            buffer.numpy()[::_PAGE] = 0  # each page faulted in here, not in the first staging copy
+            fault_in(buffer)  # each page faulted in here, not in the first staging copy
             pending.set_result(buffer)
         except BaseException as e:  # noqa: BLE001 - the save allocates as it did without a reservation
             pending.set_exception(e)

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from ppe_snapshot.engine._files import align
-from ppe_snapshot.engine._take.staging import PAGE, new_staging_buffer
+from ppe_snapshot.engine._take.staging import new_staging_buffer
+from ppe_snapshot.engine._util import fault_in
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,7 @@ def prepare_staging_buffer(nbytes: int, pin: bool) -> None:
 def _make_ready(nbytes: int, pin: bool) -> None:
     try:
         buffer = new_staging_buffer(nbytes, pin)
-        if nbytes:
-            buffer.numpy()[::PAGE] = 0  # each page faulted in here, not by the first staging copy
+        fault_in(buffer)  # each page faulted in here, not by the first staging copy
         give_back(buffer, pin)
     except Exception as e:  # noqa: BLE001 - the take allocates as before
         logger.warning("making a staging buffer of %d bytes ready failed (%s: %s); the next async_take allocates "
