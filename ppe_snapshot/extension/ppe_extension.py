@@ -133,8 +133,8 @@ class SnapshotExtension(Resuming, extension.Extension):
         ppe_compat.check_inside(name)  # a callable's names, and fields' values, are known only now
         return name
 
-    #: What removes the optimizer hooks that have the writer make its staging memory ready again after the first
-    #: step (:mod:`.staging_ahead`).
+    #: What removes the optimizer hooks that have the writer and the local tier make their staging memory ready
+    #: again after the first step (:mod:`.staging_ahead`).
     _end_staging_ahead: Callable[[], None] = staticmethod(lambda: None)
 
     def _prepare_staging(self, manager: ExtensionsManagerProtocol) -> None:
@@ -142,8 +142,9 @@ class SnapshotExtension(Resuming, extension.Extension):
         ready before the first save (:mod:`.staging_ahead`)."""
         state = self._staged_state(manager)
         writer = self._engine_writer
-        prepares = [writer.prepare_staging] if writer is not None and self._file_savefun is None and self._writes \
-            else []
+        prepares = []
+        if writer is not None and self._file_savefun is None and self._writes:
+            prepares.append(writer.prepare_staging)
         if self._local is not None:
             prepares.append(self._local.saves.prepare_staging)
         if state is not None and prepares:
