@@ -370,3 +370,38 @@ def test_the_extension_has_the_writer_prepare_staging_at_start_and_after_the_fir
     saved = ppe_snapshot.Snapshot(str(tmp_path / "snapshot_iter_2")).read_object("0/state/models/main")
     assert all(torch.equal(saved[k], v) for k, v in expected.items())
     writer.finalize()
+
+
+def test_after_a_restore_the_staging_is_prepared_when_the_first_optimizer_step_begins(tmp_path):
+    """Nothing is prepared beside the restore: at a restart the buffers are made ready once training has resumed
+    (the first optimizer step begins), for the restored state with Adam's; the first save after it fits."""
+    import pytorch_pfn_extras as ppe
+    import ppe_snapshot
+
+    def run(iterations: int, before_step=lambda writer: None) -> tuple[_RecordingWriter, torch.nn.Module]:
+        torch.manual_seed(iterations)
+        model = torch.nn.Linear(2048, 1024)
+        optimizer = torch.optim.Adam(model.parameters())
+        manager = ppe.training.ExtensionsManager(model, optimizer, 1, iters_per_epoch=6, out_dir=str(tmp_path))
+        writer = _RecordingWriter()
+        manager.extend(ppe_snapshot.snapshot(writer=writer, autoload=True), trigger=(2, "iteration"))
+        x = torch.randn(4, 2048)
+        for _ in range(iterations):
+            with manager.run_iteration():
+                model(x).sum().backward()
+                before_step(writer)
+                optimizer.step()
+        writer.wait()
+        return writer, model
+
+    first, _ = run(2)
+    first.finalize()
+    restored = (2048 * 1024 + 1024) * 4 * 3 + 8  # the weights, exp_avg, exp_avg_sq and a 4-byte step per tensor
+    seen = []
+    writer, model = run(2, before_step=lambda w: seen.append(list(w.prepared)))
+    assert seen[0] == []  # resumed at iteration 2: nothing prepared before its first step
+    assert writer.prepared and set(writer.prepared) == {restored}
+    assert writer.staging_buffers[0].numel() >= writer.last_stats["bytes"]
+    saved = ppe_snapshot.Snapshot(str(tmp_path / "snapshot_iter_4")).read_object("0/state/models/main")
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    writer.finalize()

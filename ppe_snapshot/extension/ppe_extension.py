@@ -148,7 +148,8 @@ class SnapshotExtension(Resuming, extension.Extension):
         if self._local is not None:
             prepares.append(self._local.saves.prepare_staging)
         if state is not None and prepares:
-            self._end_staging_ahead = prepare_staging_ahead(prepares, manager, state)
+            self._end_staging_ahead = prepare_staging_ahead(prepares, manager, state,
+                                                            restored=self.resumed_from is not None)
 
     def _staged_state(self, manager: ExtensionsManagerProtocol) -> Callable[[], Any] | None:
         """What tells the size of this rank's saves, None where it cannot be known outside a save: here the state
