@@ -58,7 +58,6 @@ class LocalSteps:
 
     def __init__(self, tier: LocalTier, saves: LocalSaves, trigger: TierTrigger) -> None:
         self.tier, self.saves, self.trigger = tier, saves, trigger
-        self._planning: Planning | None = None
 
     @classmethod
     def start(cls, tier: LocalTier, extension: Any, manager: ExtensionsManagerProtocol, out_dir: str,
@@ -114,21 +113,17 @@ class LocalSteps:
         else:
             self.saves.save(manager.iteration, app_state, metadata, loan.image, loan.release)
 
-    def begin_resume(self, names: Callable[[], Any] | None = None) -> None:
-        """Begin choosing the local step to resume from (every rank, before it lists the durable snapshots: the
-        ranks agree on both at once); ``names()``: this rank's view of the durable snapshots' names (see
-        :func:`ppe_snapshot.local_tier.recovery.agreed_plan`)."""
-        self._planning = Planning(self.saves, names)
-
-    def resume(self, durable: Callable[[], int | None],
+    def resume(self, names: Callable[[], Any] | None, durable: Callable[[], int | None],
                restore: Callable[[str | Storage], None]) -> Recovered | Fallback | None:
         """Restore from the newest local step newer than the newest complete durable snapshot, as :func:`recover`
-        does; ``durable()`` lists the durable snapshots (every rank at once) and returns that snapshot's
-        iteration, called only where their names do not show the local step newer than all of them. A failure
-        of the tier itself is a warning and a :class:`Fallback`; what ``durable()`` raises propagates."""
-        planning, self._planning = self._planning, None
+        does (every rank at once); ``names()``: this rank's view of the durable snapshots' names (see
+        :func:`ppe_snapshot.local_tier.recovery.agreed_plan`); ``durable()`` lists the durable snapshots (every
+        rank at once) and returns that snapshot's iteration, called only where their names do not show the local
+        step newer than all of them. A failure of the tier itself is a warning and a :class:`Fallback`; what
+        ``durable()`` raises propagates."""
         try:
-            settled = planning.durable_by_names() if planning is not None else None
+            planning = Planning(self.saves, names)
+            settled = planning.durable_by_names()
         except Exception as e:  # noqa: BLE001 - the tier may fail; durable snapshots remain
             return _unreadable(e)
         newest = settled.newest if settled is not None else durable()

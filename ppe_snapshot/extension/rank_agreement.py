@@ -79,7 +79,6 @@ class _DistributedExtension:
         # Every rank restores the same snapshot at the same time, so a state_dict() or
         # load_state_dict() that is collective works; when any rank fails, all fall back together.
         target = self._resolve_target(manager)
-        self._begin_resuming_locally()
         listing = DurableListing(self._agree)
         touched: list[str] = []
         local = self._resume_locally(manager, listing, target)

@@ -59,7 +59,6 @@ class Resuming:
     def _autoload(self, manager: ExtensionsManagerProtocol) -> list[Candidate] | None:
         """Restore the newest candidate that restores, skipping (with a warning) those that fail; returns what
         was listed (the start-up pruning needs no second listing), None where nothing was."""
-        self._begin_resuming_locally()
         listing = DurableListing(lambda: (self._candidates(),) * 2)
         target = self._resolve_target(manager)
         touched: tuple[str, Exception | str] | None = None
@@ -86,11 +85,6 @@ class Resuming:
         self._resumed(manager, found, candidates)
         return candidates
 
-    def _begin_resuming_locally(self) -> None:
-        """Let the local tier choose its step (every rank) while the durable snapshots are listed."""
-        if self._local is not None:
-            self._local.begin_resume(self._durable_names)
-
     def _durable_names(self) -> dict[str, Any] | None:
         """What the names under the output directory tell of the durable snapshots (JSON), opening none."""
         assert self._format is not None
@@ -105,8 +99,8 @@ class Resuming:
         without a tier)."""
         if self._local is None:
             return None
-        result = self._local.resume(listing.newest_complete, lambda part: saved_state.restore_part(
-            part, target, self._target_kind, self._rng_rank, self._reads_pickle))
+        result = self._local.resume(self._durable_names, listing.newest_complete, lambda part: (
+            saved_state.restore_part(part, target, self._target_kind, self._rng_rank, self._reads_pickle)))
         if result is None:
             return None
         if isinstance(result, Fallback):
