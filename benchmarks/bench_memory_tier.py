@@ -1,11 +1,11 @@
 """The local tier (issue 34): restore from node-local memory and from partners' copies, and what a local save
 blocks, beside the floors measured in the same run.
 
-    python benchmarks/bench_memory_tier.py [--rounds 3] [--mib 256] [--s3] [--compute 2.0]
+    python benchmarks/bench_memory_tier.py [--rounds 3] [--mib 256] [--s3] [--compute 2.0] [--ranks 4]
 
-Four gloo ranks simulate two nodes of two (``PPE_SNAPSHOT_NODE``, a local directory per node under /dev/shm), each
-with ``--mib`` MiB of state (16 tensors), SHARDED mode, the ThreadWriter, durable snapshots to local disk. Per
-round, each case in a fresh set of processes:
+Four gloo ranks (``--ranks``) simulate two nodes of two (``PPE_SNAPSHOT_NODE``, a local directory per node under
+/dev/shm), each with ``--mib`` MiB of state (16 tensors), SHARDED mode, the ThreadWriter, durable snapshots to
+local disk. Per round, each case in a fresh set of processes:
 
 - **blocking**: iterations of ``--compute`` seconds (a sleep standing for the training step); 6 iterations saving
   a local step each (local trigger 1, durable 1000) against 6 iterations saving an
@@ -27,6 +27,9 @@ round, each case in a fresh set of processes:
 - **S3** (``--s3``): the 4 ranks save a durable snapshot to S3 through ``s3_shaped.py`` (40 MB/s per connection,
   15 ms), every node's local directory is wiped, and the restart's autoload restores from S3 (the slowest rank),
   against the own-part restore above; and one rank's part restored alone from S3 and from tmpfs, in one process.
+
+With ``--ranks 2`` the two nodes have one rank each: on this project's 2-core VM, a core per rank, as on a real
+node, instead of four ranks sharing two cores.
 """
 from __future__ import annotations
 
@@ -59,6 +62,8 @@ def _state(mib: int, rank: int):
 
 
 def rank_main(rank: int, port: int, spec: dict) -> None:
+    global WORLD, PER_NODE
+    WORLD, PER_NODE = spec["world"], spec["world"] // 2
     import pytorch_pfn_extras as ppe
     import torch
     import torch.distributed as dist
@@ -181,10 +186,10 @@ def _agree(group, tag: int) -> None:
 
 
 def _transfer_floor(rank: int, mib: int, own: str | None = None) -> float:
-    """Seconds for ranks 0 and 1 to send ``mib`` MiB (from a tensor of that size) to ranks 2 and 3 (into one)
-    over a fresh gloo group, 16 MiB per message. ``own``: all the work a node-lost restart must do, bare: an
-    agreement round, the transfer while the senders read their own parts from ``own`` and every byte read or
-    received is hashed (xxh3), another round."""
+    """Seconds for the ranks of node 0 (0 and 1) to send ``mib`` MiB (from a tensor of that size) to those of node 1
+    (2 and 3; into one) over a fresh gloo group, 16 MiB per message. ``own``: all the work a node-lost restart
+    must do, bare: an agreement round, the transfer while the senders read their own parts from ``own`` and every
+    byte read or received is hashed (xxh3), another round."""
     import threading
 
     import torch
@@ -193,7 +198,7 @@ def _transfer_floor(rank: int, mib: int, own: str | None = None) -> float:
     group = dist.new_group(backend="gloo")
     data = torch.ones(mib << 20, dtype=torch.uint8)
     reading = None
-    if own is not None and rank < 2:
+    if own is not None and rank < PER_NODE:
         reading = threading.Thread(target=_part_reads(own, hashed=True))
     dist.barrier()
     start = time.perf_counter()
@@ -203,10 +208,10 @@ def _transfer_floor(rank: int, mib: int, own: str | None = None) -> float:
         reading.start()
     for at in range(0, mib << 20, 16 << 20):
         piece = data[at:at + (16 << 20)]
-        if rank < 2:
-            group.send([piece], rank + 2, 7).wait()
+        if rank < PER_NODE:
+            group.send([piece], rank + PER_NODE, 7).wait()
         else:
-            group.recv([piece], rank - 2, 7).wait()
+            group.recv([piece], rank - PER_NODE, 7).wait()
             if own is not None:
                 xxhash.xxh3_64_intdigest(memoryview(piece.numpy()))
     if reading is not None:
@@ -218,6 +223,7 @@ def _transfer_floor(rank: int, mib: int, own: str | None = None) -> float:
 
 # -- the driver --------------------------------------------------------------------------------------------------
 def run_ranks(spec: dict) -> list[dict]:
+    spec = {**spec, "world": WORLD}
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port), "--spec",
                                json.dumps(spec)], env=dict(os.environ, PPE_SNAPSHOT_NODE=str(r // PER_NODE),
@@ -332,6 +338,7 @@ def shaped_s3(rate_mb: float, latency_ms: float) -> tuple[subprocess.Popen, dict
 
 
 def main() -> None:
+    global WORLD, PER_NODE
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mib", type=int, default=256)
@@ -339,11 +346,14 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=2.0, help="seconds per training step in the blocking cases")
     parser.add_argument("--rate-mb", type=float, default=40.0)
     parser.add_argument("--latency-ms", type=float, default=15.0)
+    parser.add_argument("--ranks", type=int, default=WORLD, choices=(2, 4),
+                        help="ranks, as two nodes (2: one rank per core of this project's VM)")
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--port", type=int)
     parser.add_argument("--spec")
     args = parser.parse_args()
+    WORLD, PER_NODE = args.ranks, args.ranks // 2
     if args.rank is not None:
         rank_main(args.rank, args.port, json.loads(args.spec))
         return
@@ -357,8 +367,8 @@ def main() -> None:
         if server is not None:
             server.stdin.close()
             server.wait()
-    print(f"4 ranks as 2 nodes of 2, {args.mib} MiB per rank, {args.compute:g} s per training step, {args.rounds} "
-          "rounds (median, min-max), seconds")
+    print(f"{WORLD} ranks as 2 nodes of {PER_NODE}, {args.mib} MiB per rank, {args.compute:g} s per training step, "
+          f"{args.rounds} rounds (median, min-max), seconds")
     for key in rounds[0]:
         values = [r[key] for r in rounds]
         print(f"  {key:40s} {statistics.median(values):8.3f}  ({min(values):.3f}-{max(values):.3f})")
