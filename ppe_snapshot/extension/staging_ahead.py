@@ -42,7 +42,7 @@ def prepare_staging_ahead(prepares: list[Callable[[Any], None]], manager: Extens
     deferred = restored and bool(optimizers)
     if not deferred:
         prepare()
-    fired = set()
+    fired: set[str] = set()
 
     def once(when: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
