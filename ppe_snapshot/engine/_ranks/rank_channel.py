@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import threading
 from datetime import timedelta
 from typing import Any, Callable
@@ -304,13 +305,55 @@ def _send_all(group: Any, messages: dict[int, torch.Tensor], tag: int) -> None:
             pass
 
 
-def _as_bytes(doc: Any) -> tuple[torch.Tensor, torch.Tensor]:
+#: A document of :func:`exchange` travels as one message of :data:`MESSAGE_BYTES` (its length, then its first bytes,
+#: zero-padded) and, only where it is longer, a second with the rest: most exchanges cost one message each way
+#: (two, a length then the document, cost a second wake-up of the receiver each way).
+_LENGTH = struct.Struct("<q")
+_FIRST = MESSAGE_BYTES - _LENGTH.size
+
+
+def _messages(doc: Any) -> list[torch.Tensor]:
+    """``doc`` as :func:`exchange` sends it: the first message, and the rest where it is longer."""
     data = json.dumps(doc).encode()
-    return torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    first = bytearray(MESSAGE_BYTES)
+    _LENGTH.pack_into(first, 0, len(data))
+    first[_LENGTH.size:_LENGTH.size + min(len(data), _FIRST)] = data[:_FIRST]
+    messages = [torch.frombuffer(first, dtype=torch.uint8)]
+    if len(data) > _FIRST:
+        messages.append(torch.frombuffer(bytearray(data[_FIRST:]), dtype=torch.uint8))
+    return messages
 
 
-def _loads(data: torch.Tensor) -> Any:
-    return json.loads(bytes(data.numpy()))
+def _first_message() -> torch.Tensor:
+    return torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+
+
+def _length(first: torch.Tensor) -> int:
+    return _LENGTH.unpack_from(first.numpy())[0]
+
+
+def _rest(length: int) -> torch.Tensor | None:
+    """Where the rest of a document of ``length`` bytes is received (None: it fit its first message)."""
+    return torch.empty(length - _FIRST, dtype=torch.uint8) if length > _FIRST else None
+
+
+def _document(first: torch.Tensor, rest: torch.Tensor | None) -> Any:
+    data = bytes(first.numpy()[_LENGTH.size:_LENGTH.size + min(_length(first), _FIRST)])
+    return json.loads(data if rest is None else data + bytes(rest.numpy()))
+
+
+def _received(group: Any, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    """``buffer``, received from ``peer``; :class:`~ppe_snapshot.errors.SnapshotAbortedError` naming it when it
+    died."""
+    try:
+        group.recv([buffer], peer, tag).wait()
+    except RuntimeError as e:
+        raise SnapshotAbortedError(_peer_lost(peer, e)) from e
+    return buffer
+
+
+def _bad_length(peer: int, length: int) -> str | None:
+    return None if 0 < length <= _MAX_DOCUMENT else f"rank {peer} sent a document of {length} bytes"
 
 
 def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any], *, root: int = 0) -> Any:
@@ -326,32 +369,34 @@ def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any],
     if world_size == 1:
         return decide([doc])
     if rank != root:
-        size = torch.zeros(1, dtype=torch.int64)
         try:
-            for work in [group.send([part], root, tag) for part in _as_bytes(doc)]:
+            for work in [group.send([message], root, tag) for message in _messages(doc)]:
                 work.wait()
-            group.recv([size], root, tag).wait()
-            answer = torch.empty(int(size), dtype=torch.uint8)
-            group.recv([answer], root, tag).wait()
         except RuntimeError as e:
             raise SnapshotAbortedError(_peer_lost(root, e)) from e
-        decided = _loads(answer)
+        first = _received(group, _first_message(), root, tag)
+        bad = _bad_length(root, _length(first))
+        if bad is not None:
+            raise SnapshotAbortedError(bad)
+        rest = _rest(_length(first))
+        decided = _document(first, None if rest is None else _received(group, rest, root, tag))
         if decided.get("lost"):
             raise SnapshotAbortedError(decided["lost"])
         return decided["decided"]
-    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in range(world_size) if peer != root}
-    lost = _receive_all(group, sizes, tag)
-    for peer, size in sizes.items():
-        if not 0 < int(size) <= _MAX_DOCUMENT:
-            lost = lost or f"rank {peer} sent a document of {int(size)} bytes"
-    payloads = {peer: torch.empty(int(size), dtype=torch.uint8) for peer, size in sizes.items()
-                if 0 < int(size) <= _MAX_DOCUMENT}
-    lost = _receive_all(group, payloads, tag) or lost
+    firsts = {peer: _first_message() for peer in range(world_size) if peer != root}
+    lost = _receive_all(group, firsts, tag)
+    rests: dict[int, torch.Tensor] = {}
+    for peer, first in firsts.items():
+        bad = _bad_length(peer, _length(first))
+        lost = lost or bad
+        rest = None if bad is not None else _rest(_length(first))
+        if rest is not None:
+            rests[peer] = rest
+    lost = _receive_all(group, rests, tag) or lost
     answer = {"lost": lost} if lost else {
-        "decided": decide([doc if r == root else _loads(payloads[r]) for r in range(world_size)])}
-    size, data = _as_bytes(answer)
-    _send_all(group, dict.fromkeys(sizes, size), tag)
-    _send_all(group, dict.fromkeys(sizes, data), tag)
+        "decided": decide([doc if r == root else _document(firsts[r], rests.get(r)) for r in range(world_size)])}
+    for message in _messages(answer):
+        _send_all(group, dict.fromkeys(firsts, message), tag)
     if lost:
         raise SnapshotAbortedError(lost)
     return answer["decided"]
