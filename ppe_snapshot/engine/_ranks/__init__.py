@@ -3,7 +3,8 @@
 
 The face of this subpackage: what the rest of the engine uses of it (modules here import each other directly).
 """
-from ppe_snapshot.engine._ranks.rank_channel import SideGroup, TakeChannel, agree_max, exchange, side_group
+from ppe_snapshot.engine._ranks.agreements import agree_max, exchange
+from ppe_snapshot.engine._ranks.rank_channel import SideGroup, TakeChannel, side_group
 from ppe_snapshot.engine._ranks.ranks import LOCAL, group_rank
 
 __all__ = [
