@@ -26,7 +26,6 @@ import torch
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
 
-
 def prepare_staging_ahead(prepares: list[Callable[[Any], None]], manager: ExtensionsManagerProtocol,
                           state: Callable[[], Any], restored: bool = False) -> Callable[[], None]:
     """Have each of ``prepares`` (a writer's ``prepare_staging``, the local tier's) make a save of ``state()`` (the

@@ -121,10 +121,11 @@ def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any],
         except RuntimeError as e:
             raise SnapshotAbortedError(peer_lost(root, e)) from e
         first = _received(group, _first_message(), root, tag)
-        bad = _bad_length(root, _length(first))
+        length = _length(first)
+        bad = _bad_length(root, length)
         if bad is not None:
             raise SnapshotAbortedError(bad)
-        rest = _rest(_length(first))
+        rest = _rest(length)
         decided = _document(first, None if rest is None else _received(group, rest, root, tag))
         if decided.get("lost"):
             raise SnapshotAbortedError(decided["lost"])
@@ -133,9 +134,10 @@ def exchange(group: Any, doc: Any, tag: int, decide: Callable[[list[Any]], Any],
     lost = _receive_all(group, firsts, tag)
     rests: dict[int, torch.Tensor] = {}
     for peer, first in firsts.items():
-        bad = _bad_length(peer, _length(first))
+        length = _length(first)
+        bad = _bad_length(peer, length)
         lost = lost or bad
-        rest = None if bad is not None else _rest(_length(first))
+        rest = None if bad is not None else _rest(length)
         if rest is not None:
             rests[peer] = rest
     lost = _receive_all(group, rests, tag) or lost
