@@ -11,8 +11,9 @@ chunks, so each is verified against its checksum on the host) into buffers of ``
   its size, and from there into the targets with one ``torch._foreach_copy_`` (a few kernels, not one launch and
   one transfer per tensor).
 
-The buffers are read on the storage's read pool (:class:`~ppe_snapshot.engine._files.reads.ReadBatch`), so two
-are read at once on a local disk while a third is on its way to the device. A buffer is used again only after
+The buffers are read on a read pool of the storage (:class:`~ppe_snapshot.engine._files.reads.ReadBatch`), with at
+least ``DEVICE_READ_WORKERS`` reads in flight where the cores allow, while others are on their way to the device. A
+buffer is used again only after
 the copy out of it ended (a CUDA event). Host memory: ``DEVICE_BUFFERS`` buffers (page-locked where the device is
 a CUDA one and pinning works, else plain); device memory: one device buffer per buffer of several tensors in
 flight. Nothing is device-specific but the events and the pinning: on any other device, copies are synchronous;
@@ -21,6 +22,7 @@ the tests use CPU tensors standing in for device ones.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +39,13 @@ logger = logging.getLogger(__name__)
 #: Bytes of one host buffer between the storage and the device. A chunk larger than this is not read here (the
 #: caller reads its tensor the usual way, through a host buffer of its own).
 DEVICE_BUFFER_BYTES = 16 << 20
-#: Host buffers in flight: two being read (the local disk's read pool) while one is copied to the device.
-DEVICE_BUFFERS = 4
+#: Host buffers in flight: up to ``DEVICE_READ_WORKERS`` being read while the others are copied to the device.
+DEVICE_BUFFERS = 6
+#: Reads in flight into those buffers, at least (never more than the cores; object stores keep their own, larger
+#: count). Each read thread also hashes what it read and starts its copy to the device, so a local disk's two reads
+#: left the page cache half used: a warm restore of 4 GiB into an H200 took 0.64 s with two, 0.38 s with four and
+#: 0.40 s with eight (medians of 3; the page-cache read alone 0.38 s; benchmarks/RESULTS.md, issue 35).
+DEVICE_READ_WORKERS = 4
 
 
 @dataclass
@@ -122,7 +129,7 @@ class DeviceReads:
         self._devices.add(batch.device)
         host = self._host_buffer(batch.device)
         try:
-            self._reads.submit(batch.storage, self._read_and_copy, batch, host)
+            self._reads.submit(batch.storage, self._read_and_copy, batch, host, workers=read_workers(batch.storage))
         except BaseException:
             self._free.put((host, None))  # (a later batch must not wait for it)
             raise
@@ -155,6 +162,12 @@ class DeviceReads:
         for device in self._devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+
+
+def read_workers(storage: Storage) -> int:
+    """Reads in flight into device buffers on ``storage``: its own count, raised to ``DEVICE_READ_WORKERS`` where
+    the machine has the cores."""
+    return max(storage.read_workers, min(DEVICE_READ_WORKERS, os.cpu_count() or 1))
 
 
 def _to_device(batch: _Batch, host: torch.Tensor) -> Any:

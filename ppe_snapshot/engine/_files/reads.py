@@ -164,10 +164,10 @@ class ReadBatch:
         self._futures: list[Future[None]] = []
 
     @staticmethod
-    def _executor(storage: Storage) -> ThreadPoolExecutor:
-        """The pool of ``storage.read_workers`` threads (reads in flight: 2 on a local disk, more on object
-        stores)."""
-        return shared_pool("ppe-snapshot-read", storage.read_workers)
+    def _executor(storage: Storage, workers: int | None = None) -> ThreadPoolExecutor:
+        """The pool of ``workers`` threads, by default ``storage.read_workers`` (reads in flight: 2 on a local
+        disk, more on object stores)."""
+        return shared_pool("ppe-snapshot-read", workers or storage.read_workers)
 
     def read_into(self, storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
         position = 0
@@ -178,10 +178,10 @@ class ReadBatch:
         if self._pending_bytes >= self._next_start:
             self._start(only_long=True)
 
-    def submit(self, storage: Storage, fn: Any, *args: Any) -> None:
-        """Run ``fn(*args)``, a read of ``storage``, on its read pool now; ``join()`` waits for it and raises its
-        failure."""
-        self._futures.append(self._executor(storage).submit(fn, *args))
+    def submit(self, storage: Storage, fn: Any, *args: Any, workers: int | None = None) -> None:
+        """Run ``fn(*args)``, a read of ``storage``, on its read pool (of ``workers`` threads where given) now;
+        ``join()`` waits for it and raises its failure."""
+        self._futures.append(self._executor(storage, workers).submit(fn, *args))
 
     def _start(self, only_long: bool = False) -> None:
         """Hand pending reads to the pool, as runs in file order: all of them, or the long runs only."""
