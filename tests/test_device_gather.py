@@ -36,6 +36,27 @@ def test_runs_are_cut_by_gaps_by_other_payloads_and_by_their_span(monkeypatch):
     assert image[1488:].eq(0xEE).all()
 
 
+def test_a_run_of_one_dtype_is_gathered_as_it_is_and_a_run_of_several_as_bytes():
+    """Tensors of any shape (a scalar, a matrix) in a run of one dtype, and a run mixing dtypes, land at their
+    offsets in the image, the padding between them zeroed."""
+    scalar, matrix, vector = torch.tensor(2.5), torch.arange(6.0).reshape(2, 3), torch.full((3,), -1.0)
+    flags, halves, longs = torch.tensor([True, False, True]), torch.arange(5).half(), torch.arange(3)
+    gather = DeviceGather()
+    for tensor, offset in ((scalar, 0), (matrix, 64), (vector, 128)):
+        gather.add(tensor, offset, tensor.nbytes)
+    gather.break_run()
+    for tensor, offset in ((flags, 192), (halves, 256), (longs, 320)):
+        gather.add(tensor, offset, tensor.nbytes)
+    assert [run.dtype for run in gather.runs] == [torch.float32, None]
+
+    image = torch.full((384,), 0xEE, dtype=torch.uint8)
+    assert gather.copy_into(image) is False
+    for tensor, offset in ((scalar, 0), (matrix, 64), (vector, 128), (flags, 192), (halves, 256), (longs, 320)):
+        assert torch.equal(image[offset:offset + tensor.nbytes], tensor.reshape(-1).view(torch.uint8))
+        end = offset + tensor.nbytes
+        assert image[end:-(-end // 64) * 64].eq(0 if offset not in (128, 320) else 0xEE).all()
+
+
 def test_staging_through_the_gather_is_the_state_at_the_call(monkeypatch, tmp_path):
     """The small tensors of a state of every layout gathered as if they lay on a device; the values at the call
     restored bit-exact after the state changed, twice (the second take stages into the first one's buffer)."""

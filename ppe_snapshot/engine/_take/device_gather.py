@@ -3,10 +3,13 @@
 Copied one by one, each small device tensor costs a copy launch and a transfer of its own: 25 us per tensor on an
 H100 (10,000 tensors of 64 MiB in all blocked a save 0.25 s, where one transfer of 64 MiB takes about 1.5 ms).
 Staging (:func:`~ppe_snapshot.engine._take.staging.stage`) hands such tensors here instead. Each run of them that
-lie next to each other in the file image (nothing but padding between them) is gathered into one zeroed device
-buffer of the run's span, at the same offsets as in the image, with one ``torch._foreach_copy_`` per dtype; then
-the span is copied into the staging buffer in one transfer (its padding zeros, as :func:`clear_padding` would
-leave it).
+lie next to each other in the file image (nothing but padding between them) is gathered into one device buffer
+of the run's span by one ``torch.cat`` of the tensors with zeros for the padding between them, exactly as the image
+lays them out; then the span is copied into the staging buffer in one transfer. A run of one dtype is concatenated
+as it is (no torch call per tensor but a flat view of a tensor of several dimensions); a run of several, as bytes
+(two views per tensor). 10,000 tensors of 64 MiB in all on an H200 blocked a ThreadWriter 7.9 us per tensor
+when gathered by one ``torch._foreach_copy_`` into views of a zeroed buffer at the image's offsets (making the
+views cost most of it), 6.0 us with ``torch.cat`` (benchmarks/RESULTS.md, issue 35).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class _Run:
     start: int  # offset in the image of the run's first tensor
     end: int = 0  # where its last tensor ends (its padding after it is not the run's)
     tensors: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (tensor, offset, size)
+    dtype: torch.dtype | None = None  # of all its tensors; None where they have several
 
 
 def on_device(layout: FileLayout) -> bool:
@@ -65,8 +69,10 @@ class DeviceGather:
         run = None if self._broken or not self.runs else self.runs[-1]
         if run is None or run.device != tensor.device or offset - run.end >= ALIGNMENT \
                 or offset + nbytes - run.start > RUN_BYTES:
-            run = _Run(tensor.device, offset)
+            run = _Run(tensor.device, offset, dtype=tensor.dtype)
             self.runs.append(run)
+        elif run.dtype is not tensor.dtype:
+            run.dtype = None
         run.tensors.append((tensor, offset, nbytes))
         run.end, self._broken = offset + nbytes, False
 
@@ -79,44 +85,44 @@ class DeviceGather:
         cuda = False
         with torch.no_grad():
             for run in self.runs:
-                span = run.end - run.start
-                gathered = torch.zeros(span + -span % _WIDEST, dtype=torch.uint8, device=run.device)
-                by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int, int]]] = {}
-                for t, at, n in run.tensors:  # one foreach copy per dtype: a mixed list is copied one by one
-                    by_dtype.setdefault(t.dtype, []).append((t, at - run.start, n))
-                for dtype, members in by_dtype.items():
-                    torch._foreach_copy_(_places(gathered.view(dtype), members), [t for t, _, _ in members])
+                gathered = torch.cat(_typed_parts(run) if run.dtype is not None else _byte_parts(run))
                 on_cuda = run.device.type == "cuda"
-                buffer[run.start:run.end].copy_(gathered[:span], non_blocking=on_cuda)
+                buffer[run.start:run.end].copy_(gathered.view(torch.uint8), non_blocking=on_cuda)
                 cuda |= on_cuda
         return cuda
 
 
-#: Every dtype's size divides this: a gathered buffer of a multiple of it can be viewed as any dtype.
-_WIDEST = 16
-#: Stand-ins for the padding between two tensors of one dtype in a run, by its count of elements (only their sizes
-#: are read).
-_gaps: dict[int, torch.Tensor] = {}
+def _typed_parts(run: _Run) -> list[torch.Tensor]:
+    """A run of one dtype as flat tensors of it: its tensors and the zeros of the padding between them."""
+    dtype, item = run.dtype, run.dtype.itemsize  # type: ignore[union-attr]
+    parts, position = [], run.start
+    for t, at, n in run.tensors:
+        if at > position:
+            parts.append(_zeros(run.device, dtype, (at - position) // item))  # type: ignore[arg-type]
+        parts.append(t if t.dim() == 1 else t.reshape(-1))
+        position = at + n
+    return parts
 
 
-def _places(typed: torch.Tensor, members: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
-    """Views of ``typed`` (a run's gathered buffer as its members' dtype), each shaped as its member and at its
-    offset (bytes from the run's start), made by one call rather than three torch calls per tensor."""
-    item = typed.element_size()
-    first = position = members[0][1] // item
-    shapes: list[torch.Tensor] = []
-    kept: list[int] = []
-    for t, at, n in members:
-        if at // item > position:
-            elements = at // item - position
-            gap = _gaps.get(elements)
-            if gap is None:
-                gap = torch.empty(elements, device="meta")
-                if elements < ALIGNMENT:  # padding, of few sizes: kept; the room of other dtypes' tensors is not
-                    _gaps[elements] = gap
-            shapes.append(gap)
-        kept.append(len(shapes))
-        shapes.append(t)
-        position = (at + n) // item
-    views = torch._utils._unflatten_dense_tensors(typed[first:position], shapes)
-    return [views[i] for i in kept]
+def _byte_parts(run: _Run) -> list[torch.Tensor]:
+    """A run of several dtypes as flat bytes: its tensors' and the zeros of the padding between them."""
+    parts, position = [], run.start
+    for t, at, n in run.tensors:
+        if at > position:
+            parts.append(_zeros(run.device, torch.uint8, at - position))
+        parts.append(t.reshape(-1).view(torch.uint8))
+        position = at + n
+    return parts
+
+
+#: Zeros for the padding between two tensors of a run (less than ``ALIGNMENT`` bytes: few sizes), by device, dtype
+#: and count.
+_padding: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def _zeros(device: torch.device, dtype: torch.dtype, count: int) -> torch.Tensor:
+    key = (device, dtype, count)
+    zeros = _padding.get(key)
+    if zeros is None:
+        zeros = _padding[key] = torch.zeros(count, dtype=dtype, device=device)
+    return zeros
