@@ -221,3 +221,22 @@ def test_cuda_many_small_tensors_gathered_and_a_large_one_pipelined(tmp_path):
     Snapshot(str(tmp_path / "s")).restore({"s": target})
     assert_same(dict(target), expected)
     assert {k: v.data_ptr() for k, v in target.items()} == pointers
+
+
+def test_cuda_small_tensors_of_one_dtype_and_any_shape_through_the_gather_and_the_slabs(tmp_path):
+    """A run of one dtype (scalars, vectors, matrices) is gathered by one concatenation; restored, the targets of a
+    slab of vectors are cut from it by a split, those of other shapes by views of their shapes. Bit-exact, in
+    place, values at the call."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    shaped = {f"m{i}": torch.randn(i % 7 + 1, 3, device="cuda", generator=g) for i in range(500)}
+    shaped.update({f"c{i}": torch.tensor(float(i), device="cuda") for i in range(100)})
+    vectors = {f"v{i}": torch.randn(i % 11 + 1, device="cuda", generator=g) for i in range(500)}
+    expected = {"s": {k: v.clone() for k, v in shaped.items()}, "v": {k: v.clone() for k, v in vectors.items()}}
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": StateDict(shaped), "v": StateDict(vectors)})
+    for tensor in [*shaped.values(), *vectors.values()]:
+        tensor.add_(1)
+    pending.wait()
+    for key in ("s", "v"):
+        target = StateDict(zeros_like(expected[key]))
+        Snapshot(str(tmp_path / "s")).restore({key: target})
+        assert_same(dict(target), expected[key])
