@@ -47,8 +47,8 @@ CUDA_TESTS := $(shell grep -l "needs CUDA" tests/test_*.py)
 gpu-check: $(if $(filter $(PY),$(GPU_PY)),venv)
 	rm -rf $(GPU_RUN) && mkdir -p $(GPU_LOG)
 	-timeout 240 $(GPU_PY) -m pytest -q -k cuda $(CUDA_TESTS) > $(GPU_LOG)/tests.log 2>&1; tail -3 $(GPU_LOG)/tests.log
-	-timeout 300 $(GPU_PY) benchmarks/bench_gpu.py --gib 4 --rounds 3 > $(GPU_LOG)/bench_gpu.log 2>&1; \
-		tail -40 $(GPU_LOG)/bench_gpu.log
+	-timeout 300 $(GPU_PY) benchmarks/bench_gpu.py --gib 4 --rounds 3 --read-workers 2,4 --sweep > $(GPU_LOG)/bench_gpu.log 2>&1; \
+		tail -50 $(GPU_LOG)/bench_gpu.log; grep ^sweep $(GPU_LOG)/bench_gpu.log
 	-( timeout 100 $(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda \
 		--out $(GPU_RUN) --stop-at 25 && \
 	   timeout 100 $(GPU_PY) -m torch.distributed.run --nproc_per_node=1 examples/train_sharded.py --device cuda \

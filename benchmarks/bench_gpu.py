@@ -2,7 +2,7 @@
 beside torch.save / torch.load / dcp.save / dcp.async_save / dcp.load and the floors measured in the same run.
 
     python benchmarks/bench_gpu.py [--gib 4] [--rounds 3] [--many 10000] [--no-peers] [--device cuda|cpu]
-                                   [--dir DIR]
+                                   [--dir DIR] [--read-workers 2,4] [--sweep]
 
 The state: ``15 * gib`` fp32 matrices of 64 MiB, ``250 * gib`` tensors of 256 KiB and one scalar (4 GiB for
 ``--gib 4``); ``--many`` tensors of 64 MiB in all (their own case). Each round runs every method once, in a
@@ -17,6 +17,10 @@ Methods: ``Snapshot.take`` (durable), ``Snapshot.async_take`` and a ThreadWriter
 reported on its own: made in a fresh process before the rounds, after ``Snapshot.prepare_staging`` and the
 writer's ``prepare_staging``, as the extension calls it), ``Snapshot.restore`` in place with a warm page cache
 and a cold one (the cold one only where ``/proc/sys/vm/drop_caches`` is writable); the peers the same way.
+``--read-workers 2,4``: the warm and cold restores once with each count of reads in flight into the GPU
+(``DEVICE_READ_WORKERS``) in every round, the counts alternated. ``--sweep``: before the rounds, the gather's
+threshold (``SMALL_DEVICE_BYTES``) against tensors of 64 KiB to 8 MiB, 256 MiB of each size, saved by the
+ThreadWriter with the tensors gathered and copied one by one (blocking, median of 3).
 Report: medians, and each figure over its floor.
 On a machine without a GPU, ``--device cpu`` runs the same methods on a CPU state (a check of the script).
 """
@@ -40,6 +44,8 @@ from common import fsync_path, warm_cache  # noqa: E402
 
 import ppe_snapshot as ps  # noqa: E402
 from ppe_snapshot import writing  # noqa: E402
+from ppe_snapshot.engine._files import device_reads  # noqa: E402
+from ppe_snapshot.engine._take import device_gather  # noqa: E402
 
 MiB = 1 << 20
 
@@ -86,6 +92,8 @@ class Bench:
         self.pinned.fill_(0)
         self.writer = writing.ThreadWriter()
         self.times: dict[str, list[float]] = {}
+        self.rounds_done = 0
+        self.read_workers, self.small_device_bytes = device_reads.DEVICE_READ_WORKERS, device_gather.SMALL_DEVICE_BYTES
 
     def path(self, name: str) -> str:
         path = os.path.join(self.dir, name)
@@ -158,6 +166,37 @@ class Bench:
         if can_drop_caches():
             drop_caches()
             self.timed("Snapshot.restore, cold", lambda: ps.Snapshot(path).restore(target))
+        self.rounds_done += 1
+        counts = self.args.read_workers[self.rounds_done % 2:] + self.args.read_workers[:self.rounds_done % 2]
+        for count in counts:  # (alternated from round to round)
+            device_reads.DEVICE_READ_WORKERS = count
+            warm_cache(path)
+            self.timed(f"Snapshot.restore, warm, {count} read threads", lambda: ps.Snapshot(path).restore(target))
+            if can_drop_caches():
+                drop_caches()
+                self.timed(f"Snapshot.restore, cold, {count} read threads",
+                           lambda: ps.Snapshot(path).restore(target))
+        device_reads.DEVICE_READ_WORKERS = self.read_workers
+
+    def sweep(self) -> None:
+        """The gather's threshold: 256 MiB of tensors of one size saved with them gathered, then copied one by
+        one (``SMALL_DEVICE_BYTES`` just above, then at, their size)."""
+        for size in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20):
+            state = {f"t{i}": torch.ones(size // 4, device=self.device) for i in range((256 << 20) // size)}
+            for gathered in (True, False):
+                device_gather.SMALL_DEVICE_BYTES = size + 1 if gathered else size
+                times = []
+                for _ in range(4):  # (the first call sizes the buffer)
+                    self.path("sweep")
+                    start = time.perf_counter()
+                    self.writer("sweep", self.dir, state)
+                    times.append(time.perf_counter() - start)
+                    self.writer.wait()
+                print(f"sweep: {len(state)} tensors of {size >> 10} KiB, "
+                      f"{'gathered' if gathered else 'one by one'}: {statistics.median(times[1:]):.4f} s", flush=True)
+            del state
+        device_gather.SMALL_DEVICE_BYTES = self.small_device_bytes
+        self.path("sweep")
 
     def async_take(self) -> None:
         path = self.path("async")
@@ -235,6 +274,8 @@ class Bench:
     def run(self) -> None:
         try:
             self.first_calls()
+            if self.args.sweep:
+                self.sweep()
             methods = self.methods()
             for r in range(self.args.rounds):
                 for method in methods[r % len(methods):] + methods[:r % len(methods)]:
@@ -278,6 +319,9 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dir", default=None, help="where the snapshots go (default: the temporary directory)")
+    parser.add_argument("--read-workers", type=lambda text: [int(n) for n in text.split(",")], default=[],
+                        help="counts of reads in flight into the GPU to compare, e.g. 2,4")
+    parser.add_argument("--sweep", action="store_true", help="measure the gather's threshold first")
     bench = Bench(parser.parse_args())
     bench.run()
     bench.report()
