@@ -41,20 +41,26 @@ def test_a_run_of_one_dtype_is_gathered_as_it_is_and_a_run_of_several_as_bytes()
     offsets in the image, the padding between them zeroed."""
     scalar, matrix, vector = torch.tensor(2.5), torch.arange(6.0).reshape(2, 3), torch.full((3,), -1.0)
     flags, halves, longs = torch.tensor([True, False, True]), torch.arange(5).half(), torch.arange(3)
+    eights = torch.arange(7.0).to(torch.float8_e4m3fn).reshape(7, 1)  # a dtype concatenated as bytes
     gather = DeviceGather()
     for tensor, offset in ((scalar, 0), (matrix, 64), (vector, 128)):
         gather.add(tensor, offset, tensor.nbytes)
     gather.break_run()
     for tensor, offset in ((flags, 192), (halves, 256), (longs, 320)):
         gather.add(tensor, offset, tensor.nbytes)
-    assert [run.dtype for run in gather.runs] == [torch.float32, None]
+    gather.break_run()
+    gather.add(eights, 384, 7)
+    gather.add(eights, 448, 7)
+    assert [run.dtype for run in gather.runs] == [torch.float32, None, torch.float8_e4m3fn]
 
-    image = torch.full((384,), 0xEE, dtype=torch.uint8)
+    image = torch.full((512,), 0xEE, dtype=torch.uint8)
     assert gather.copy_into(image) is False
-    for tensor, offset in ((scalar, 0), (matrix, 64), (vector, 128), (flags, 192), (halves, 256), (longs, 320)):
+    placed = ((scalar, 0), (matrix, 64), (vector, 128), (flags, 192), (halves, 256), (longs, 320), (eights, 384),
+              (eights, 448))
+    for tensor, offset in placed:
         assert torch.equal(image[offset:offset + tensor.nbytes], tensor.reshape(-1).view(torch.uint8))
         end = offset + tensor.nbytes
-        assert image[end:-(-end // 64) * 64].eq(0 if offset not in (128, 320) else 0xEE).all()
+        assert image[end:-(-end // 64) * 64].eq(0 if offset not in (128, 320, 448) else 0xEE).all()
 
 
 def test_staging_through_the_gather_is_the_state_at_the_call(monkeypatch, tmp_path):

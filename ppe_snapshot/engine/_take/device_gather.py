@@ -6,8 +6,8 @@ Staging (:func:`~ppe_snapshot.engine._take.staging.stage`) hands such tensors he
 lie next to each other in the file image (nothing but padding between them) is gathered into one device buffer
 of the run's span by one ``torch.cat`` of the tensors with zeros for the padding between them, exactly as the image
 lays them out; then the span is copied into the staging buffer in one transfer. A run of one dtype is concatenated
-as it is (no torch call per tensor but a flat view of a tensor of several dimensions); a run of several, as bytes
-(two views per tensor). 10,000 tensors of 64 MiB in all on an H200 blocked a ThreadWriter 7.9 us per tensor
+as it is (no torch call per tensor but a flat view of a tensor of several dimensions); a run of several, or of a
+dtype not every device concatenates, as bytes (two views per tensor). 10,000 tensors of 64 MiB in all on an H200 blocked a ThreadWriter 7.9 us per tensor
 when gathered by one ``torch._foreach_copy_`` into views of a zeroed buffer at the image's offsets (making the
 views cost most of it), 6.0 us with ``torch.cat`` (benchmarks/RESULTS.md, issue 35).
 """
@@ -85,11 +85,17 @@ class DeviceGather:
         cuda = False
         with torch.no_grad():
             for run in self.runs:
-                gathered = torch.cat(_typed_parts(run) if run.dtype is not None else _byte_parts(run))
+                gathered = torch.cat(_typed_parts(run) if run.dtype in _CONCATENATED else _byte_parts(run))
                 on_cuda = run.device.type == "cuda"
                 buffer[run.start:run.end].copy_(gathered.view(torch.uint8), non_blocking=on_cuda)
                 cuda |= on_cuda
         return cuda
+
+
+#: The dtypes whose runs are concatenated as they are: those every device's ``torch.cat`` implements. A run of any
+#: other dtype (float8, the unsigned ones wider than a byte, ...) is concatenated as bytes, as a mixed one is.
+_CONCATENATED = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
 
 
 def _typed_parts(run: _Run) -> list[torch.Tensor]:
