@@ -85,7 +85,7 @@ class DeviceGather:
         cuda = False
         with torch.no_grad():
             for run in self.runs:
-                gathered = torch.cat(_typed_parts(run) if run.dtype in _CONCATENATED else _byte_parts(run))
+                gathered = torch.cat(_parts(run))
                 on_cuda = run.device.type == "cuda"
                 buffer[run.start:run.end].copy_(gathered.view(torch.uint8), non_blocking=on_cuda)
                 cuda |= on_cuda
@@ -98,25 +98,18 @@ _CONCATENATED = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, tor
                            torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
 
 
-def _typed_parts(run: _Run) -> list[torch.Tensor]:
-    """A run of one dtype as flat tensors of it: its tensors and the zeros of the padding between them."""
-    dtype, item = run.dtype, run.dtype.itemsize  # type: ignore[union-attr]
+def _parts(run: _Run) -> list[torch.Tensor]:
+    """A run as flat tensors of one dtype, its own where every device concatenates it (``_CONCATENATED``), else
+    bytes: its tensors and the zeros of the padding between them."""
+    typed = run.dtype in _CONCATENATED
+    dtype = run.dtype if typed else torch.uint8
+    item = dtype.itemsize  # type: ignore[union-attr]
     parts, position = [], run.start
     for t, at, n in run.tensors:
         if at > position:
             parts.append(_zeros(run.device, dtype, (at - position) // item))  # type: ignore[arg-type]
-        parts.append(t if t.dim() == 1 else t.reshape(-1))
-        position = at + n
-    return parts
-
-
-def _byte_parts(run: _Run) -> list[torch.Tensor]:
-    """A run of several dtypes as flat bytes: its tensors' and the zeros of the padding between them."""
-    parts, position = [], run.start
-    for t, at, n in run.tensors:
-        if at > position:
-            parts.append(_zeros(run.device, torch.uint8, at - position))
-        parts.append(t.reshape(-1).view(torch.uint8))
+        flat = t if t.dim() == 1 else t.reshape(-1)
+        parts.append(flat if typed else flat.view(torch.uint8))
         position = at + n
     return parts
 
