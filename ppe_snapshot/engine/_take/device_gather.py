@@ -7,9 +7,10 @@ lie next to each other in the file image (nothing but padding between them) is g
 of the run's span by one ``torch.cat`` of the tensors with zeros for the padding between them, exactly as the image
 lays them out; then the span is copied into the staging buffer in one transfer. A run of one dtype is concatenated
 as it is (no torch call per tensor but a flat view of a tensor of several dimensions); a run of several, or of a
-dtype not every device concatenates, as bytes (two views per tensor). 10,000 tensors of 64 MiB in all on an H200 blocked a ThreadWriter 7.9 us per tensor
-when gathered by one ``torch._foreach_copy_`` into views of a zeroed buffer at the image's offsets (making the
-views cost most of it), 6.0 us with ``torch.cat`` (benchmarks/RESULTS.md, issue 35).
+dtype not every device concatenates, as bytes (two views per tensor). 10,000 tensors of 64 MiB in all on an H200
+blocked a ThreadWriter 7.9 us per tensor when gathered by one ``torch._foreach_copy_`` into views of a zeroed
+buffer at the image's offsets (making the views cost most of it), 6.0 us with ``torch.cat`` (benchmarks/RESULTS.md,
+issue 35).
 """
 from __future__ import annotations
 
