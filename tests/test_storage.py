@@ -1,18 +1,21 @@
 """The storage layer on its own (local disk, ``memory://``, a real S3 server), and the engine on S3."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import uuid
 from typing import Iterator
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
 from ppe_snapshot.storage import FsspecStorage, LocalStorage, Storage, open_storage
+from ppe_snapshot.storage import local_reads
 from ppe_snapshot.settings import SETTINGS
 
 
@@ -150,6 +153,57 @@ def test_read_vectored_into_thousands_of_views(storage):
     assert b"".join(bytes(v) for v in views) == content[100:100 + sum(sizes)]
     with pytest.raises(EOFError):
         storage.read_vectored("data/f.bin", len(content) - sum(sizes) + 1, [memoryview(bytearray(n)) for n in sizes])
+
+
+def test_read_scattered_into_memory_named_by_address(storage):
+    """``read_scattered``: (address, length) rows, more than one system call takes, some empty, filled in order;
+    a read past the end is EOFError (on a local disk after a short read, which it resumes within its piece,
+    has filled what the file holds)."""
+    content = bytes(i * 7 % 251 for i in range(12000))
+    writer = storage.open_writer("data/f.bin")
+    writer.write([memoryview(content)])
+    writer.close()
+    sizes = [i % 7 for i in range(3000)]
+    out = np.zeros(sum(sizes) + 3000, dtype=np.uint8)  # each piece one byte after the last
+    starts = np.arange(3000) + np.cumsum([0] + sizes[:-1])
+    iov = np.stack([out.ctypes.data + starts, sizes], axis=1).astype(np.uint64)
+    storage.read_scattered("data/f.bin", 100, iov)
+    assert b"".join(out[s:s + n].tobytes() for s, n in zip(starts, sizes)) == content[100:100 + sum(sizes)]
+    assert not out[starts[1:] - 1].any()  # nothing between the pieces
+
+    out[:] = 0
+    tail = len(content) - sum(sizes) + 5  # the last piece of 6 bytes gets 1, the 5 asked past the end none
+    with pytest.raises(EOFError):
+        storage.read_scattered("data/f.bin", tail, iov)
+    if isinstance(storage, LocalStorage):
+        assert b"".join(out[s:s + n].tobytes() for s, n in zip(starts, sizes))[:-5] == content[tail:]
+
+
+def test_local_read_scattered_goes_on_after_a_short_read(tmp_path, monkeypatch):
+    """preadv may stop before the end (Linux reads at most about 2 GiB per call, a signal may cut it short): the
+    rest is read from where it stopped, within the piece it stopped in. Calls here stop after 1,000 bytes."""
+    real = local_reads._preadv
+    assert real is not None
+
+    def short(fd: int, address: int, count: int, offset: int) -> int:
+        rows = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(address)).reshape(count, 2).copy()
+        keep = int(np.searchsorted(np.cumsum(rows[:, 1]), 1000)) + 1
+        rows = rows[:keep]
+        rows[-1, 1] -= np.uint64(max(0, int(rows[:, 1].sum()) - 1000))
+        return real(fd, rows.ctypes.data, len(rows), offset)
+
+    monkeypatch.setattr(local_reads, "_preadv", short)
+    content = os.urandom(20000)
+    store = open_storage(str(tmp_path / "snap"))
+    writer = store.open_writer("data/f.bin")
+    writer.write([memoryview(content)])
+    writer.close()
+    out = np.zeros(19000, dtype=np.uint8)
+    iov = np.array([[out.ctypes.data, 333], [out.ctypes.data + 333, 18000], [out.ctypes.data + 18333, 667]],
+                   dtype=np.uint64)
+    store.read_scattered("data/f.bin", 7, iov)
+    assert out.tobytes() == content[7:19007]
+    store.close()
 
 
 def test_missing_files(storage):

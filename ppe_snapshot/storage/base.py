@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import ctypes
 from typing import Any, Iterator, Sequence
+
+import numpy as np
 
 from ppe_snapshot.errors import CorruptSnapshotError, MissingBaseError
 
@@ -128,6 +131,14 @@ class Storage(abc.ABC):
         for view in views:
             view[:] = data[position:position + view.nbytes]
             position += view.nbytes
+
+    def read_scattered(self, rel: str, offset: int, iov: np.ndarray) -> None:
+        """Fill the memory ``iov`` names, a ``(n, 2)`` uint64 array of (address, length) rows, in order from the
+        consecutive bytes at ``offset``: :meth:`read_vectored` without a buffer object per piece (a restore of
+        thousands of small tensors into their own memory). This default makes views of the memory and calls
+        :meth:`read_vectored`; local storage hands the array to ``preadv`` as it is."""
+        self.read_vectored(rel, offset, [memoryview((ctypes.c_char * int(n)).from_address(int(a))).cast("B")
+                                         for a, n in iov.tolist() if n])
 
     @abc.abstractmethod
     def exists(self, rel: str) -> bool:

@@ -14,9 +14,8 @@ import numpy as np
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage.base import BlobWriter, Storage, is_readable_name, naming_missing_base, split_reference
+from ppe_snapshot.storage.local_reads import read_addresses, read_views
 
-# preadv takes at most this many buffers per call (IOV_MAX on Linux).
-_IOV_MAX = 1024
 # One syscall writes at most this much (Linux caps a single write near 2 GiB).
 _MAX_WRITE = 1 << 30
 # O_DIRECT needs buffers, lengths and offsets aligned to the logical block size; a page covers all disks.
@@ -356,23 +355,11 @@ class LocalStorage(Storage):
         self.read_vectored(rel, offset, [out])
 
     def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
-        fd = self._reader_fd(rel)
-        pending = [v for v in views if v.nbytes]
-        first = 0  # pending[first:] is still to fill (a list of 10^5 views: no pop(0))
-        while first < len(pending):
-            batch = pending[first:first + _IOV_MAX]
-            n = os.preadv(fd, batch, offset)
-            if n == 0:
-                raise EOFError(f"{self._abs(rel)} ends at byte {offset}, expected at least "
-                               f"{offset + sum(v.nbytes for v in pending[first:])}")
-            offset += n
-            for view in batch:  # skip what was filled; keep the rest of a partly filled view
-                if n < view.nbytes:
-                    if n:
-                        pending[first] = view[n:]
-                    break
-                n -= view.nbytes
-                first += 1
+        read_views(self._reader_fd(rel), offset, views, self._abs(rel))
+
+    def read_scattered(self, rel: str, offset: int, iov: np.ndarray) -> None:
+        if not read_addresses(self._reader_fd(rel), offset, iov, self._abs(rel)):
+            super().read_scattered(rel, offset, iov)
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(self._abs(rel))
