@@ -21,8 +21,8 @@ def on_device(monkeypatch):
     copy = DeviceSlabs.copy
 
     def recorded(self):
-        copies.append(sorted(((dtype, len(slab.targets)) for _, dtype, slab in
-                              self._filled + [(*kind, slab) for kind, slab in self._open.items()]), key=str))
+        copies.append(sorted(((slab.dtype, len(slab.targets)) for slab in
+                              self._filled + list(self._open.values())), key=str))
         copy(self)
     monkeypatch.setattr(DeviceSlabs, "copy", recorded)
     return copies

@@ -9,14 +9,14 @@ from ppe_snapshot.engine._files.packing import (
     is_copyable_raw, is_direct, lay_out, needs_bounce, payload_chunks, tensor_bytes, write_from_sources,
 )
 from ppe_snapshot.engine._files.reads import (
-    ChunkReader, ReadBatch, check_stored, coalesced, fill, mismatch_error, read_file_into, read_into,
-    read_through_host, read_views_into, verify_chunks,
+    ChunkReader, ReadBatch, check_stored, coalesced, fill, mismatch_error, read_addresses_into, read_file_into,
+    read_into, read_through_host, verify_chunks,
 )
 
 __all__ = [
     "align", "ALIGNMENT", "check_stored", "checksum", "CHUNK_BYTES", "chunk_limit", "ChunkReader", "coalesced",
     "DeviceReads", "FileLayout", "fill", "host_buffer", "host_copy_buffer", "is_copyable_raw", "is_direct", "lay_out",
-    "mismatch_error", "needs_bounce", "payload_chunks", "PayloadAppender", "read_file_into", "read_into",
-    "read_through_host", "read_views_into", "ReadBatch", "tensor_bytes", "verify_chunks", "write_from_sources",
+    "mismatch_error", "needs_bounce", "payload_chunks", "PayloadAppender", "read_addresses_into", "read_file_into",
+    "read_into", "read_through_host", "ReadBatch", "tensor_bytes", "verify_chunks", "write_from_sources",
     "Written",
 ]

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -43,6 +44,26 @@ def read_views_into(storage: Storage, file: str, offsets: Sequence[int], views: 
             position = offset + view.nbytes
     try:
         storage.read_vectored(file, offsets[0], iov)
+    except (EOFError, FileNotFoundError) as e:
+        raise _truncated_error(storage, file, e) from e
+
+
+def read_addresses_into(storage: Storage, file: str, offsets: Sequence[int], addresses: Sequence[int],
+                        sizes: Sequence[int]) -> None:
+    """:func:`read_views_into` for memory named by address: ``sizes[i]`` bytes of data file ``file`` at
+    ``offsets[i]`` (ascending, neighbours at most ``ReadBatch.MAX_GAP`` apart) to ``addresses[i]``, in one
+    vectored read without an object per piece (``Storage.read_scattered``)."""
+    n = len(offsets)
+    starts, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+    gaps = starts[1:] - starts[:-1] - lengths[:-1]
+    if n > 1 and (gaps.min() < 0 or gaps.max() > ReadBatch.MAX_GAP):
+        raise ValueError("read_addresses_into takes pieces in file order, at most ReadBatch.MAX_GAP apart")
+    scratch = np.empty(ReadBatch.MAX_GAP, dtype=np.uint8)  # the gaps' bytes, read and dropped
+    iov = np.empty((2 * n - 1, 2), dtype=np.uint64)
+    iov[0::2, 0], iov[0::2, 1] = addresses, lengths
+    iov[1::2, 0], iov[1::2, 1] = scratch.ctypes.data, gaps
+    try:
+        storage.read_scattered(file, offsets[0], iov[iov[:, 1] > 0])
     except (EOFError, FileNotFoundError) as e:
         raise _truncated_error(storage, file, e) from e
 

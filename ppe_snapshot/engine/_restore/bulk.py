@@ -20,6 +20,7 @@ the GIL over and waits up to the interpreter's switch interval to get it back.
 """
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,10 +29,10 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine._files import ReadBatch, mismatch_error, read_file_into, read_views_into
+from ppe_snapshot.engine._files import ReadBatch, mismatch_error, read_addresses_into, read_file_into
 from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, Manifest, torch_dtype
 from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
-from ppe_snapshot.engine._state import child_path
+from ppe_snapshot.engine._state import child_paths
 from ppe_snapshot.engine._util import MEMORY
 from ppe_snapshot.engine._versions import version_of
 from ppe_snapshot.storage import Storage
@@ -101,7 +102,7 @@ class BulkTensors:
         """``slabs``: where device targets are read to (else they go the usual way)."""
         self._storage, self._manifest, self._rank, self._reads, self._slabs = storage, manifest, rank, reads, slabs
         self._lookup: _Lookup | None = None
-        self._loaded: list[torch.Tensor] = []
+        self._on_host: list[torch.Tensor] = []  # the targets read straight into (not through a slab)
         # Picks not yet handed to the read pool (from any number of dicts: an optimizer's state is a small dict
         # per parameter) and their cost.
         self._codes: list[int] = []
@@ -116,9 +117,7 @@ class BulkTensors:
         each while a read thread runs."""
         if self._slabs is not None:
             self._slabs.copy()
-        for target in self._loaded:
-            if not in_host_memory(target):  # copied from a slab by copy_, which minds the bits
-                continue
+        for target in self._on_host:  # (one copied from a slab was copied by copy_, which minds the bits)
             if target.is_neg():
                 target.neg_()
             if target.dtype.is_complex and target.is_conj():
@@ -142,17 +141,15 @@ class BulkTensors:
         lookup = self._tables()
         if not lookup.tables:
             return {}
-        get, strided, code_of, fits, slabs = template.get, torch.strided, lookup.codes.get, lookup.fits, self._slabs
+        strided, fits, slabs, on_host = torch.strided, lookup.fits, self._slabs, in_host_memory
+        if not set(map(type, keys)) <= {str}:
+            keys = [key for key in keys if type(key) is str]
+        # (the paths, codes and targets in C-level passes: a model's state is a dict of thousands of tensors)
+        found = zip(keys, map(template.get, keys), map(lookup.codes.get, child_paths(path, keys)))
         loaded: dict[str, torch.Tensor] = {}
-        codes, pointers, pending = self._codes, self._pointers, self._pending
-        for key in keys:
-            if type(key) is not str:
-                continue
-            target = get(key)
-            if type(target) not in PLAIN_TENSOR_TYPES:
-                continue
-            code = code_of(f"{path}/{key}" if "%" not in key and "/" not in key else child_path(path, key))
-            if code is None or (fit := fits[code]) is None:
+        codes, pointers, pending, host_targets = self._codes, self._pointers, self._pending, self._on_host
+        for key, target, code in found:
+            if code is None or type(target) not in PLAIN_TENSOR_TYPES or (fit := fits[code]) is None:
                 continue
             dtype, shape, cost = fit
             # (no is_neg / is_conj here: they release the GIL, to the read threads for milliseconds; see finish)
@@ -160,8 +157,9 @@ class BulkTensors:
                     or not target.is_contiguous():
                 continue  # the usual path: reads through a buffer, or names the mismatch
             full = False
-            if in_host_memory(target):
+            if on_host(target):
                 pointers.append(target.data_ptr())
+                host_targets.append(target)
             elif slabs is not None and (address := slabs.place(target, cost - PER_TENSOR_COST)) is not None:
                 pointers.append(address)
                 full = slabs.full()
@@ -183,7 +181,6 @@ class BulkTensors:
                 # disk's read instead of 90 % for 5,000 tensors of 40 KB).
                 time.sleep(0)
         self._codes, self._pointers, self._pending = codes, pointers, pending
-        self._loaded += loaded.values()
         return loaded
 
     def flush(self) -> None:
@@ -241,10 +238,10 @@ class _Run:
 
     def read_direct(self) -> None:
         """One vectored read straight into the targets, then every chunk verified where it landed."""
-        targets = [MEMORY[p:p + n] for p, n in zip(self.pointers, self.nbytes)]
-        read_views_into(self.storage, self.file, self.offsets, targets)
+        read_addresses_into(self.storage, self.file, self.offsets, self.pointers, self.nbytes)
+        # (the views to hash made in C-level passes: no Python code per chunk)
+        targets = map(MEMORY.__getitem__, map(slice, self.pointers, map(operator.add, self.pointers, self.nbytes)))
         sums = list(map(xxhash.xxh3_64_intdigest, targets))
-        del targets
         if sums != self.checks:
             self._fail(sums)
 

@@ -29,6 +29,8 @@ HELD_BYTES = 128 << 20
 
 @dataclass
 class _Slab:
+    device: torch.device
+    dtype: torch.dtype
     host: torch.Tensor
     address: int  # of ``host``'s first byte
     used: int = 0
@@ -44,7 +46,8 @@ class DeviceSlabs:
         self._slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
         self._held_bytes = HELD_BYTES if held_bytes is None else held_bytes
         self._open: dict[tuple[torch.device, torch.dtype], _Slab] = {}  # the slab being filled, per kind
-        self._filled: list[tuple[torch.device, torch.dtype, _Slab]] = []
+        self._last: _Slab | None = None  # the slab of the last place (most targets share the kind of the last)
+        self._filled: list[_Slab] = []
         self._spare: list[torch.Tensor] = []  # host slabs copied out already, for the next ones
         self._in_use = 0  # bytes of the slabs being filled or waiting to be copied
 
@@ -52,20 +55,28 @@ class DeviceSlabs:
         """The host address ``target``'s ``nbytes`` are to be read to; None where it is too large for a slab."""
         if nbytes > self._slab_bytes:
             return None
-        kind = (target.device, target.dtype)
-        slab = self._open.get(kind)
-        if slab is None or slab.used + nbytes > self._slab_bytes:
-            if slab is not None:
-                self._filled.append((*kind, slab))
-            host = self._host_slab(target.device)
-            slab = self._open[kind] = _Slab(host, host.data_ptr())
+        slab = self._last
+        if slab is None or target.dtype is not slab.dtype or slab.used + nbytes > self._slab_bytes \
+                or target.device != slab.device:
+            slab = self._last = self._slab_for(target, nbytes)
         address = slab.address + slab.used
         slab.used += nbytes
         slab.targets.append(target)
         slab.sizes.append(nbytes)
-        if target.dim() != 1:
+        if slab.flat and target.dim() != 1:
             slab.flat = False
         return address
+
+    def _slab_for(self, target: torch.Tensor, nbytes: int) -> _Slab:
+        """The open slab of ``target``'s kind, a new one where there is none or it has no room for ``nbytes``."""
+        kind = (target.device, target.dtype)
+        slab = self._open.get(kind)
+        if slab is None or slab.used + nbytes > self._slab_bytes:
+            if slab is not None:
+                self._filled.append(slab)
+            host = self._host_slab(target.device)
+            slab = self._open[kind] = _Slab(*kind, host, host.data_ptr())
+        return slab
 
     def full(self) -> bool:
         """Whether the slabs in use reach the bound: the caller joins their reads and calls :meth:`copy`."""
@@ -80,13 +91,14 @@ class DeviceSlabs:
     def copy(self) -> None:
         """Once every read into the slabs has landed and been verified: copy each slab into its targets. The
         slabs are kept for the places asked for next."""
-        slabs = self._filled + [(*kind, slab) for kind, slab in self._open.items()]
-        self._filled, self._open, self._in_use = [], {}, 0
+        slabs = self._filled + list(self._open.values())
+        self._filled, self._open, self._last, self._in_use = [], {}, None, 0
         devices = set()
         with torch.no_grad():
-            for device, dtype, slab in slabs:
+            for slab in slabs:
                 if not slab.targets:
                     continue
+                device, dtype = slab.device, slab.dtype
                 cuda = device.type == "cuda"
                 staged = torch.empty(slab.used // dtype.itemsize, dtype=dtype, device=device)
                 staged.copy_(slab.host[:slab.used].view(dtype), non_blocking=cuda)
@@ -103,4 +115,4 @@ class DeviceSlabs:
                     devices.add(device)
         for device in devices:  # the host slabs are read into again after this
             torch.cuda.synchronize(device)
-        self._spare += [slab.host for _, _, slab in slabs]
+        self._spare += [slab.host for slab in slabs]
