@@ -3,27 +3,30 @@
 Copied one by one, each small device tensor costs a copy launch and a transfer of its own: 25 us per tensor on an
 H100 (10,000 tensors of 64 MiB in all blocked a save 0.25 s, where one transfer of 64 MiB takes about 1.5 ms).
 Staging (:func:`~ppe_snapshot.engine._take.staging.stage`) hands such tensors here instead. Each run of them that
-lie next to each other in the file image (nothing but padding between them) is gathered into one device buffer
-of the run's span by one ``torch.cat`` of the tensors with zeros for the padding between them, exactly as the image
-lays them out; then the span is copied into the staging buffer in one transfer. A run of one dtype is concatenated
-as it is (no torch call per tensor but a flat view of a tensor of several dimensions); a run of several, or of a
-dtype not every device concatenates, as bytes (two views per tensor). 10,000 tensors of 64 MiB in all on an H200
-blocked a ThreadWriter 7.9 us per tensor when gathered by one ``torch._foreach_copy_`` into views of a zeroed
-buffer at the image's offsets (making the views cost most of it), 6.0 us with ``torch.cat`` (benchmarks/RESULTS.md,
-issue 35).
+lie next to each other in the file image is gathered into one device buffer of the run's span by one ``torch.cat``
+of the tensors and zeros for the padding after each (its slot: up to the next ``ALIGNMENT``), exactly as the image
+lays them out; then the span is copied into the staging buffer in one transfer. The span covers the tensors' slots
+whole, so a reused staging buffer needs no zeroing there first. A run of one dtype is concatenated as it is (no
+torch call per tensor but a flat view of a tensor of several dimensions); a run of several, or of a dtype not every
+device concatenates, as bytes (two views per tensor). 10,000 tensors of 64 MiB in all on an H200 blocked a
+ThreadWriter 7.9 us per tensor when gathered by one ``torch._foreach_copy_`` into views of a zeroed buffer at the
+image's offsets (making the views cost most of it), 6.0 us with ``torch.cat``, 4.3 us once the reused buffer was
+no longer zeroed under the runs first (benchmarks/RESULTS.md, issue 35).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from ppe_snapshot.engine._files import ALIGNMENT, FileLayout
+from ppe_snapshot.engine._files import ALIGNMENT, FileLayout, align
 from ppe_snapshot.engine._format import Raw
 
-#: A device tensor smaller than this is gathered with its neighbours rather than copied on its own. (Chosen from
-#: the launch cost above against a transfer's speed; to be checked on a GPU: ``make gpu-check`` runs
-#: benchmarks/bench_gpu.py's many-tensor case.)
+#: A device tensor smaller than this is gathered with its neighbours rather than copied on its own. On an H200
+#: (``bench_gpu.py --sweep``: 256 MiB of tensors of one size, a ThreadWriter's blocking, medians of 3), 64 KiB and
+#: 256 KiB tensors staged 2.1-2.3x faster gathered, 1 MiB ones alike (7.5 / 7.8 ms), 4 and 8 MiB ones 3-5 %
+#: faster one by one (benchmarks/RESULTS.md, issue 35).
 SMALL_DEVICE_BYTES = 1 << 20
 #: A run is cut at this span: the device memory a gather holds at once.
 RUN_BYTES = 64 << 20
@@ -33,7 +36,7 @@ RUN_BYTES = 64 << 20
 class _Run:
     device: torch.device
     start: int  # offset in the image of the run's first tensor
-    end: int = 0  # where its last tensor ends (its padding after it is not the run's)
+    end: int = 0  # where its last tensor's slot ends (the tensor and its padding)
     tensors: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (tensor, offset, size)
     dtype: torch.dtype | None = None  # of all its tensors; None where they have several
 
@@ -42,6 +45,14 @@ def on_device(layout: FileLayout) -> bool:
     """Whether any payload of ``layout`` is a tensor on a device, not the host (then staging gathers)."""
     return not all(t.is_cpu for t in layout.tensors) or any(p.kind == Raw.TENSOR and not p.data.is_cpu
                                                              for p in layout.payloads)
+
+
+def device_rows(layout: FileLayout) -> np.ndarray:
+    """Which rows of ``layout`` are plain tensors on a device: the rows whose slot staging writes whole (the
+    gather's runs, or the tensor copied on its own and its padding zeroed), no zeroing before."""
+    rows = np.zeros(len(layout.sizes), dtype=bool)
+    rows[:len(layout.tensors)] = np.fromiter((not t.is_cpu for t in layout.tensors), bool, len(layout.tensors))
+    return rows
 
 
 def gathers(tensor: torch.Tensor, nbytes: int) -> bool:
@@ -66,23 +77,24 @@ class DeviceGather:
         self._broken = False
 
     def add(self, tensor: torch.Tensor, offset: int, nbytes: int) -> None:
-        """``tensor`` goes at ``offset`` of the image (offsets ascending from call to call)."""
+        """``tensor`` goes at ``offset`` of the image (aligned, ascending from call to call), its slot up to the
+        next ``ALIGNMENT`` (where the image's next payload begins)."""
         run = None if self._broken or not self.runs else self.runs[-1]
-        if run is None or run.device != tensor.device or offset - run.end >= ALIGNMENT \
-                or offset + nbytes - run.start > RUN_BYTES:
+        if run is None or offset != run.end or offset + nbytes - run.start > RUN_BYTES or run.device != tensor.device:
             run = _Run(tensor.device, offset, dtype=tensor.dtype)
             self.runs.append(run)
         elif run.dtype is not tensor.dtype:
             run.dtype = None
         run.tensors.append((tensor, offset, nbytes))
-        run.end, self._broken = offset + nbytes, False
+        run.end, self._broken = align(offset + nbytes), False
 
     def break_run(self) -> None:
         """Something else lies in the image after the last tensor added: the next one starts a new run."""
         self._broken = True
 
     def copy_into(self, buffer: torch.Tensor) -> bool:
-        """Copy every run into ``buffer`` (the file image); True where a CUDA copy may still be running."""
+        """Copy every run into ``buffer`` (the file image): its tensors' slots whole, padding zeroed; True where a
+        CUDA copy may still be running."""
         cuda = False
         with torch.no_grad():
             for run in self.runs:
@@ -101,22 +113,24 @@ _CONCATENATED = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, tor
 
 def _parts(run: _Run) -> list[torch.Tensor]:
     """A run as flat tensors of one dtype, its own where every device concatenates it (``_CONCATENATED``), else
-    bytes: its tensors and the zeros of the padding between them."""
+    bytes: each tensor, then the zeros of the padding after it."""
     typed = run.dtype in _CONCATENATED
     dtype = run.dtype if typed else torch.uint8
     item = dtype.itemsize  # type: ignore[union-attr]
-    parts, position = [], run.start
+    zeros: dict[int, torch.Tensor] = {}  # this run's padding, by its bytes
+    parts = []
     for t, at, n in run.tensors:
-        if at > position:
-            parts.append(_zeros(run.device, dtype, (at - position) // item))  # type: ignore[arg-type]
         flat = t if t.dim() == 1 else t.reshape(-1)
         parts.append(flat if typed else flat.view(torch.uint8))
-        position = at + n
+        if pad := -n % ALIGNMENT:
+            padding = zeros.get(pad)
+            if padding is None:
+                padding = zeros[pad] = _zeros(run.device, dtype, pad // item)  # type: ignore[arg-type]
+            parts.append(padding)
     return parts
 
 
-#: Zeros for the padding between two tensors of a run (less than ``ALIGNMENT`` bytes: few sizes), by device, dtype
-#: and count.
+#: Zeros for the padding after a tensor (less than ``ALIGNMENT`` bytes: few sizes), by device, dtype and count.
 _padding: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
 

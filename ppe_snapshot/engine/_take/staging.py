@@ -12,9 +12,11 @@ import numpy as np
 import torch
 import xxhash
 
-from ppe_snapshot.engine._files import chunk_limit, FileLayout, Written, checksum, is_copyable_raw, tensor_bytes
+from ppe_snapshot.engine._files import (
+    ALIGNMENT, chunk_limit, FileLayout, Written, checksum, is_copyable_raw, tensor_bytes,
+)
 from ppe_snapshot.engine._format import Chunk, Raw
-from ppe_snapshot.engine._take.device_gather import DeviceGather, gathers, on_device
+from ppe_snapshot.engine._take.device_gather import DeviceGather, device_rows, gathers, on_device
 from ppe_snapshot.engine._util import MEMORY, new_private_buffer
 from ppe_snapshot.storage import Storage
 
@@ -40,12 +42,13 @@ def new_staging_buffer(size: int, pin: bool = False) -> torch.Tensor:
     return new_private_buffer(size)
 
 
-def clear_padding(layout: FileLayout, buffer: torch.Tensor) -> None:
+def clear_padding(layout: FileLayout, buffer: torch.Tensor, skipped: np.ndarray | None = None) -> None:
     """Zero the bytes of ``buffer`` that no payload of ``layout`` will cover (the padding after each): a reused
     buffer holds the previous image there, which would otherwise be written into this snapshot's file.
 
     Runs of small payloads are zeroed whole, payloads and padding (one memset per run: they are copied over
-    right after, so nothing per tensor); a large payload only after its end.
+    right after, so nothing per tensor); a large payload only after its end. ``skipped``: rows (a mask) whose
+    slots the caller writes whole, padding included.
     """
     starts = np.asarray(layout.offsets, dtype=np.int64)
     if not len(starts):
@@ -53,11 +56,15 @@ def clear_padding(layout: FileLayout, buffer: torch.Tensor) -> None:
     sizes = np.asarray(layout.sizes, dtype=np.int64)
     slot_ends = np.append(starts[1:], layout.size)
     small = sizes < SMALL_COPY_BYTES
+    large = ~small
+    if skipped is not None:
+        small &= ~skipped
+        large &= ~skipped
     base = buffer.data_ptr()
     edges = np.flatnonzero(np.diff(np.concatenate(([0], small.view(np.int8), [0]))))
     for first, stop in edges.reshape(-1, 2).tolist():  # slots first .. stop - 1 are small
         ctypes.memset(base + int(starts[first]), 0, int(slot_ends[stop - 1] - starts[first]))
-    for end, slot_end in zip((starts + sizes)[~small].tolist(), slot_ends[~small].tolist()):
+    for end, slot_end in zip((starts + sizes)[large].tolist(), slot_ends[large].tolist()):
         if slot_end > end:
             ctypes.memset(base + end, 0, slot_end - end)
 
@@ -118,27 +125,32 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
         raise ValueError(f"a staging buffer must be a contiguous CPU uint8 tensor of at least {layout.size} bytes, "
                          f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
                          f"{'' if buffer.is_contiguous() else ', not contiguous'} given to stage into")
-    if reused:
-        clear_padding(layout, buffer)
-    base, cuda, memory, deferred = buffer.data_ptr(), False, MEMORY, []
     gather = DeviceGather() if on_device(layout) else None
+    # A device tensor's slot is left to its stager: the gather writes its runs' slots whole, and a tensor staged
+    # another way has its padding zeroed after it (``pad_after``), so a gathered run is not zeroed twice.
+    pad_after = reused and gather is not None
+    if reused:
+        clear_padding(layout, buffer, None if gather is None else device_rows(layout))
+    base, cuda, memory, deferred = buffer.data_ptr(), False, MEMORY, []
     rows: Iterator[tuple[Any, str, int, int]] = zip(layout.datas(), layout.kinds(), layout.offsets, layout.sizes)
     if image is not None:  # a separate pass: the loop below costs per tensor what it did without an image
-        rows = _not_in(image, rows, deferred, gather)
+        rows = _not_in(image, rows, deferred, gather, buffer if pad_after else None)
     for data, kind, offset, n in rows:
         if kind == Raw.TENSOR:
             if not n:
                 continue
+            if gather is not None and gathers(data, n):  # (first: most tensors of a state on a device)
+                gather.add(data, offset, n)
+                continue
             if n < SMALL_COPY_BYTES and is_copyable_raw(data):
                 source, at = data.data_ptr(), base + offset
                 memory[at:at + n] = memory[source:source + n]
-            elif gather is not None and gathers(data, n):
-                gather.add(data, offset, n)
-                continue
             else:
                 on_cuda = data.is_cuda
                 cuda |= on_cuda
                 buffer[offset:offset + n].view(data.dtype).view(data.shape).copy_(data, non_blocking=on_cuda)
+                if pad_after:
+                    _zero_padding(buffer, offset, n)
         elif kind == Raw.NDARRAY:
             region = buffer[offset:offset + n]
             np.copyto(region.numpy().view(data.dtype).reshape(data.shape), data)
@@ -154,9 +166,9 @@ def stage(layout: FileLayout, buffer: torch.Tensor, reused: bool = False, image:
 
 
 def _not_in(image: StagedImage, rows: Iterable[tuple[Any, str, int, int]], deferred: Deferred,
-            gather: DeviceGather | None) -> Iterator[tuple[Any, str, int, int]]:
+            gather: DeviceGather | None, padded: torch.Tensor | None) -> Iterator[tuple[Any, str, int, int]]:
     """The rows whose tensor ``image`` does not hold; those it holds go to ``deferred`` (and cut ``gather``'s
-    run: they are copied later)."""
+    run: they are copied later). ``padded``: the buffer where a deferred tensor's padding is zeroed."""
     for row in rows:
         data, kind, offset, n = row
         staged = image.view_of(data, n) if kind == Raw.TENSOR and n else None
@@ -166,6 +178,14 @@ def _not_in(image: StagedImage, rows: Iterable[tuple[Any, str, int, int]], defer
             deferred.append((staged, offset, n))
             if gather is not None:
                 gather.break_run()
+            if padded is not None:
+                _zero_padding(padded, offset, n)
+
+
+def _zero_padding(buffer: torch.Tensor, offset: int, nbytes: int) -> None:
+    """Zero the padding after the payload at ``offset`` of ``nbytes`` (up to the next ``ALIGNMENT``)."""
+    if pad := -nbytes % ALIGNMENT:
+        ctypes.memset(buffer.data_ptr() + offset + nbytes, 0, pad)
 
 
 def copy_deferred(buffer: torch.Tensor, deferred: Deferred) -> None:
