@@ -14,7 +14,8 @@ Python loop (``bare_loop``: the calls every tensor costs in the interpreter plus
 Every method runs once per round, rounds interleave them; the report gives medians.
 
     python benchmarks/bench_many_tensors.py [--rounds 3] [--dir /path/on/the/disk] [--cases 1e4,1e5,0d,adam,cold]
-    python benchmarks/bench_many_tensors.py --profile take|restore [--count 100000]  # cProfile, top 25
+    python benchmarks/bench_many_tensors.py --profile take|restore|writer [--count 100000] [--device cuda]
+        # cProfile, top 25, after the median of 5 unprofiled calls (writer: a ThreadWriter's blocking call)
 """
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ import ppe_snapshot as ps  # noqa: E402
 TOTAL = 64 << 20
 
 
-def many(count: int) -> ps.StateDict:
+def many(count: int, device: str = "cpu") -> ps.StateDict:
     torch.manual_seed(0)
     per = TOTAL // 4 // count
-    return ps.StateDict({f"t{i}": torch.randn(per) for i in range(count)})
+    return ps.StateDict({f"t{i}": torch.randn(per).to(device) for i in range(count)})
 
 
 def scalars(count: int) -> ps.StateDict:
@@ -219,19 +220,39 @@ def report(results: Results, args) -> str:
     return "\n".join(lines)
 
 
-def profile(what: str, count: int, root: str) -> None:
-    app = {"state": many(count)}
+def profile(what: str, count: int, root: str, device: str) -> None:
+    app = {"state": many(count, device)}
     path = os.path.join(root, "profiled")
-    ps.Snapshot.take(path, app)  # warm-up (imports); the profiled take goes to a fresh path
-    shutil.rmtree(path)
+    writer = ps.writing.ThreadWriter()
+
+    def call() -> None:
+        if what == "take":
+            shutil.rmtree(path, ignore_errors=True)
+            ps.Snapshot.take(path, app)
+        elif what == "restore":
+            ps.Snapshot(path).restore(app)
+        else:
+            writer("profiled", root, app["state"].state_dict())  # (the extension's call: its blocking part)
+            return
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    ps.Snapshot.take(path, app)  # warm-up (imports)
+    warm_cache(path)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+        writer.wait()
+    median = sorted(times)[2]
+    print(f"{what} of {count} tensors on {device}: median of 5 {median * 1e3:.1f} ms, "
+          f"{median / count * 1e6:.2f} us per tensor")
     profiler = cProfile.Profile()
-    if what == "take":
-        profiler.runcall(ps.Snapshot.take, path, app)
-    else:
-        ps.Snapshot.take(path, app)
-        warm_cache(path)
-        profiler.runcall(ps.Snapshot(path).restore, app)
+    profiler.runcall(call)
+    writer.wait()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    writer.finalize()
 
 
 def main() -> None:
@@ -239,14 +260,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--cases", default="1e4,1e5,0d,adam,cold")
-    parser.add_argument("--profile", choices=("take", "restore"))
+    parser.add_argument("--profile", choices=("take", "restore", "writer"))
+    parser.add_argument("--device", default="cpu", help="where the profiled state lies (cpu, cuda)")
     parser.add_argument("--count", type=int, default=100_000)
     parser.add_argument("--report", default=None, help="also write the markdown report to this file")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="ppe-many-", dir=args.dir)
     try:
         if args.profile:
-            profile(args.profile, args.count, root)
+            profile(args.profile, args.count, root, args.device)
             return
         cases = args.cases.split(",")
         states = {"64 MiB in 10^4 float32": (lambda: many(10_000)) if "1e4" in cases else None,
