@@ -56,9 +56,9 @@ def header_problem(header: Any, take_id: str, section: str, rank: int | None,
     if type(dtypes) is not list or not all(type(d) is list and len(d) == 2 and all(type(x) is str for x in d)
                                            for d in dtypes):
         return "dtypes is not a list of [kind, name] pairs"
-    if type(tensors) is not list or not all(type(p) is str for p in tensors) or len(set(tensors)) != len(tensors):
+    if type(tensors) is not list or not set(map(type, tensors)) <= {str} or len(set(tensors)) != len(tensors):
         return "tensors is not a list of distinct paths"
-    if type(entries) is not dict or any(p in entries for p in tensors):
+    if type(entries) is not dict or not entries.keys().isdisjoint(tensors):
         return "entries is not an object of paths other than the tensors'"
     if type(sharded) is not list or not all(
             type(s) is list and len(s) == 3 and type(s[0]) is str and type(s[1]) is str and type(s[2]) is list
