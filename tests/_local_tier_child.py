@@ -6,7 +6,9 @@ iterations with the snapshot extension in ``spec["mode"]`` (``default``, ``distr
 ``spec["writer"]``, durable snapshots every ``spec["durable"]`` iterations under ``<dir>/out`` and a local tier
 every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node, ``PPE_SNAPSHOT_NODE``).
 ``spec["kill"]`` maps a rank to the iteration at whose end it SIGKILLs itself, once its part of local step
-``spec["complete"]`` (if given) is marked complete;
+``spec["complete"]`` (if given) is marked complete; ``spec["kill_after"]`` maps a rank to ``[iteration, seconds]``:
+that many seconds after iteration ``iteration`` begins (0: after the process starts) it SIGKILLs itself, at
+whatever it is doing then, and it waits to be killed after iteration ``iteration + 2`` (0: after its second);
 ``spec["kill_in_copy"]`` (``[rank, step]``) has that rank SIGKILL itself while it sends its part of that local
 step to its partner (after the header, before the first chunk); ``spec["flip_in_copy"]`` (``[rank, step]``) has it
 flip a bit of what it sends of that step; ``spec["kill_in_serve"]`` (a rank) has that rank SIGKILL itself when it
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -44,6 +47,9 @@ WRITERS = {"simple": writing.SimpleWriter, "thread": writing.ThreadWriter, "proc
 
 def main(rank: int, world: int, port: int, spec: dict) -> None:
     faulthandler.dump_traceback_later(spec.get("dump_after", 300), exit=True)  # never hang a test
+    kill_after = spec.get("kill_after", {}).get(str(rank))
+    if kill_after is not None and kill_after[0] == 0:
+        _die_after(kill_after[1])
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
     logging.getLogger("ppe_snapshot.extension.resuming").setLevel(logging.INFO)
     if world > 1:
@@ -71,7 +77,13 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
         _die_in_read()
     if spec.get("flip_in_copy", [None])[0] == rank:
         _flip_in_copy(f"step_{spec['flip_in_copy'][1]}/")
+    ran = 0  # iterations this process ran
     while not manager.stop_trigger:
+        if kill_after is not None and kill_after[0] and manager.iteration + 1 == kill_after[0]:
+            _die_after(kill_after[1])
+        if kill_after is not None and (manager.iteration == kill_after[0] + 2 if kill_after[0] else ran == 2):
+            time.sleep(3600)  # (killed by the timer meanwhile)
+        ran += 1
         with manager.run_iteration():
             x = torch.randn(8, width)
             loss = model(x).pow(2).mean()
@@ -116,6 +128,13 @@ def _die_in_copy(step: str) -> None:
 
 def _die(*args: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_after(seconds: float) -> None:
+    """SIGKILL this process ``seconds`` from now, from another thread: whatever the process does then."""
+    timer = threading.Timer(seconds, _die)
+    timer.daemon = True
+    timer.start()
 
 
 def _die_in_serve() -> None:
