@@ -7,7 +7,7 @@ iterations with the snapshot extension in ``spec["mode"]`` (``default``, ``distr
 every ``spec["local"]`` iterations in ``<dir>/node<n>`` (``n``: this rank's node, ``PPE_SNAPSHOT_NODE``).
 ``spec["kill"]`` maps a rank to the iteration at whose end it SIGKILLs itself, once its part of local step
 ``spec["complete"]`` (if given) is marked complete; ``spec["kill_after"]`` maps a rank to ``[iteration, seconds]``:
-that many seconds after iteration ``iteration`` begins (0: after the process starts) it SIGKILLs itself, at
+that many seconds after iteration ``iteration`` begins (0: after the process groups formed) it SIGKILLs itself, at
 whatever it is doing then, and it waits to be killed after iteration ``iteration + 2`` (0: after its second);
 ``spec["kill_in_copy"]`` (``[rank, step]``) has that rank SIGKILL itself while it sends its part of that local
 step to its partner (after the header, before the first chunk); ``spec["flip_in_copy"]`` (``[rank, step]``) has it
@@ -48,13 +48,17 @@ WRITERS = {"simple": writing.SimpleWriter, "thread": writing.ThreadWriter, "proc
 def main(rank: int, world: int, port: int, spec: dict) -> None:
     faulthandler.dump_traceback_later(spec.get("dump_after", 300), exit=True)  # never hang a test
     kill_after = spec.get("kill_after", {}).get(str(rank))
-    if kill_after is not None and kill_after[0] == 0:
-        _die_after(kill_after[1])
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
     logging.getLogger("ppe_snapshot.extension.resuming").setLevel(logging.INFO)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
+    if kill_after is not None and kill_after[0] == 0:
+        # (once the groups are formed, the default one and the snapshots' side group: a process killed while gloo
+        # connects its peers leaves them connecting to a port that another test's group may take next)
+        if world > 1:
+            ppe_snapshot.engine.side_group(None)
+        _die_after(kill_after[1])
     node = os.environ.get("PPE_SNAPSHOT_NODE", "0")
     torch.manual_seed(0 if spec["mode"] != "sharded" else rank)
     width = spec.get("width", 16)

@@ -28,12 +28,14 @@ def _plan(seed: int) -> dict:
     first = rng.randrange(WORLD)
     victims = {"rank": [first], "node": [first // PER_NODE * PER_NODE + i for i in range(PER_NODE)],
                "every node": list(range(WORLD))}[lost]
-    iteration, delay = rng.randrange(1, ITERATIONS - 3), rng.uniform(0.0, rng.choice([0.005, 0.05, 0.2]))
+    # (from iteration 2: the first forms the snapshots' side group, and a process killed while gloo connects a group
+    # leaves its peers connecting to a port another test's group may take next)
+    iteration, delay = rng.randrange(2, ITERATIONS - 3), rng.uniform(0.0, rng.choice([0.005, 0.05, 0.2]))
     again = rng.random() < 0.4  # killed again while the restart restores
     return {"mode": rng.choice(["sharded", "distributed"]), "writer": rng.choice(["simple", "thread", "process"]),
             "wipe": {"rank": [], "node": [first // PER_NODE], "every node": list(range(WORLD // PER_NODE))}[lost],
             "kill_after": {str(v): [iteration, delay] for v in victims},
-            "restart_kill": {str(victims[0]): [0, rng.uniform(0.5, 3.0)]} if again else None}
+            "restart_kill": {str(victims[0]): [0, rng.uniform(0.0, 0.3)]} if again else None}
 
 
 @pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + TRIALS))
