@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 RUN_STAMP := $(VENV)/.ppe-snapshot-run.stamp
 
 .DEFAULT_GOAL := test
-.PHONY: venv test demo bench gpu-check gpu-tests gpu-bench gpu-example gpu-staging clean distclean
+.PHONY: venv test demo bench gpu-check gpu-tests gpu-bench gpu-example gpu-staging gpu-many clean distclean
 
 venv: $(STAMP)
 
@@ -38,16 +38,18 @@ bench: venv
 
 # The checks that need a CUDA GPU (CI has none, and these tests skip there): the CUDA tests, benchmarks/bench_gpu.py
 # (issue 35's figures), the FSDP2 example over NCCL (stopped at 25, resumed on the GPU, then resumed on two CPU
-# ranks over gloo), and staging with the state on the GPU. GPU_PY: a Python whose torch has CUDA, with this
-# package's requirements. Each step has its own target, time limit and log (GPU_LOG), so that one hang costs only
-# itself and a lent GPU's calls can split them: on an H200, gpu-tests took 56-87 s, gpu-bench 215 s (before
-# --read-workers and --sweep, about 30 s more), gpu-example 48 s and gpu-staging 53-56 s.
+# ranks over gloo), staging with the state on the GPU, and where 10,000 small CUDA tensors' save and restore spend
+# their time (gpu-many). GPU_PY: a Python whose torch has CUDA, with this package's requirements. Each step has its
+# own target, time limit and log (GPU_LOG), so that one hang costs only itself and a lent GPU's calls can split
+# them: on an H200, gpu-tests took 55-87 s, gpu-bench about 215 s (its peers about 70 s of it), gpu-example 48 s,
+# gpu-staging 53-56 s and gpu-many about 30 s. (bench_gpu.py's --read-workers and --sweep, which settled
+# DEVICE_READ_WORKERS and SMALL_DEVICE_BYTES, are left out.)
 GPU_PY ?= $(PY)
 GPU_RUN := /tmp/ppe-snapshot-gpu-check
 GPU_LOG ?= /tmp/ppe-snapshot-gpu-logs
 CUDA_TESTS := $(shell grep -l "needs CUDA" tests/test_*.py)
 GPU_VENV := $(if $(filter $(PY),$(GPU_PY)),venv)
-gpu-check: gpu-tests gpu-bench gpu-example gpu-staging
+gpu-check: gpu-tests gpu-bench gpu-example gpu-staging gpu-many
 
 gpu-tests: $(GPU_VENV)
 	mkdir -p $(GPU_LOG)
@@ -55,8 +57,8 @@ gpu-tests: $(GPU_VENV)
 
 gpu-bench: $(GPU_VENV)
 	mkdir -p $(GPU_LOG)
-	-timeout 300 $(GPU_PY) benchmarks/bench_gpu.py --gib 4 --rounds 3 --read-workers 2,4 --sweep \
-		> $(GPU_LOG)/bench_gpu.log 2>&1; tail -50 $(GPU_LOG)/bench_gpu.log; grep ^sweep $(GPU_LOG)/bench_gpu.log
+	-timeout 300 $(GPU_PY) benchmarks/bench_gpu.py --gib 4 --rounds 3 > $(GPU_LOG)/bench_gpu.log 2>&1; \
+		tail -40 $(GPU_LOG)/bench_gpu.log
 
 gpu-example: $(GPU_VENV)
 	rm -rf $(GPU_RUN) && mkdir -p $(GPU_LOG)
@@ -72,6 +74,11 @@ gpu-staging: $(GPU_VENV)
 	mkdir -p $(GPU_LOG)
 	-timeout 150 $(GPU_PY) benchmarks/bench_staging.py --device cuda --rounds 3 --many 10000 --rss 0 --prepare \
 		> $(GPU_LOG)/bench_staging.log 2>&1; tail -25 $(GPU_LOG)/bench_staging.log
+
+gpu-many: $(GPU_VENV)
+	mkdir -p $(GPU_LOG)
+	-for what in writer restore; do timeout 60 $(GPU_PY) benchmarks/bench_many_tensors.py --profile $$what \
+		--count 10000 --device cuda > $(GPU_LOG)/many_$$what.log 2>&1; head -30 $(GPU_LOG)/many_$$what.log; done
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache benchmarks/out
