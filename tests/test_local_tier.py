@@ -99,15 +99,24 @@ def kill_and_resume(directory, spec: dict, world: int, per_node: int = 1, wipe=(
     """Run with ``spec``'s kills; the victims died by SIGKILL. Wipe the local directories of nodes ``wipe``, call
     ``between()``, run again without kills: every rank ends normally. Returns the second run's statuses."""
     first = run_ranks(spec, world, per_node, wrap)
-    victims = {int(r) for r in spec.get("kill", {})} | ({spec["kill_in_copy"][0]} if "kill_in_copy" in spec else set())
-    for rank in victims:
+    for rank in victims_of(spec):
         assert first[rank][0] == -9, first[rank][1][-3000:]
     for node in wipe:
         shutil.rmtree(os.path.join(directory, f"node{node}"))
     between()
-    again = run_ranks({k: v for k, v in spec.items() if k not in ("kill", "kill_in_copy")}, world, per_node, wrap)
+    again = run_ranks({k: v for k, v in spec.items() if k not in KILLS}, world, per_node, wrap)
     assert [s for s, _ in again] == [0] * world, [out[-3000:] for _, out in again]
     return again
+
+
+#: The spec keys that kill ranks (see tests/_local_tier_child.py).
+KILLS = ("kill", "kill_after", "kill_in_copy")
+
+
+def victims_of(spec: dict) -> set[int]:
+    """The ranks ``spec`` kills."""
+    return {int(r) for key in ("kill", "kill_after") for r in spec.get(key, {})} | \
+        ({spec["kill_in_copy"][0]} if "kill_in_copy" in spec else set())
 
 
 def resumed(directory, world: int) -> list[str | None]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 
 import pytest
 
-from test_local_tier import ITERATIONS, assert_same_end, ends, run_ranks, spec_for, uninterrupted  # noqa: F401
+from test_local_tier import (  # noqa: F401
+    ITERATIONS, assert_same_end, ends, kill_and_resume, run_ranks, spec_for, uninterrupted, victims_of,
+)
 
 TRIALS = int(os.environ.get("LOCAL_TIER_TRIALS", "2"))
 FIRST_SEED = int(os.environ.get("LOCAL_TIER_FIRST_SEED", "0"))
@@ -42,16 +43,13 @@ def _plan(seed: int) -> dict:
 def test_a_kill_at_a_random_moment_resumes_bit_exact(tmp_path, uninterrupted, seed):  # noqa: F811
     plan = _plan(seed)
     spec = spec_for(tmp_path, plan["mode"], plan["writer"])
-    runs = [{**spec, "kill_after": plan["kill_after"]}]
-    if plan["restart_kill"] is not None:
-        runs.append({**spec, "kill_after": plan["restart_kill"]})
-    for number, killed in enumerate(runs):
-        statuses = run_ranks(killed, WORLD, PER_NODE)
-        for rank in killed["kill_after"]:
-            assert statuses[int(rank)][0] == -9, (plan, number, statuses[int(rank)][1][-3000:])
-        if number == 0:
-            for node in plan["wipe"]:
-                shutil.rmtree(tmp_path / f"node{node}", ignore_errors=True)
-    statuses = run_ranks(spec, WORLD, PER_NODE)
-    assert [s for s, _ in statuses] == [0] * WORLD, (plan, [out[-3000:] for _, out in statuses])
+
+    def restart_killed() -> None:  # the restart killed too, while it restores
+        restart = {**spec, "kill_after": plan["restart_kill"]}
+        statuses = run_ranks(restart, WORLD, PER_NODE)
+        for rank in victims_of(restart):
+            assert statuses[rank][0] == -9, (plan, statuses[rank][1][-3000:])
+
+    kill_and_resume(tmp_path, {**spec, "kill_after": plan["kill_after"]}, WORLD, PER_NODE, wipe=plan["wipe"],
+                    between=restart_killed if plan["restart_kill"] is not None else lambda: None)
     assert_same_end(ends(tmp_path, WORLD), uninterrupted(plan["mode"], WORLD, PER_NODE))
