@@ -13,7 +13,8 @@ whatever it is doing then, and it waits to be killed after iteration ``iteration
 step to its partner (after the header, before the first chunk); ``spec["flip_in_copy"]`` (``[rank, step]``) has it
 flip a bit of what it sends of that step; ``spec["kill_in_serve"]`` (a rank) has that rank SIGKILL itself when it
 first sends bytes of a copy it holds to a rank restoring from it; ``spec["kill_in_read"]`` (a rank), when it first
-waits for bytes of the copy it restores from (with the copy's header, or asked for).
+waits for bytes of the copy it restores from (with the copy's header, or asked for); ``spec["wipe_at"]`` maps a
+rank to the iteration at whose end it removes its node's local directory while the run goes on.
 At the end it writes ``<dir>/result-rank<r>.pt``: the iteration, where autoload resumed from, the model's and the
 optimizer's state.
 """
@@ -23,6 +24,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -73,6 +75,7 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
                                       writer=WRITERS[spec["writer"]](), local=tier)
     manager.extend(extension, trigger=(spec["durable"], "iteration"))
     kill_at = {int(r): i for r, i in spec.get("kill", {}).items()}.get(rank)
+    wipe_at = {int(r): i for r, i in spec.get("wipe_at", {}).items()}.get(rank)
     if spec.get("kill_in_copy", [None])[0] == rank:
         _die_in_copy(f"step_{spec['kill_in_copy'][1]}/")
     if spec.get("kill_in_serve") == rank:
@@ -98,6 +101,8 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
                     dist.all_reduce(p.grad)
                     p.grad /= world
             optimizer.step()
+        if manager.iteration == wipe_at:  # as an operator, or a cleaner of /dev/shm, might
+            shutil.rmtree(os.path.join(spec["dir"], f"node{node}"), ignore_errors=True)
         if manager.iteration == kill_at:
             if "complete" in spec:
                 _wait_for(os.path.join(spec["dir"], f"node{node}", f"step_{spec['complete']}", f"rank{rank}.complete"))

@@ -177,6 +177,18 @@ def test_a_rank_killed_while_a_copy_is_read_costs_that_restart_only(tmp_path, un
     assert resumed(tmp_path, 4)[2:] == [str(tmp_path / "node0" / "step_12" / f"copy-rank{r}") for r in (2, 3)]
 
 
+@pytest.mark.parametrize("mode, world", [("default", 1), ("sharded", 2)])
+def test_a_local_directory_wiped_while_the_run_goes_on_costs_the_steps_it_held(tmp_path, uninterrupted, mode, world):
+    """The last rank's node directory removed under the running job (by an operator, or a cleaner of /dev/shm) at
+    iteration 5: the steps it held are gone, and the next ones are saved there again; killed at iteration 15, the
+    run resumes from local step 14."""
+    last = str(world - 1)
+    spec = spec_for(tmp_path, mode, wipe_at={last: 5}, kill={last: 15}, complete=14)
+    kill_and_resume(tmp_path, spec, world)
+    assert_same_end(ends(tmp_path, world), uninterrupted(mode, world))
+    assert resumed(tmp_path, world) == [part(tmp_path, 14, r) for r in range(world)]
+
+
 def test_a_rank_killed_during_a_partner_copy_leaves_the_step_incomplete(tmp_path, uninterrupted):
     """Rank 1 dies while sending its part of step 12: no rank marks step 12 complete; the run resumes from 10."""
     spec = spec_for(tmp_path, "sharded", kill_in_copy=[1, 12])
