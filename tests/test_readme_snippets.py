@@ -128,8 +128,13 @@ def test_the_local_tier(tmp_path):
         assert all(torch.equal(saved[k], v) for k, v in again.state_dict().items())
         assert not all(torch.equal(saved[k], v) for k, v in model.state_dict().items())  # trained 50 more
     finally:
+        import os
         import shutil
         shutil.rmtree(tier, ignore_errors=True)
+        try:  # the user's folder of tiers, where no other run has one
+            os.rmdir(os.path.dirname(tier))
+        except OSError:
+            pass
 
 
 def test_migrating_from_ppe_resumes_from_ppes_snapshot(tmp_path):
