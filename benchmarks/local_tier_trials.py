@@ -2,10 +2,10 @@
 
 The trials are ``tests/test_local_tier_random.py``'s: four ranks as two nodes of two train with a local tier; a
 seeded random rank, or both ranks of a node (whose local directory is then wiped), SIGKILL themselves at a random
-moment; in some trials one is killed again while the restart restores; the run restarted whole must end bit-exact
-with an uninterrupted one. And the same with one process in DEFAULT mode (``--kind one-process``; its local
-directory wiped in some trials). The test suite runs two trials of four ranks and one of one process; this runs
-the full count.
+moment; in some trials one is killed again while the restart restores; half the trials save densely (a local step
+every iteration); the run restarted whole must end bit-exact with an uninterrupted one. And the same with one
+process in DEFAULT mode (``--kind one-process``; its local directory wiped in some trials). The test suite runs two
+trials of four ranks and one of one process; this runs the full count.
 
     python benchmarks/local_tier_trials.py --trials 40 [--first-seed 0] [--workers 2] [--kind ranks|one-process|both]
 """

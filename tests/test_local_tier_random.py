@@ -3,10 +3,11 @@ DISTRIBUTED mode, any writer) where a rank, a node whose local directory is then
 directory wiped: the durable snapshot is all there is) is SIGKILLed at a random moment of the run (computing,
 saving a local step, sending or receiving a partner copy, writing a durable snapshot), and, in some trials, again
 at a random moment of the restart (while it restores); the run restarted whole with autoload must end bit-exact
-with an uninterrupted one. DEFAULT mode the same with one process (its local directory a second directory that
-survives it; wiped in some trials, as if the machine were lost). The suite runs ``LOCAL_TIER_TRIALS`` trials of
-each (default 2 of four ranks, 1 of one process) from seed ``LOCAL_TIER_FIRST_SEED`` (default 0);
-``benchmarks/local_tier_trials.py`` runs more.
+with an uninterrupted one. Half the trials save densely (a local step every iteration, a durable snapshot every 4)
+so that kills land in saves and copies more often. DEFAULT mode the same with one process (its local directory a
+second directory that survives it; wiped in some trials, as if the machine were lost). The suite runs
+``LOCAL_TIER_TRIALS`` trials of each (default 2 of four ranks, 1 of one process) from seed
+``LOCAL_TIER_FIRST_SEED`` (default 0); ``benchmarks/local_tier_trials.py`` runs more.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import random
 import pytest
 
 from test_local_tier import (  # noqa: F401
-    ITERATIONS, assert_same_end, ends, kill_and_resume, run_ranks, spec_for, uninterrupted, victims_of,
+    DURABLE, ITERATIONS, LOCAL, assert_same_end, ends, kill_and_resume, run_ranks, spec_for, uninterrupted, victims_of,
 )
 
 TRIALS = int(os.environ.get("LOCAL_TIER_TRIALS", "2"))
@@ -38,15 +39,19 @@ def _plan(seed: int, world: int = WORLD, per_node: int = PER_NODE) -> dict:
     delay = rng.uniform(0.0, rng.choice([0.005, 0.05, 0.2]))
     again = rng.random() < 0.4  # killed again while the restart restores
     modes = ["sharded", "distributed"] if world > 1 else ["default"]
-    return {"mode": rng.choice(modes), "writer": rng.choice(["simple", "thread", "process"]),
+    plan = {"mode": rng.choice(modes), "writer": rng.choice(["simple", "thread", "process"]),
             "wipe": {"rank": [], "node": [first // per_node], "every node": list(range(world // per_node))}[lost],
             "kill_after": {str(v): [iteration, delay] for v in victims},
             "restart_kill": {str(victims[0]): [0, rng.uniform(0.0, 0.3)]} if again else None}
+    # local steps every 2 iterations and durable snapshots every 8, or, denser, every iteration and every 4 (a kill
+    # then lands in a save or a copy more often); drawn last, so the draws above stay those of earlier trials
+    plan["local"], plan["durable"] = rng.choice([(LOCAL, DURABLE), (1, 4)])
+    return plan
 
 
 def _trial(directory, uninterrupted, plan: dict, world: int, per_node: int) -> None:  # noqa: F811
     """Run ``plan`` (of :func:`_plan`) and its restarts: the end is bit-exact with an uninterrupted run."""
-    spec = spec_for(directory, plan["mode"], plan["writer"])
+    spec = spec_for(directory, plan["mode"], plan["writer"], local=plan["local"], durable=plan["durable"])
 
     def restart_killed() -> None:  # the restart killed too, while it restores
         restart = {**spec, "kill_after": plan["restart_kill"]}
