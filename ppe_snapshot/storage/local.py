@@ -355,10 +355,10 @@ class LocalStorage(Storage):
         self.read_vectored(rel, offset, [out])
 
     def read_vectored(self, rel: str, offset: int, views: Sequence[memoryview]) -> None:
-        read_views(self._reader_fd(rel), offset, views, self._abs(rel))
+        read_views(self._reader_fd(rel), offset, views, lambda: self._abs(rel))  # (the path only for an error)
 
     def read_scattered(self, rel: str, offset: int, iov: np.ndarray) -> None:
-        if not read_addresses(self._reader_fd(rel), offset, iov, self._abs(rel)):
+        if not read_addresses(self._reader_fd(rel), offset, iov, lambda: self._abs(rel)):
             super().read_scattered(rel, offset, iov)
 
     def exists(self, rel: str) -> bool:

@@ -6,7 +6,7 @@ import ctypes
 import errno
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -14,16 +14,16 @@ import numpy as np
 _IOV_MAX = 1024
 
 
-def read_views(fd: int, offset: int, views: Sequence[memoryview], name: str) -> None:
-    """Fill ``views`` in order from the bytes of ``fd`` at ``offset``; EOFError (naming ``name``) where the file
-    ends first."""
+def read_views(fd: int, offset: int, views: Sequence[memoryview], name: Callable[[], str]) -> None:
+    """Fill ``views`` in order from the bytes of ``fd`` at ``offset``; EOFError (naming the file ``name()``, asked
+    only then) where the file ends first."""
     pending = [v for v in views if v.nbytes]
     first = 0  # pending[first:] is still to fill (a list of 10^5 views: no pop(0))
     while first < len(pending):
         batch = pending[first:first + _IOV_MAX]
         n = os.preadv(fd, batch, offset)
         if n == 0:
-            raise EOFError(f"{name} ends at byte {offset}, expected at least "
+            raise EOFError(f"{name()} ends at byte {offset}, expected at least "
                            f"{offset + sum(v.nbytes for v in pending[first:])}")
         offset += n
         for view in batch:  # skip what was filled; keep the rest of a partly filled view
@@ -52,10 +52,10 @@ def _libc_preadv() -> Any:
 _preadv = _libc_preadv()
 
 
-def read_addresses(fd: int, offset: int, iov: np.ndarray, name: str) -> bool:
+def read_addresses(fd: int, offset: int, iov: np.ndarray, name: Callable[[], str]) -> bool:
     """Fill the memory ``iov`` names, a ``(n, 2)`` uint64 array of (address, length) rows, in order from the
-    bytes of ``fd`` at ``offset``; EOFError (naming ``name``) where the file ends first. False where this
-    system has no such call (nothing was read)."""
+    bytes of ``fd`` at ``offset``; EOFError (naming the file ``name()``, asked only on a failure) where the file
+    ends first. False where this system has no such call (nothing was read)."""
     if _preadv is None:
         return False
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
@@ -67,9 +67,9 @@ def read_addresses(fd: int, offset: int, iov: np.ndarray, name: str) -> bool:
             code = ctypes.get_errno()
             if code == errno.EINTR:
                 continue
-            raise OSError(code, f"{os.strerror(code)}: reading {name}")
+            raise OSError(code, f"{os.strerror(code)}: reading {name()}")
         if n == 0 and want:
-            raise EOFError(f"{name} ends at byte {offset}, expected at least {offset + int(iov[:, 1].sum())}")
+            raise EOFError(f"{name()} ends at byte {offset}, expected at least {offset + int(iov[:, 1].sum())}")
         offset += n
         if n == want:
             iov = iov[len(batch):]
