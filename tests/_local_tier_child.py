@@ -74,8 +74,7 @@ def main(rank: int, world: int, port: int, spec: dict) -> None:
                                       saver_rank=0 if spec["mode"] == "distributed" else None,
                                       writer=WRITERS[spec["writer"]](), local=tier)
     manager.extend(extension, trigger=(spec["durable"], "iteration"))
-    kill_at = {int(r): i for r, i in spec.get("kill", {}).items()}.get(rank)
-    wipe_at = {int(r): i for r, i in spec.get("wipe_at", {}).items()}.get(rank)
+    kill_at, wipe_at = (spec.get(key, {}).get(str(rank)) for key in ("kill", "wipe_at"))  # (as kill_after)
     if spec.get("kill_in_copy", [None])[0] == rank:
         _die_in_copy(f"step_{spec['kill_in_copy'][1]}/")
     if spec.get("kill_in_serve") == rank:
