@@ -24,6 +24,7 @@ from ppe_snapshot.storage.trees import (
     remove_local_shadow,
 )
 from ppe_snapshot.storage.tuning import Tuning, split_tuning
+from ppe_snapshot.storage.unchanged import UnchangedFiles, open_unchanged, record_files
 
 
 def open_storage(path: str, storage_options: dict[str, Any] | None = None) -> Storage:
@@ -39,6 +40,6 @@ def join(base: str, name: str) -> str:
 
 
 __all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree", "Tuning",
-           "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join", "mapped",
-           "memory_backed_dir", "open_storage", "open_tree", "open_url", "register_store", "remove_local_shadow",
-           "shared_pool", "split_reference", "split_tuning", "url_to_fs"]
+           "UnchangedFiles", "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join",
+           "mapped", "memory_backed_dir", "open_storage", "open_tree", "open_unchanged", "open_url", "record_files",
+           "register_store", "remove_local_shadow", "shared_pool", "split_reference", "split_tuning", "url_to_fs"]

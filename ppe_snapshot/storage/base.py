@@ -100,6 +100,10 @@ class Storage(abc.ABC):
     #: the engine then reads a large chunk piece by piece and hashes each piece while the CPU's cache holds it,
     #: rather than reading it from memory a second time to hash it.
     small_reads_cheap: bool = False
+    #: Whether reads check each chunk of a data file against its checksum. Only a storage over files known to be
+    #: unchanged since they were written whole sets False (a local tier's own part: ``local_tier/unchanged.py``);
+    #: its reads take the bytes as they are.
+    verify_data: bool = True
 
     @abc.abstractmethod
     def open_writer(self, rel: str, size: int | None = None) -> BlobWriter:

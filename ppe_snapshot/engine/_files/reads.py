@@ -133,11 +133,13 @@ def _read_hashing(storage: Storage, chunk: Chunk, out: memoryview, what: str) ->
 
 
 def _hashed_in_pieces(storage: Storage, chunk: Chunk) -> bool:
-    return storage.small_reads_cheap and chunk.nbytes >= HASHED_PIECE
+    return storage.small_reads_cheap and storage.verify_data and chunk.nbytes >= HASHED_PIECE
 
 
-def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str) -> None:
-    """Fill ``out`` with the chunks' bytes, verifying each chunk (neighbouring ones read at once)."""
+def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str, verify: bool | None = None) -> None:
+    """Fill ``out`` with the chunks' bytes (neighbouring ones read at once), verifying each chunk where ``verify``
+    (None: unless the storage needs no check, ``Storage.verify_data``)."""
+    verify = storage.verify_data if verify is None else verify
     position, start = 0, 0
     while start < len(chunks):
         if _hashed_in_pieces(storage, chunks[start]):
@@ -148,11 +150,12 @@ def read_into(storage: Storage, chunks: list[Chunk], out: memoryview, what: str)
         end = next((i for i in range(start + 1, end) if _hashed_in_pieces(storage, chunks[i])), end)
         n = sum(chunk.nbytes for chunk in chunks[start:end])
         read_file_into(storage, chunks[start].file, chunks[start].offset, out[position:position + n])
-        for chunk in chunks[start:end]:
-            if checksum(out[position:position + chunk.nbytes]) != chunk.checksum:
+        at = position
+        for chunk in chunks[start:end] if verify else ():
+            if checksum(out[at:at + chunk.nbytes]) != chunk.checksum:
                 raise _mismatch(storage, chunk, what)
-            position += chunk.nbytes
-        start = end
+            at += chunk.nbytes
+        position, start = position + n, end
 
 
 class ReadBatch:
@@ -264,7 +267,7 @@ def _read_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
 def _read_vectored_run(run: list[tuple[Storage, Chunk, memoryview, str]]) -> None:
     storage, first = run[0][0], run[0][1]
     read_views_into(storage, first.file, [chunk.offset for _, chunk, _, _ in run], [view for _, _, view, _ in run])
-    for _, chunk, view, what in run:
+    for _, chunk, view, what in run if storage.verify_data else ():
         if checksum(view) != chunk.checksum:
             raise _mismatch(storage, chunk, what)
 
@@ -293,10 +296,11 @@ def fill(reads: ReadBatch | None, storage: Storage, chunks: list[Chunk], out: me
 
 
 class ChunkReader:
-    """Reads chunks front to back in pieces of any size, verifying each chunk when its last byte is read."""
+    """Reads chunks front to back in pieces of any size, verifying each chunk when its last byte is read (unless
+    the storage needs no check: ``Storage.verify_data``)."""
 
     def __init__(self, storage: Storage, chunks: list[Chunk], what: str) -> None:
-        self._storage, self._what = storage, what
+        self._storage, self._what, self._verify = storage, what, storage.verify_data
         self._chunks = [c for c in chunks if c.nbytes]
         self._index, self._done, self._digest = 0, 0, xxhash.xxh3_64()
 
@@ -311,10 +315,11 @@ class ChunkReader:
             while filled < stop:
                 chunk = self._chunks[self._index]
                 part = min(stop - filled, chunk.nbytes - self._done)
-                self._digest.update(out[filled:filled + part])
+                if self._verify:
+                    self._digest.update(out[filled:filled + part])
                 filled, self._done = filled + part, self._done + part
                 if self._done == chunk.nbytes:
-                    if self._digest.hexdigest() != chunk.checksum:
+                    if self._verify and self._digest.hexdigest() != chunk.checksum:
                         raise _mismatch(self._storage, chunk, self._what)
                     self._index, self._done, self._digest = self._index + 1, 0, xxhash.xxh3_64()
 
@@ -348,7 +353,7 @@ def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTE
             while start < len(chunks):  # neighbouring chunks that fit the buffer: one read
                 end = _run_end(chunks, start, budget)
                 if chunks[start].nbytes <= budget:
-                    read_into(storage, chunks[start:end], memoryview(buffer), path)
+                    read_into(storage, chunks[start:end], memoryview(buffer), path, verify=True)
                     start = end
                     continue
                 chunk, digest = chunks[start], xxhash.xxh3_64()
