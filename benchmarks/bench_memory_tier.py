@@ -18,12 +18,14 @@ local disk. Per round, each case in a fresh set of processes:
   ``run_iteration``'s whole start, with the extension's other start-up, the local tier's node exchange included)
   is timed on every rank, the slowest reported, against the floor measured by the same processes just before:
   the 4 ranks at once each reading its part's bytes from /dev/shm into tensors (``readinto``), the slowest rank;
-  and beside it the restore's work done bare: an agreement round, the read with every 1 MiB hashed, another round.
+  and beside it the restore's work done bare: an agreement round, the read, another round (a part unchanged since
+  it completed is read without its checksums checked). The same restart again with ``LocalTier(verify="always")``:
+  every chunk hashed as it is read (and, bare, the read with every 1 MiB hashed between the two rounds).
 - **node lost**: the same, with node 1's directory wiped before the restart: ranks 2 and 3 fetch their parts from
   ranks 0 and 1. Floor, measured by the same processes just before: the same bytes sent alone over a gloo group
   between the same pairs, 16 MiB at a time (from and into tensors of the part's size); and beside it all the
   work such a restart must do, done bare: an agreement round, that transfer while ranks 0 and 1 read their own
-  parts and every byte read or received is hashed, another round.
+  parts and every byte received is hashed, another round.
 - **S3** (``--s3``): the 4 ranks save a durable snapshot to S3 through ``s3_shaped.py`` (40 MB/s per connection,
   15 ms), every node's local directory is wiped, and the restart's autoload restores from S3 (the slowest rank),
   against the own-part restore above; and one rank's part restored alone from S3 and from tmpfs, in one process.
@@ -49,7 +51,9 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 from common import free_port  # noqa: E402
 
 WORLD, PER_NODE, TENSORS = 4, 2, 16
-BARE_OWN = "  the restore's work, bare (hashed, 2 rounds)"
+BARE_OWN = "  the restore's work, bare (2 rounds)"
+BARE_CHECKED = "  the restore's work, bare (hashed, 2 rounds)"
+ALWAYS, ALWAYS_RATIO = "restore, own parts, verify='always'", "  verify='always' / read floor, this round"
 BARE = "  all the restore's work, bare"
 
 
@@ -93,13 +97,14 @@ def rank_main(rank: int, port: int, spec: dict) -> None:
             bare = _transfer_floor(rank, spec["mib"], part)
         else:
             floor = _read_floor(part)
-            bare = _read_floor(part, agreed=True)
+            bare = _read_floor(part, agreed=True, hashed=spec.get("verify") == "always")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     manager = ppe.training.ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=100,
                                              out_dir=os.path.join(spec["dir"], "out"))
     local = spec.get("local")
     tier = None if local is None else ppe_snapshot.LocalTier(directory=os.path.join(spec["dir"], f"node{node}"),
-                                                              trigger=(local, "iteration"), n_retains=1)
+                                                              trigger=(local, "iteration"), n_retains=1,
+                                                              verify=spec.get("verify", "changed"))
     durable = {"out_dir": spec["out"], "storage_options": spec["options"]} if "out" in spec else {}
     extension = ppe_snapshot.snapshot(autoload=True, snapshot_mode=ppe.training.extensions.SnapshotMode.SHARDED,
                                       writer=writing.ThreadWriter(**durable), local=tier)
@@ -161,13 +166,13 @@ def _part_reads(part: str, hashed: bool = False):
     return read
 
 
-def _read_floor(part: str, agreed: bool = False) -> float:
-    """Seconds to read the part's data files into tensors (:func:`_part_reads`), the ranks starting at once;
-    ``agreed``: all the work a restart from its own parts must do, bare: an agreement round (:func:`_agree`), the
-    read with every 1 MiB hashed, another round."""
+def _read_floor(part: str, agreed: bool = False, hashed: bool = False) -> float:
+    """Seconds to read the part's data files into tensors (:func:`_part_reads`; ``hashed`` as there), the ranks
+    starting at once; ``agreed``: all the work a restart from its own parts must do, bare: an agreement round
+    (:func:`_agree`), the read, another round."""
     import torch.distributed as dist
     group = dist.new_group(backend="gloo")
-    read = _part_reads(part, hashed=agreed)
+    read = _part_reads(part, hashed=hashed)
     dist.barrier()  # the ranks read at once, as they restore
     start = time.perf_counter()
     if agreed:
@@ -188,8 +193,8 @@ def _agree(group, tag: int) -> None:
 def _transfer_floor(rank: int, mib: int, own: str | None = None) -> float:
     """Seconds for the ranks of node 0 (0 and 1) to send ``mib`` MiB (from a tensor of that size) to those of node 1
     (2 and 3; into one) over a fresh gloo group, 16 MiB per message. ``own``: all the work a node-lost restart
-    must do, bare: an agreement round, the transfer while the senders read their own parts from ``own`` and every
-    byte read or received is hashed (xxh3), another round."""
+    must do, bare: an agreement round, the transfer while the senders read their own parts from ``own`` (unchanged
+    since they completed: not hashed) and every byte received is hashed (xxh3), another round."""
     import threading
 
     import torch
@@ -199,7 +204,7 @@ def _transfer_floor(rank: int, mib: int, own: str | None = None) -> float:
     data = torch.ones(mib << 20, dtype=torch.uint8)
     reading = None
     if own is not None and rank < PER_NODE:
-        reading = threading.Thread(target=_part_reads(own, hashed=True))
+        reading = threading.Thread(target=_part_reads(own))
     dist.barrier()
     start = time.perf_counter()
     if own is not None:
@@ -284,7 +289,10 @@ def _cases(directory: str, mib: int, compute: float, s3: tuple[str, dict] | None
     run_ranks({**shared, "case": "save", "local": 1, "durable": 2, "iterations": 3})
     restart = {**shared, "case": "restart", "local": 1, "durable": 2, "iterations": 1, "step": 3}
     out.update(_restart(restart, "read", ("read floor (tmpfs -> tensors)", BARE_OWN, "restore, own parts",
-                                          "  the first iteration's start, whole", "  own parts / read floor, this round")))
+                                          "  the first iteration's start, whole",
+                                          "  own parts / read floor, this round")))
+    out.update(_restart({**restart, "verify": "always"}, "read", (
+        "read floor, again", BARE_CHECKED, ALWAYS, "  the first iteration's start, whole (always)", ALWAYS_RATIO)))
     shutil.rmtree(os.path.join(directory, "node1"))
     out.update(_restart(restart, "transfer", ("transfer floor (gloo, alone)", BARE, "restore, node lost",
                                               "  the first iteration's start, whole ",
@@ -375,12 +383,15 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"  own parts / read floor: {med['restore, own parts'] / med['read floor (tmpfs -> tensors)']:.2f}x "
           f"the medians, {med['  own parts / read floor, this round']:.2f}x the median round (target <= 1.3x); "
-          f"{med['restore, own parts'] / med[BARE_OWN]:.2f}x the restore's work done bare (the read, every byte "
-          "hashed, the two agreement rounds)")
+          f"{med['restore, own parts'] / med[BARE_OWN]:.2f}x the restore's work done bare (the read, the two "
+          "agreement rounds)")
+    print(f"  own parts, verify='always' / read floor: {med[ALWAYS_RATIO]:.2f}x the median round; "
+          f"{med[ALWAYS] / med[BARE_CHECKED]:.2f}x its work done bare (the read, every byte hashed, the two "
+          "agreement rounds)")
     print(f"  node lost / transfer floor: {med['restore, node lost'] / med['transfer floor (gloo, alone)']:.2f}x "
           f"the medians, {med['  node lost / transfer floor, this round']:.2f}x the median round (target <= 2x); "
           f"{med['restore, node lost'] / med[BARE]:.2f}x all the restore's "
-          "work done bare (the transfer, the holders' own reads, every byte hashed, the two agreement rounds)")
+          "work done bare (the transfer, the holders' own reads, every byte received hashed, the two agreement rounds)")
     print(f"  local save / async save blocking: "
           f"{med['local save blocking'] / med['async durable save blocking']:.2f}x (target <= 1.1x)")
     print(f"  local + durable at one step / async save blocking: "

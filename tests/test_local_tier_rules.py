@@ -14,7 +14,7 @@ from ppe_snapshot import LocalTier, run_dir
 from ppe_snapshot.engine import LOCAL, Snapshot, StateDict
 from ppe_snapshot.local_tier import check_triggers, layout, partners, wards
 from ppe_snapshot.local_tier.recovery import Settled, choose, settled, settled_by_names, usable
-from ppe_snapshot.storage import open_tree
+from ppe_snapshot.storage import UnchangedFiles, open_tree
 from ppe_snapshot.storage.local import open_blob_writer
 
 
@@ -27,6 +27,8 @@ def test_arguments_are_checked():
         LocalTier(trigger=(0, "iteration"))
     with pytest.raises(ValueError, match="whole number"):
         LocalTier(trigger=(1.5, "iteration"))
+    with pytest.raises(ValueError, match="verify='never'"):
+        LocalTier(verify="never")
     with pytest.raises(TypeError, match="LocalTier or a dict"):
         ppe_snapshot.snapshot(local="/dev/shm/x")
     with pytest.raises(ValueError, match="savefun"):
@@ -132,7 +134,7 @@ def test_named_positions_come_from_the_names_and_one_existence_check(tmp_path):
     assert run_dir.named_positions(str(tmp_path), "snapshot_epoch_{.epoch}") is None  # the names tell no iteration
 
 
-def _run(tmp_path, epochs: int, iterations: int) -> tuple[Any, Any, torch.nn.Module]:
+def _run(tmp_path, epochs: int, iterations: int, verify: str = "changed") -> tuple[Any, Any, torch.nn.Module]:
     """A DEFAULT-mode run of ``iterations`` iterations at most (10 per epoch; durable snapshots every 8 iterations,
     local steps every 2), autoloading; each iteration adds 1 to the weights."""
     torch.manual_seed(0)
@@ -140,7 +142,7 @@ def _run(tmp_path, epochs: int, iterations: int) -> tuple[Any, Any, torch.nn.Mod
     manager = ppe.training.ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), max_epochs=epochs,
                                              iters_per_epoch=10, out_dir=str(tmp_path / "out"))
     extension = ppe_snapshot.snapshot(autoload=True, local=LocalTier(directory=str(tmp_path / "local"),
-                                                                     trigger=(2, "iteration")))
+                                                                     trigger=(2, "iteration"), verify=verify))
     manager.extend(extension, trigger=(8, "iteration"))
     for _ in range(iterations):
         if manager.stop_trigger:
@@ -241,3 +243,29 @@ def test_a_file_written_again_is_cut_to_its_new_size_not_emptied(tmp_path):
     writer.write([memoryview(b"y" * 4096)])
     writer.close()
     assert path.read_bytes() == b"y" * 4096
+
+
+@pytest.mark.parametrize("verify", ["changed", "always"])
+def test_an_own_part_is_checked_only_where_its_files_changed_unless_asked_always(tmp_path, monkeypatch, verify):
+    """A DEFAULT-mode restart from local step 10: the part's marker records its files, and the restore reads it
+    unhashed (an ``UnchangedFiles``) while they are unchanged; a byte of it changed, the restore checks it, finds it
+    damaged and falls back to durable snapshot 8. ``verify="always"``: no record, every restore checks."""
+    from ppe_snapshot.extension import saved_state
+    restored: list[Any] = []
+    restore_part = saved_state.restore_part
+    monkeypatch.setattr(saved_state, "restore_part", lambda source, *more: (
+        restored.append(source), restore_part(source, *more))[1])
+    _, extension, _ = _run(tmp_path, 1, 10, verify)
+    extension._local.saves.finish()
+    marker = layout.read_marker(open_tree(str(tmp_path / "local")), layout.own_part(10, 0))
+    assert ("files" in marker) == (verify == "changed")
+    manager, extension, _ = _run(tmp_path, 2, 1, verify)
+    assert manager.iteration == 11 and type(restored[-1]) is (UnchangedFiles if verify == "changed" else str)
+    extension._local.saves.finish()
+    data = tmp_path / "local" / "step_10" / "rank0" / "data" / "rank0.bin"
+    with open(data, "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff")
+    manager, extension, _ = _run(tmp_path, 2, 1, verify)
+    assert type(restored[-1]) is str and manager.iteration == 9
+    assert extension.resumed_from == str(tmp_path / "out" / "snapshot_iter_8")

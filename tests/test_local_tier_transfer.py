@@ -68,7 +68,7 @@ def test_a_malformed_copy_header_is_refused_and_the_holder_told(dist_run, header
 def test_a_lost_nodes_part_is_read_from_the_partners_copy(tmp_path, dist_run):
     lost = dist_run(w.node_lost, 2, str(tmp_path))
     assert [r.get("step") for r in lost] == [4, 4], lost
-    assert lost[0]["source"] == "its own local part" and lost[0]["restored_from"] == ["str"]
+    assert lost[0]["source"] == "its own local part" and lost[0]["restored_from"] == ["UnchangedFiles"]
     assert lost[0]["path"] == str(tmp_path / "node0" / "step_4" / "rank0")
     assert lost[1]["source"] == "a partner copy from rank 0" and lost[1]["restored_from"] == ["PeerFiles"]
     assert lost[1]["path"] == str(tmp_path / "node0" / "step_4" / "copy-rank1")

@@ -88,7 +88,7 @@ class LocalSteps:
             return None
         trigger = TierTrigger(entry.trigger, IntervalTrigger(*tier.trigger))
         entry.trigger = trigger
-        return cls(tier, LocalSaves(directory, ranks, tier.n_retains), trigger)
+        return cls(tier, LocalSaves(directory, ranks, tier.n_retains, recheck=tier.verify == "always"), trigger)
 
     @property
     def durable_due(self) -> bool:

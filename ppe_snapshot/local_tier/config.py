@@ -26,11 +26,16 @@ class LocalTier:
         n_retains: How many complete local steps each rank keeps (the newest ones; one more may be in flight).
         partners: How many partner copies of each rank's part are kept on other nodes: 0 or 1 (None: 1 where the
             ranks span several nodes, else 0).
+        verify: Which of a rank's own parts a restore checks against their checksums: ``"changed"``, those whose
+            files changed since the part was completed (its marker records them; any write sets a file's change
+            time: ``storage/unchanged.py``), or ``"always"``, every one (a restore from memory then takes about a
+            third longer). A partner's copy fetched over the network is always checked.
     """
     directory: str | None = None
     trigger: tuple[float, str] = (1, "iteration")
     n_retains: int = 2
     partners: int | None = None
+    verify: str = "changed"
 
     def __post_init__(self) -> None:
         period, unit = _interval(self.trigger, "LocalTier(trigger=...)")
@@ -40,6 +45,9 @@ class LocalTier:
         if self.partners not in (None, 0, 1):
             raise ValueError(f"LocalTier(partners={self.partners!r}): 0 or 1 partner copy of each rank's part "
                              "(None: 1 where the ranks span several nodes)")
+        if self.verify not in ("changed", "always"):
+            raise ValueError(f"LocalTier(verify={self.verify!r}): 'changed' (check the own parts whose files changed "
+                             "since they were completed) or 'always' (check every one)")
         if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
             raise TypeError(f"LocalTier(directory=...) takes a path, got {type(self.directory).__name__}")
 

@@ -13,9 +13,10 @@ A retired part's data file is kept as its slot's spare, and the next part or cop
 (fresh pages made a partner copy's writes 4-6x slower here from the 4th step on; benchmarks/RESULTS.md, issue 34).
 The memory bound is unchanged: the spare stands for the step in flight.
 
-A part or copy counts only with its ``.complete`` marker (a small JSON document: the step, the world size, the
-part's take id), written after the ranks agreed that every part and every partner copy of the step is complete
-and verified; anything without one is a step in flight or the leftover of one that failed.
+A part or copy counts only with its ``.complete`` marker (a small JSON document: the step, the world size, whose
+part it is; an own part's adds its files as they were, ``storage.record_files``), written after the ranks agreed
+that every part and every partner copy of the step is complete and verified; anything without one is a step in
+flight or the leftover of one that failed.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ snapshot. Each rank's view of the durable snapshots' names goes with its holding
 than every name, the durable snapshots need not be listed nor opened (:func:`settled`).
 Every rank restores its part: its own, or the copy a partner holds, read over the side group straight into its
 tensors while the holder serves it (:mod:`.peer_reads`); every chunk is checked against its checksum as it is read
-(and, where no durable snapshot exists to fall back to, the whole part checked before anything is loaded), and the
+(and, where no durable snapshot exists to fall back to, the whole part checked before anything is loaded), but for
+an own part whose files are those its marker recorded when it completed (``storage.open_unchanged``), and the
 ranks agree that all of them did. Where a rank's own part failed and another rank holds a copy of it, that copy is
 read and restored in a second round; where a rank still failed, every rank falls back to the durable snapshots
 together. A copy was checked against the digest of what its sender sent when it was made.
@@ -26,7 +27,7 @@ from ppe_snapshot.local_tier import layout, transfer
 from ppe_snapshot.local_tier.peer_reads import PeerFiles, open_peer_files, serve_copy
 from ppe_snapshot.local_tier.saves import RESTORE_TAGS, LocalSaves
 from ppe_snapshot.run_dir import Unusable
-from ppe_snapshot.storage import Storage, join
+from ppe_snapshot.storage import Storage, UnchangedFiles, join, open_unchanged
 
 logger = logging.getLogger(__name__)
 
@@ -212,8 +213,9 @@ def _restore_part(saves: LocalSaves, step: int, holder: int | None, tag: int, du
     """Restore this rank's part of ``step``: its own, or (``holder``) the copy that rank holds, read over the side
     group (:mod:`.peer_reads`). Returns None or ``[why, whether the state was touched]``, and where the part
     was."""
-    source: str | PeerFiles = saves.part_path(step)
-    if holder is not None:
+    if holder is None:
+        source: str | Storage = _own_part(saves, step)
+    else:
         try:
             layout.remove_part(saves.tree, layout.own_part(step, saves.ranks.rank))  # a part that failed
         except OSError as e:
@@ -221,13 +223,13 @@ def _restore_part(saves: LocalSaves, step: int, holder: int | None, tag: int, du
         try:
             peer = open_peer_files(saves.ranks.group, holder, tag)
         except SnapshotAbortedError as e:
-            return [str(e), False], source
+            return [str(e), False], saves.part_path(step)
         if peer is None:
-            return [f"rank {holder} had no copy of this rank's part to send", False], source
+            return [f"rank {holder} had no copy of this rank's part to send", False], saves.part_path(step)
         source = peer
     try:
-        if durable is None:  # nothing to fall back to: every checksum checked before any load
-            problem = transfer.verified(source)
+        if durable is None and not isinstance(source, UnchangedFiles):  # nothing to fall back to:
+            problem = transfer.verified(source)  # every checksum checked before any load
             if problem is not None:
                 return [problem, False], _where(source)
         restore(source)
@@ -239,7 +241,21 @@ def _restore_part(saves: LocalSaves, step: int, holder: int | None, tag: int, du
     return None, _where(source)
 
 
-def _where(source: str | PeerFiles) -> str:
+def _own_part(saves: LocalSaves, step: int) -> str | Storage:
+    """This rank's own part of ``step``: its path; or, where its files are unchanged since it was completed (and
+    the tier does not recheck such parts), a storage reading its data without hashing it
+    (``storage.open_unchanged``)."""
+    path = saves.part_path(step)
+    if saves.recheck:
+        return path
+    recorded = (layout.read_marker(saves.tree, layout.own_part(step, saves.ranks.rank)) or {}).get("files")
+    unchanged = open_unchanged(path, recorded)
+    if unchanged is None and recorded is not None:
+        logger.info("local step %d: this rank's part changed since it completed; every chunk is checked", step)
+    return unchanged or path
+
+
+def _where(source: str | Storage) -> str:
     return source if isinstance(source, str) else source.url
 
 

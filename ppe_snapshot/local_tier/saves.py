@@ -23,7 +23,7 @@ import torch
 
 from ppe_snapshot.engine import LOCAL, PendingSnapshot, Snapshot, StagedImage, exchange, staging_estimate
 from ppe_snapshot.local_tier import layout, transfer
-from ppe_snapshot.storage import Tree, join, open_tree
+from ppe_snapshot.storage import Tree, join, open_tree, record_files
 from ppe_snapshot.writing import StagingBuffers
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,10 @@ class _Step:
 class LocalSaves:
     """The local tier's saves of one rank (see the module's docstring)."""
 
-    def __init__(self, directory: str, ranks: Ranks, keep: int) -> None:
-        self.directory, self.ranks, self.keep = directory, ranks, keep
+    def __init__(self, directory: str, ranks: Ranks, keep: int, recheck: bool = False) -> None:
+        """``recheck``: a restore checks this rank's own part against its checksums even where its files are
+        unchanged since it was completed (its marker records them: ``storage.record_files``)."""
+        self.directory, self.ranks, self.keep, self.recheck = directory, ranks, keep, recheck
         self.tree: Tree = open_tree(directory)
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._slots = threading.Semaphore(1)  # one step in flight: a save waits for the previous one
@@ -219,6 +221,8 @@ class LocalSaves:
     def _mark(self, step: int) -> None:
         ranks = self.ranks
         doc = {"step": step, "world_size": ranks.world_size}
-        layout.write_marker(self.tree, layout.own_part(step, ranks.rank), {**doc, "rank": ranks.rank})
+        files = None if self.recheck else record_files(self.part_path(step))
+        layout.write_marker(self.tree, layout.own_part(step, ranks.rank),
+                            {**doc, "rank": ranks.rank, **({"files": files} if files else {})})
         for ward in ranks.wards:
             layout.write_marker(self.tree, layout.copy_of(step, ward), {**doc, "rank": ward})
