@@ -101,8 +101,8 @@ class Storage(abc.ABC):
     #: rather than reading it from memory a second time to hash it.
     small_reads_cheap: bool = False
     #: Whether reads check each chunk of a data file against its checksum. Only a storage over files known to be
-    #: unchanged since they were written whole sets False (a local tier's own part: ``local_tier/unchanged.py``);
-    #: its reads take the bytes as they are.
+    #: unchanged since they were written whole sets False (``UnchangedFiles``, ``unchanged.py``: a local tier's own
+    #: part); its reads take the bytes as they are.
     verify_data: bool = True
 
     @abc.abstractmethod

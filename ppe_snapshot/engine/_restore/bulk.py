@@ -6,7 +6,7 @@ children to index rows and targets, and each time ``FLUSH_BYTES`` of them are pe
 an optimizer's state is a small dict per parameter) hands them to the read pool, sorted into runs of
 neighbouring bytes of a file, while it goes on; the rest when the walk ends. A run is one vectored read straight
 into its targets' memory (the alignment gaps land in a scratch buffer), then every chunk's checksum is
-verified in the target: a damaged chunk raises ``CorruptSnapshotError`` naming its path. Runs of tiny chunks
+verified in the target (unless the storage needs no check, ``Storage.verify_data``): a damaged chunk raises ``CorruptSnapshotError`` naming its path. Runs of tiny chunks
 (the mean under ``TINY_BYTES``, where the gaps would outnumber the bytes) are read into a buffer and copied out
 after the check instead. Everything else goes the usual way (``loading.leaf_loader``); what a reader must check
 (sizes vs shapes, files inside the snapshot) was checked when the index was decoded or is checked here, before
@@ -237,7 +237,8 @@ class _Run:
         self.offsets, self.nbytes, self.checks, self.pointers, self.rows = offsets, nbytes, checks, pointers, rows
 
     def read_direct(self) -> None:
-        """One vectored read straight into the targets, then every chunk verified where it landed."""
+        """One vectored read straight into the targets, then every chunk verified where it landed (where the storage
+        asks it)."""
         read_addresses_into(self.storage, self.file, self.offsets, self.pointers, self.nbytes)
         # (the views to hash made in C-level passes: no Python code per chunk)
         if not self.storage.verify_data:
