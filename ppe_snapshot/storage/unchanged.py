@@ -45,9 +45,9 @@ def record_files(location: str) -> dict[str, list[Any]] | None:
         stats = {name: os.stat(os.path.join(root, name)) for name in names}
         newest = max((st.st_ctime_ns for st in stats.values() if st.st_size >= STAT_BYTES), default=0)
         wait = SETTLED_S - (time.time_ns() - newest) / 1e9
-        if wait > 0:
+        if wait > 0:  # (a write meanwhile leaves the record older than the file: the file counts as changed)
             time.sleep(wait)
-        return {name: _described(root, name) for name in names} or None
+        return {name: _described(root, name, stats[name]) for name in names} or None
     except OSError:
         return None
 
@@ -60,7 +60,8 @@ def open_unchanged(location: str, recorded: Any) -> UnchangedFiles | None:
         return None
     try:
         names = _files(root)
-        same = sorted(recorded) == names and all(_described(root, name) == recorded[name] for name in names)
+        same = sorted(recorded) == names and all(
+            _described(root, name, os.stat(os.path.join(root, name))) == recorded[name] for name in names)
     except OSError:
         return None
     return UnchangedFiles(root, url=location) if same else None
@@ -72,11 +73,10 @@ def _files(root: str) -> list[str]:
                   for folder, _, names in os.walk(root) for name in names)
 
 
-def _described(root: str, name: str) -> list[Any]:
-    path = os.path.join(root, name)
-    st = os.stat(path)
+def _described(root: str, name: str, st: os.stat_result) -> list[Any]:
+    """File ``name`` as a record holds it, ``st`` its ``os.stat``."""
     if st.st_size >= STAT_BYTES:
         return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
-    with open(path, "rb") as f:
+    with open(os.path.join(root, name), "rb") as f:
         data = f.read(STAT_BYTES)
     return [len(data), xxhash.xxh3_64_hexdigest(data)]
