@@ -39,11 +39,11 @@ bench: venv
 # The checks that need a CUDA GPU (CI has none, and these tests skip there): the CUDA tests, benchmarks/bench_gpu.py
 # (issue 35's figures), the FSDP2 example over NCCL (stopped at 25, resumed on the GPU, then resumed on two CPU
 # ranks over gloo), staging with the state on the GPU, and where 10,000 small CUDA tensors' save and restore spend
-# their time (gpu-many). GPU_PY: a Python whose torch has CUDA, with this package's requirements. Each step has its
-# own target, time limit and log (GPU_LOG), so that one hang costs only itself and a lent GPU's calls can split
-# them: on an H200, gpu-tests took 55-87 s, gpu-bench about 215 s (its peers about 70 s of it), gpu-example 48 s,
-# gpu-staging 53-56 s and gpu-many about 30 s. (bench_gpu.py's --read-workers and --sweep, which settled
-# DEVICE_READ_WORKERS and SMALL_DEVICE_BYTES, are left out.)
+# their time, the restore variant by variant (gpu-many). GPU_PY: a Python whose torch has CUDA, with this package's
+# requirements. Each step has its own target, time limit and log (GPU_LOG), so that one hang costs only itself and a
+# lent GPU's calls can split them: on an H200, gpu-tests took 55-87 s, gpu-bench about 215 s (its peers about 70 s
+# of it), gpu-example 48 s, gpu-staging 53-56 s and gpu-many about 30 s before probe_many_restore.py joined it.
+# (bench_gpu.py's --read-workers and --sweep, which settled DEVICE_READ_WORKERS and SMALL_DEVICE_BYTES, are left out.)
 GPU_PY ?= $(PY)
 GPU_RUN := /tmp/ppe-snapshot-gpu-check
 GPU_LOG ?= /tmp/ppe-snapshot-gpu-logs
@@ -79,6 +79,8 @@ gpu-many: $(GPU_VENV)
 	mkdir -p $(GPU_LOG)
 	-for what in writer restore; do timeout 60 $(GPU_PY) benchmarks/bench_many_tensors.py --profile $$what \
 		--count 10000 --device cuda > $(GPU_LOG)/many_$$what.log 2>&1; head -30 $(GPU_LOG)/many_$$what.log; done
+	-timeout 120 $(GPU_PY) benchmarks/probe_many_restore.py --device cuda > $(GPU_LOG)/probe_many.log 2>&1; \
+		tail -8 $(GPU_LOG)/probe_many.log
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache benchmarks/out

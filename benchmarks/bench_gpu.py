@@ -11,7 +11,9 @@ rotating order, and the floors:
 - **D2H / H2D**: the state's bytes copied into / out of one page-locked buffer (faulted in before), synchronized;
 - **dd write / dd read**: the state's size written with O_DIRECT (``dd oflag=direct conv=fsync``), read back with
   O_DIRECT (the disk);
-- **page-cache read**: the snapshot's data files read into a host buffer, cached (the page cache).
+- **page-cache read**: the snapshot's data files read into a host buffer, cached (the page cache);
+- **the bare restore** of the ``--many`` tensors: the least work any restore of them from this format does
+  (``probe_many_restore.bare_restore``).
 
 Methods: ``Snapshot.take`` (durable), ``Snapshot.async_take`` and a ThreadWriter (blocking; their first call is
 reported on its own: made in a fresh process before the rounds, after ``Snapshot.prepare_staging`` and the
@@ -41,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import fsync_path, warm_cache  # noqa: E402
+from probe_many_restore import bare_restore  # noqa: E402
 
 import ppe_snapshot as ps  # noqa: E402
 from ppe_snapshot import writing  # noqa: E402
@@ -222,6 +225,7 @@ class Bench:
         warm_cache(path)
         self.timed(f"{len(state)} tensors: Snapshot.restore, warm",
                    lambda: ps.Snapshot(path).restore({"m": ps.StateDict(state)}))
+        self.timed(f"{len(state)} tensors: floor, the bare restore", bare_restore(path, state, self.pinned))
 
     # -- peers ----------------------------------------------------------------------------------------------------
     def torch_save(self) -> None:
@@ -309,6 +313,10 @@ class Bench:
         for name in med:
             if name.startswith(f"{self.args.many} tensors"):
                 print(f"    {name + ', per tensor':<58} {med[name] / self.args.many * 1e6:6.1f} us")
+        restore, bare = (f"{self.args.many} tensors: {what}" for what in ("Snapshot.restore, warm",
+                                                                          "floor, the bare restore"))
+        if restore in med and bare in med:
+            print(f"    {f'{self.args.many} tensors: restore / the bare restore':<40} {med[restore] / med[bare]:6.2f}x")
 
 
 def main() -> None:
