@@ -12,8 +12,9 @@ Variants, each once per round in a rotating order, medians reported per tensor:
 - **reads inline**: every read the restore hands to its pool run at once in the walk's thread (no threads);
 - **walk only**: the reads dropped (the walk, the slabs' copies to the device, the final checks);
 - **reads only**: the reads of the "as is" restore, run one after another in one thread (recorded once);
-- **the bare restore**: the data file read whole into page-locked memory, a checksum per chunk compared, each
-  target's dtype and shape compared, one copy to the device, one split, one ``torch._foreach_copy_``.
+- **the bare restore**: each key's saved bytes and target looked up, the data file read whole into page-locked
+  memory, a checksum per chunk compared, each target's dtype and shape compared, one copy to the device, one
+  split, one ``torch._foreach_copy_``.
 
 On an H200 the walk and the reads took turns rather than overlapping (issue 35's notes); this tells which of the
 walk, the reads, and their sharing of the GIL a change should go after.
@@ -40,29 +41,37 @@ from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 
 def bare_restore(path: str, state: dict[str, torch.Tensor], host: torch.Tensor) -> Callable[[], None]:
     """The bare restore of ``state`` (flat fp32 tensors, saved under app state key ``"m"`` by one rank) from
-    snapshot ``path``, through ``host`` (page-locked for a device state, at least the data file's size); its
-    layout is read from the manifest here, before it is timed."""
+    snapshot ``path``, through ``host`` (page-locked for a device state, at least the data file's size). What a
+    restore must do is timed: each key's saved bytes and target found, the data file read, every chunk's
+    checksum and every target's dtype and shape compared, the bytes copied in; the rest of the layout (the table
+    by path, the split sizes) is made here, before, from the manifest."""
     manifest = ps.Snapshot(path).get_manifest()
-    chunks = [manifest[f"0/m/{key}"].chunks[0] for key in state]
-    (data,) = {chunk.file for chunk in chunks}
-    data, targets, device = os.path.join(path, data), list(state.values()), next(iter(state.values())).device
+    entries = [manifest[f"0/m/{key}"] for key in state]
+    (data,) = {entry.chunks[0].file for entry in entries}
+    data, device = os.path.join(path, data), next(iter(state.values())).device
     if os.path.getsize(data) > host.nbytes:
         raise ValueError(f"the host buffer ({host.nbytes} bytes) is smaller than {data}")
-    want = [(torch.float32, target.shape) for target in targets]
-    sums = [int(chunk.checksum, 16) for chunk in chunks]
-    starts, ends = [c.offset // 4 for c in chunks], [(c.offset + c.nbytes) // 4 for c in chunks]
+    table = {f"m/{key}": (entry.chunks[0].offset, entry.chunks[0].offset + entry.chunks[0].nbytes,
+                          int(entry.chunks[0].checksum, 16), (torch.float32, torch.Size(entry.shape)))
+             for key, entry in zip(state, entries)}
+    starts, ends = ([row[i] // 4 for row in table.values()] for i in (0, 1))
     pieces = [n for start, end, following in zip(starts, ends, starts[1:] + [ends[-1]])
               for n in (end - start, following - end)]  # each tensor and the gap after it, in floats
+    first, last = starts[0] * 4, ends[-1] * 4
+    start_of, end_of, sum_of, want_of = map(operator.itemgetter, range(4))
 
     def restore() -> None:
+        keys = list(state)
+        rows, targets = list(map(table.__getitem__, map("m/".__add__, keys))), list(map(state.get, keys))
         view = memoryview(host.numpy())
         with open(data, "rb", buffering=0) as f:
             f.readinto(view)
-        if list(map(xxhash.xxh3_64_intdigest, (view[c.offset:c.offset + c.nbytes] for c in chunks))) != sums:
+        chunks = map(view.__getitem__, map(slice, map(start_of, rows), map(end_of, rows)))
+        if list(map(xxhash.xxh3_64_intdigest, chunks)) != list(map(sum_of, rows)):
             raise AssertionError("a checksum differs")
-        if list(map(operator.attrgetter("dtype", "shape"), targets)) != want:
+        if list(map(operator.attrgetter("dtype", "shape"), targets)) != list(map(want_of, rows)):
             raise AssertionError("a target differs")
-        staged = host[starts[0] * 4:ends[-1] * 4].view(torch.float32).to(device, non_blocking=True)
+        staged = host[first:last].view(torch.float32).to(device, non_blocking=True)
         torch._foreach_copy_(targets, staged.split(pieces)[0::2])
     return restore
 
