@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 RUN_STAMP := $(VENV)/.ppe-snapshot-run.stamp
 
 .DEFAULT_GOAL := test
-.PHONY: venv test demo bench gpu-check gpu-tests gpu-bench gpu-example gpu-staging gpu-many clean distclean
+.PHONY: venv test demo bench gpu-check gpu-tests gpu-bench gpu-example gpu-staging gpu-many gpu-wheels clean distclean
 
 venv: $(STAMP)
 
@@ -50,6 +50,13 @@ GPU_LOG ?= /tmp/ppe-snapshot-gpu-logs
 CUDA_TESTS := $(shell grep -l "needs CUDA" tests/test_*.py)
 GPU_VENV := $(if $(filter $(PY),$(GPU_PY)),venv)
 gpu-check: gpu-tests gpu-bench gpu-example gpu-staging gpu-many
+
+# Made here, before a GPU is lent: the wheels the GPU machine lacks (it reaches no package index; ../shared/GPU.md),
+# for its Python 3.12 on x86-64, into the ignored .whl/. There: W=$$(mktemp -d); python3 -m pip install -q --no-index
+# --no-deps --target $$W/site .whl/*.whl && export PYTHONPATH=$$W/site:$$PWD; then make gpu-check GPU_PY=python3.
+gpu-wheels: venv
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 -d .whl pytorch-pfn-extras==0.9.0 orjson
 
 gpu-tests: $(GPU_VENV)
 	mkdir -p $(GPU_LOG)
