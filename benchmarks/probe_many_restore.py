@@ -47,13 +47,13 @@ def bare_restore(path: str, state: dict[str, torch.Tensor], host: torch.Tensor) 
     by path, the split sizes) is made here, before, from the manifest."""
     manifest = ps.Snapshot(path).get_manifest()
     entries = [manifest[f"0/m/{key}"] for key in state]
-    (data,) = {entry.chunks[0].file for entry in entries}
+    chunks = [entry.chunks[0] for entry in entries]
+    (data,) = {chunk.file for chunk in chunks}
     data, device = os.path.join(path, data), next(iter(state.values())).device
     if os.path.getsize(data) > host.nbytes:
         raise ValueError(f"the host buffer ({host.nbytes} bytes) is smaller than {data}")
-    table = {f"m/{key}": (entry.chunks[0].offset, entry.chunks[0].offset + entry.chunks[0].nbytes,
-                          int(entry.chunks[0].checksum, 16), (torch.float32, torch.Size(entry.shape)))
-             for key, entry in zip(state, entries)}
+    table = {f"m/{key}": (c.offset, c.offset + c.nbytes, int(c.checksum, 16), (torch.float32, torch.Size(e.shape)))
+             for key, e, c in zip(state, entries, chunks)}
     starts, ends = ([row[i] // 4 for row in table.values()] for i in (0, 1))
     pieces = [n for start, end, following in zip(starts, ends, starts[1:] + [ends[-1]])
               for n in (end - start, following - end)]  # each tensor and the gap after it, in floats
