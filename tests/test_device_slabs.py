@@ -1,8 +1,12 @@
 """Many small device tensors restored in bulk through host slabs (``engine/_restore/device_slabs.py``), tested on
 CPU tensors standing in for device ones (the bulk path is told they are not in host memory): each slab the exact
-concatenation of its targets, one copy per slab, the bound on the slabs held, damaged chunks, negative views.
-tests/test_cuda.py restores thousands of small CUDA tensors through the same path."""
+concatenation of its targets, one copy per slab, a slab copied by the read that completes it and placed into again,
+the bound on the slabs held, damaged chunks, negative views. tests/test_cuda.py restores thousands of small CUDA
+tensors through the same path."""
 from __future__ import annotations
+
+import ctypes
+import threading
 
 import pytest
 import torch
@@ -15,16 +19,15 @@ from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 
 @pytest.fixture
 def on_device(monkeypatch):
-    """Every bulk target treated as a device one; each copy's slabs recorded as (dtype, tensors)."""
+    """Every bulk target treated as a device one; each slab's copy recorded as (dtype, tensors, the thread)."""
     monkeypatch.setattr(bulk, "in_host_memory", lambda target: False)
-    copies: list[list[tuple[torch.dtype, int]]] = []
-    copy = DeviceSlabs.copy
+    copies: list[tuple[torch.dtype, int, str]] = []
+    to_device = device_slabs._to_device
 
-    def recorded(self):
-        copies.append(sorted(((slab.dtype, len(slab.targets)) for slab in
-                              self._filled + list(self._open.values())), key=str))
-        copy(self)
-    monkeypatch.setattr(DeviceSlabs, "copy", recorded)
+    def recorded(slab):
+        copies.append((slab.dtype, len(slab.targets), threading.current_thread().name))
+        return to_device(slab)
+    monkeypatch.setattr(device_slabs, "_to_device", recorded)
     return copies
 
 
@@ -50,20 +53,64 @@ def test_small_targets_go_through_one_slab_per_dtype(tmp_path, on_device):
     targets = _targets(state)
     Snapshot(str(tmp_path / "s")).restore({"m": StateDict(targets)})
     assert_same({k: v.resolve_neg() for k, v in targets.items()}, state)
-    assert on_device == [sorted([(torch.float32, 301), (torch.int64, 50), (torch.bool, 1), (torch.float16, 1),
-                                 (torch.bfloat16, 1)], key=str)]  # one copy, one slab per dtype
+    assert sorted((copy[:2] for copy in on_device), key=str) == sorted(
+        [(torch.float32, 301), (torch.int64, 50), (torch.bool, 1), (torch.float16, 1), (torch.bfloat16, 1)],
+        key=str)  # one slab per dtype, each copied once
 
 
 def test_slabs_are_copied_each_time_the_bound_is_reached(tmp_path, on_device, monkeypatch):
     monkeypatch.setattr(device_slabs, "SLAB_BYTES", 1024)
     monkeypatch.setattr(device_slabs, "HELD_BYTES", 4096)
+    made = []
+    host_buffer = device_slabs.host_buffer
+    monkeypatch.setattr(device_slabs, "host_buffer", lambda *a: made.append(a) or host_buffer(*a))
     state = _state()
     Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
     targets = _targets(state)
     Snapshot(str(tmp_path / "s")).restore({"m": StateDict(targets)})
     assert_same({k: v.resolve_neg() for k, v in targets.items()}, state)
-    assert len(on_device) > 3  # copied during the walk, each time 4 slabs were in use, and at its end
-    assert sum(n for copy in on_device for _, n in copy) == len(state) - 1  # all but "big"
+    assert len(on_device) > 3 and sum(n for _, n, _ in on_device) == len(state) - 1  # all but "big"
+    assert len(made) <= 4  # never more than the bound's 4 slabs of 1 KiB: the others placed into again
+
+
+def test_a_closed_slab_is_copied_by_the_read_that_lands_its_last_bytes(tmp_path, on_device, monkeypatch):
+    """Slabs of 1 KiB: every slab the walk closed is copied on the read thread that completed it; only the one
+    left open per dtype is copied at the end of the walk, on its thread."""
+    monkeypatch.setattr(device_slabs, "SLAB_BYTES", 1024)
+    state = _state()
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
+    targets = _targets(state)
+    Snapshot(str(tmp_path / "s")).restore({"m": StateDict(targets)})
+    assert_same({k: v.resolve_neg() for k, v in targets.items()}, state)
+    walk = threading.current_thread().name
+    assert sorted((dtype for dtype, _, thread in on_device if thread == walk), key=str) == sorted(
+        [torch.float32, torch.int64, torch.bool, torch.float16, torch.bfloat16], key=str)
+    on_reads = [thread for _, _, thread in on_device if thread != walk]
+    assert len(on_reads) > 10 and all(thread.startswith("ppe-snapshot-read") for thread in on_reads)
+
+
+def _fill(address: int, values: torch.Tensor) -> None:
+    ctypes.memmove(address, values.data_ptr(), values.nbytes)
+
+
+def test_a_slab_is_copied_once_closed_and_landed_then_placed_into_again():
+    slabs = DeviceSlabs(slab_bytes=64, held_bytes=1 << 20)
+    a, b, c, d = torch.zeros(4), torch.zeros(4), torch.zeros(16), torch.zeros(16)
+    first, second = slabs.place(a, 16), slabs.place(b, 16)
+    _fill(first, torch.full((4,), 1.0))
+    _fill(second, torch.full((4,), 2.0))
+    slabs.landed([first], [16])
+    third = slabs.place(c, 64)  # no room left: a and b's slab is closed, with b's bytes not landed yet
+    assert not a.any() and not b.any()
+    slabs.landed([second, 64], [16, 8])  # (an address outside every slab is left alone)
+    assert a.eq(1).all() and b.eq(2).all()  # closed, all landed: copied
+    _fill(third, torch.full((16,), 3.0))
+    slabs.landed([third], [64])
+    assert not c.any()  # still open
+    assert slabs.place(d, 64) in (first, third)  # c's slab closed (copied at once), d in a slab copied out of
+    assert c.eq(3).all()
+    slabs.copy()  # d's slab, open: nothing landed in it, so it holds c's or a and b's bytes
+    assert d.eq(3).all() or d[:8].tolist() == [1.0] * 4 + [2.0] * 4
 
 
 def test_a_damaged_chunk_names_its_tensor(tmp_path, on_device):

@@ -5,13 +5,14 @@ existing tensors of the same dtype and shape, are read straight from the index's
 children to index rows and targets, and each time ``FLUSH_BYTES`` of them are pending (from any number of dicts:
 an optimizer's state is a small dict per parameter) hands them to the read pool, sorted into runs of
 neighbouring bytes of a file, while it goes on; the rest when the walk ends. A run is one vectored read straight
-into its targets' memory (the alignment gaps land in a scratch buffer), then every chunk's checksum is
-verified in the target (unless the storage needs no check, ``Storage.verify_data``): a damaged chunk raises ``CorruptSnapshotError`` naming its path. Runs of tiny chunks
-(the mean under ``TINY_BYTES``, where the gaps would outnumber the bytes) are read into a buffer and copied out
-after the check instead. Everything else goes the usual way (``loading.leaf_loader``); what a reader must check
-(sizes vs shapes, files inside the snapshot) was checked when the index was decoded or is checked here, before
-a byte reaches a target. A target on a device (a GPU) is read into a page-locked host slab instead, copied to the
-device with the slab's other tensors (:mod:`~ppe_snapshot.engine._restore.device_slabs`).
+into its targets' memory (the alignment gaps land in a scratch buffer), then every chunk's checksum is verified
+in the target (unless the storage needs no check, ``Storage.verify_data``): a damaged chunk raises
+``CorruptSnapshotError`` naming its path. Runs of tiny chunks (the mean under ``TINY_BYTES``, where the gaps
+would outnumber the bytes) are read into a buffer and copied out after the check instead. Everything else goes
+the usual way (``loading.leaf_loader``); what a reader must check (sizes vs shapes, files inside the snapshot)
+was checked when the index was decoded or is checked here, before a byte reaches a target. A target on a device
+(a GPU) is read into a page-locked host slab instead, copied to the device with the slab's other tensors by the
+read that completes the slab (:mod:`~ppe_snapshot.engine._restore.device_slabs`).
 
 The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg``
 and ``is_conj`` are asked after the reads, by ``finish``), the copies of tiny chunks keep it (a memoryview
@@ -110,11 +111,11 @@ class BulkTensors:
         self._pending = 0
 
     def finish(self) -> None:
-        """Once every read is done: the device targets' slabs copied to them; a host target with the negative
-        or conjugate bit (a view made by ``_neg_view``, ``conj()`` or ``.imag``, or such a view detached) shows its
-        memory negated or conjugated, so the bytes read into it are turned round in place, to show the saved
-        values. Checked here, not in the walk: ``is_neg`` and ``is_conj`` release the GIL, which costs 10-30 us
-        each while a read thread runs."""
+        """Once every read is done: the slabs of device targets still open copied to them; a host target with the
+        negative or conjugate bit (a view made by ``_neg_view``, ``conj()`` or ``.imag``, or such a view detached)
+        shows its memory negated or conjugated, so the bytes read into it are turned round in place, to show the
+        saved values. Checked here, not in the walk: ``is_neg`` and ``is_conj`` release the GIL, which costs 10-30
+        us each while a read thread runs."""
         if self._slabs is not None:
             self._slabs.copy()
         for target in self._on_host:  # (one copied from a slab was copied by copy_, which minds the bits)
@@ -223,30 +224,30 @@ class BulkTensors:
         offsets_list, nbytes_list = offsets.tolist(), nbytes.tolist()
         for s, e in bounds:
             run = _Run(self._storage, index, names[int(files[s])], offsets_list[s:e], nbytes_list[s:e], checks[s:e],
-                       pointers[s:e], rows[s:e])
+                       pointers[s:e], rows[s:e], self._slabs)
             tiny = sum(nbytes_list[s:e]) < (e - s) * TINY_BYTES
             self._reads.submit(self._storage, run.read_buffered if tiny else run.read_direct)
 
 
 class _Run:
-    """Neighbouring chunks of one data file and the target memory each goes to."""
+    """Neighbouring chunks of one data file and the target memory each goes to; ``slabs`` (where device targets
+    are read to) is told what landed, verified."""
 
     def __init__(self, storage: Storage, index: Index, file: str, offsets: list[int], nbytes: list[int],
-                 checks: list[int], pointers: list[int], rows: list[int]) -> None:
-        self.storage, self.index, self.file = storage, index, file
+                 checks: list[int], pointers: list[int], rows: list[int], slabs: DeviceSlabs | None) -> None:
+        self.storage, self.index, self.file, self.slabs = storage, index, file, slabs
         self.offsets, self.nbytes, self.checks, self.pointers, self.rows = offsets, nbytes, checks, pointers, rows
 
     def read_direct(self) -> None:
         """One vectored read straight into the targets, then every chunk verified where it landed (where the storage
         asks it)."""
         read_addresses_into(self.storage, self.file, self.offsets, self.pointers, self.nbytes)
-        # (the views to hash made in C-level passes: no Python code per chunk)
-        if not self.storage.verify_data:
-            return
-        targets = map(MEMORY.__getitem__, map(slice, self.pointers, map(operator.add, self.pointers, self.nbytes)))
-        sums = list(map(xxhash.xxh3_64_intdigest, targets))
-        if sums != self.checks:
-            self._fail(sums)
+        if self.storage.verify_data:  # (the views to hash made in C-level passes: no Python code per chunk)
+            targets = map(MEMORY.__getitem__, map(slice, self.pointers, map(operator.add, self.pointers, self.nbytes)))
+            sums = list(map(xxhash.xxh3_64_intdigest, targets))
+            if sums != self.checks:
+                self._fail(sums)
+        self._landed()
 
     def read_buffered(self) -> None:
         """One read into a buffer; each chunk verified there, then copied into its target."""
@@ -260,6 +261,11 @@ class _Run:
         for piece, pointer, n in zip(pieces, self.pointers, self.nbytes):
             MEMORY[pointer:pointer + n] = piece  # a copy that keeps the GIL: no hand-off per chunk
         del pieces, buffer
+        self._landed()
+
+    def _landed(self) -> None:
+        if self.slabs is not None:
+            self.slabs.landed(self.pointers, self.nbytes)
 
     def _fail(self, sums: list[int]) -> None:
         i = next(i for i, (got, want) in enumerate(zip(sums, self.checks)) if got != want)
