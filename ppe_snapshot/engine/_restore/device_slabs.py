@@ -158,15 +158,12 @@ class DeviceSlabs:
                 torch.cuda.synchronize(device)
 
     def _copy_slab(self, slab: _Slab) -> None:
-        """Copy a slab whose bytes have all landed into its targets (on any thread), then make it a spare."""
-        copied = None
-        try:
-            if slab.targets:
-                copied = _to_device(slab)
-        finally:
-            with self._lock:
-                self._spare.append((slab.host, copied))
-                self._in_use -= self._slab_bytes
+        """Copy a slab whose bytes have all landed into its targets (on any thread), then make it a spare (not
+        where the copy failed: a transfer out of it may still be under way)."""
+        copied = _to_device(slab) if slab.targets else None
+        with self._lock:
+            self._spare.append((slab.host, copied))
+            self._in_use -= self._slab_bytes
 
 
 def _to_device(slab: _Slab) -> Any:
