@@ -181,7 +181,7 @@ class Index:
                  itemsizes: np.ndarray) -> None:
         self.header, self.cols, self.files, self.itemsizes = header, cols, files, itemsizes
         self.file_names: list[str] = list(files)
-        self.tensor_rows = {path: i for i, path in enumerate(header["tensors"])}
+        self.tensor_rows = dict(zip(header["tensors"], range(len(header["tensors"]))))  # (a C-level pass)
         ends = cols["tensor_chunk_end"]
         self.tensor_chunk_start = np.concatenate(([0], ends[:-1])) if len(ends) else ends
         self.shapes = ShapeColumns(cols["tensor_ndim"], cols["dims"])
