@@ -222,12 +222,19 @@ def _mixed_state() -> dict:
     return {"tiny": tiny, "apart": {"large": torch.randn(bulk.SMALL_BYTES // 4 + 1)}, "mixed": mixed}
 
 
-def _spy_runs(monkeypatch) -> list[str]:
-    """The names of the bulk read paths each run takes, in the order they start."""
+def _spy_runs(monkeypatch, rows: list[int] | None = None) -> list[str]:
+    """The names of the bulk read paths each run takes, in the order they start; ``rows`` gets the index rows
+    each run reads."""
     used: list[str] = []
+
+    def spied(run: bulk._Run, method, name: str) -> None:
+        used.append(name)
+        if rows is not None:
+            rows.extend(run.rows)
+        method(run)
     for name in ("read_direct", "read_buffered"):
         method = getattr(bulk._Run, name)
-        monkeypatch.setattr(bulk._Run, name, lambda self, _m=method, _n=name: (used.append(_n), _m(self))[1])
+        monkeypatch.setattr(bulk._Run, name, lambda self, _m=method, _n=name: spied(self, _m, _n))
     return used
 
 
@@ -338,10 +345,8 @@ def test_bulk_restore_of_one_dict_per_kind_of_shapes(tmp_path, monkeypatch, shap
     matched to its target and read in bulk, bit-exact."""
     state = {f"t{i}": torch.arange(float(np.prod(shape))).reshape(shape) + i for i, shape in enumerate(shapes * 40)}
     Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
-    read_in_bulk = []
-    for name in ("read_direct", "read_buffered"):
-        method = getattr(bulk._Run, name)
-        monkeypatch.setattr(bulk._Run, name, lambda self, _m=method: (read_in_bulk.extend(self.rows), _m(self))[1])
+    read_in_bulk: list[int] = []
+    _spy_runs(monkeypatch, read_in_bulk)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     restored = StateDict(dict(target))
     Snapshot(str(tmp_path / "s")).restore({"m": restored})
