@@ -134,3 +134,22 @@ def test_a_slow_rank_is_waited_for(tmp_path):
     assert check_run_dir(str(tmp_path)) == ["save0", "save1"]
     slow = result["ranks"][2]["saves"]
     assert slow[1]["end"] - slow[0]["start"] >= 6.0  # the slow storage was slow, and still waited for
+
+
+def test_a_verdict_received_stands_when_rank_0_exits_before_the_report(tmp_path):
+    """Rank 0 aborts a take (a third rank died), tells rank 1 and exits; rank 1, its part done, reports only then
+    and fails to reach rank 0: the verdict it was given stands, naming the dead rank, not rank 0."""
+    import json
+    import sys
+
+    import _channel_child
+    import _warm
+    from _dist import free_port
+
+    port = free_port()
+    procs = [_warm.popen([sys.executable, _channel_child.__file__, str(rank), str(port), str(tmp_path)])
+             for rank in range(2)]
+    for p in procs:
+        assert p.wait(60) == 0
+    with open(tmp_path / "verdict.json") as f:
+        assert json.load(f) == {"committed": False, "reason": _channel_child.REASON}

@@ -54,7 +54,8 @@ class SideGroup:
 
     def send(self, doc: dict[str, Any], peer: int, tag: int) -> None:
         """Send ``doc`` (a JSON object of at most :data:`MESSAGE_BYTES`; a longer ``"reason"`` is cut) to ``peer``,
-        which receives it with :meth:`receive` and the same ``tag``. Returns once ``peer`` received it; raises
+        which receives it with :meth:`receive` and the same ``tag``. Returns once ``peer`` asked for it and it was
+        handed to the connection (``peer`` may not have read it yet); raises
         :class:`~ppe_snapshot.errors.SnapshotAbortedError` naming ``peer`` when it died."""
         try:
             self.group.send([_encode(doc)], peer, tag).wait()
@@ -192,7 +193,7 @@ class TakeChannel:
         reason = peer_lost(peer, error, " during the take")
         with self._cond:
             self._dead.add(peer)
-            if self.rank != 0:
+            if self.rank != 0 and self._verdict is None:  # a verdict received before rank 0 exited stands
                 self._verdict = {"committed": None, "reason": reason}
                 self._fail(reason)
             self._cond.notify_all()
