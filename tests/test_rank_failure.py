@@ -6,14 +6,19 @@ few here; ``benchmarks/rank_kill_trials.py`` runs the full count).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
+import sys
 import zlib
 
 import pytest
 
+import _channel_child
 import _rank_kill
+import _warm
+from _dist import free_port
 from ppe_snapshot import Snapshot
 from ppe_snapshot.run_dir import CandidateKind, list_snapshots
 
@@ -139,17 +144,15 @@ def test_a_slow_rank_is_waited_for(tmp_path):
 def test_a_verdict_received_stands_when_rank_0_exits_before_the_report(tmp_path):
     """Rank 0 aborts a take (a third rank died), tells rank 1 and exits; rank 1, its part done, reports only then
     and fails to reach rank 0: the verdict it was given stands, naming the dead rank, not rank 0."""
-    import json
-    import sys
-
-    import _channel_child
-    import _warm
-    from _dist import free_port
-
     port = free_port()
     procs = [_warm.popen([sys.executable, _channel_child.__file__, str(rank), str(port), str(tmp_path)])
              for rank in range(2)]
-    for p in procs:
-        assert p.wait(60) == 0
+    try:
+        assert [p.wait(60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     with open(tmp_path / "verdict.json") as f:
         assert json.load(f) == {"committed": False, "reason": _channel_child.REASON}
