@@ -9,9 +9,12 @@ tests/test_extension_distributed.py, and as a script that a test kills:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytorch_pfn_extras as ppe
@@ -24,6 +27,7 @@ import ppe_snapshot
 
 from _asserts import assert_same  # noqa: F401 - re-exported for the extension tests
 from ppe_snapshot import writing
+from ppe_snapshot.engine._ranks import TakeChannel
 
 WRITERS = ("SimpleWriter", "ThreadWriter", "ProcessWriter", "ThreadQueueWriter", "ProcessQueueWriter")
 
@@ -281,22 +285,55 @@ def dist_resume_from_error_snapshot(out_dir: str, iterations: int, crash_at: int
             "resumed_from": resumed.snapshot.resumed_from}
 
 
-def dist_fixed_name_and_initialize(out_dir: str, mode: str, writer: str) -> dict[str, Any]:
-    """Save ``latest`` at every iteration (replaced each time) on every rank, then resume; what each rank saw."""
+@contextlib.contextmanager
+def _verdicts_late(seconds: float) -> Iterator[None]:
+    """This process learns of each take's verdict ``seconds`` after it arrived (a busy rank, a slow link)."""
+    original = TakeChannel.verdict
+
+    def late(channel: TakeChannel, *args: Any, **kwargs: Any) -> Any:
+        verdict = original(channel, *args, **kwargs)
+        time.sleep(seconds)
+        return verdict
+
+    TakeChannel.verdict = late  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TakeChannel.verdict = original  # type: ignore[method-assign]
+
+
+def dist_fixed_name_and_initialize(out_dir: str, mode: str, writer: str, late_rank: int | None = None
+                                   ) -> dict[str, Any]:
+    """Save ``latest`` at every iteration (replaced each time) on every rank, then resume; what each rank saw.
+    ``late_rank`` learns of each take's verdict 0.3 s late (rank 0 has moved the take to its name by then)."""
     rank, sharded = dist.get_rank(), mode == "SHARDED"
     logs = os.path.join(out_dir, f"logs{rank}")
     kwargs = _snapshot_kwargs(mode, writer=make_writer(writer, out_dir=out_dir), filename="latest")
     first = Run(logs, 5, kwargs, trigger=(1, "iteration"), seed=rank if sharded else 0, sync=not sharded)
-    first.train(rank=rank)  # the manager finalizes the extension at the end
+    with _verdicts_late(0.3 if rank == late_rank else 0.0):
+        first.train(rank=rank)  # the manager finalizes the extension at the end
     model = {k: v.clone() for k, v in first.model.state_dict().items()}
     dist.barrier()
     listing = sorted(n for n in os.listdir(out_dir) if not n.startswith("logs"))
+    kept = sorted(os.listdir(os.path.join(out_dir, "latest")))
     kwargs = _snapshot_kwargs(mode, writer=make_writer("SimpleWriter", out_dir=out_dir), filename="latest",
                               autoload=True)
     resumed = Run(logs, 5, kwargs, seed=100 + rank, sync=not sharded)
     loaded = resumed.snapshot.initialize(resumed.manager)
-    return {"listing": listing, "loaded": loaded, "resumed_from": resumed.snapshot.resumed_from,
+    return {"listing": listing, "kept": kept, "loaded": loaded, "resumed_from": resumed.snapshot.resumed_from,
             "iteration": resumed.manager.iteration, "model": model, "resumed_model": resumed.model.state_dict()}
+
+
+def dist_replace_latest(url: str, storage_options: dict[str, Any], writer: str, late_rank: int) -> None:
+    """Three SHARDED saves of each rank's own tensor (``10 * step + rank``) to ``url/latest``, each replacing the
+    one before; ``late_rank`` learns of each take's verdict 0.3 s late."""
+    rank = dist.get_rank()
+    saver = make_writer(writer, out_dir=url, storage_options=storage_options)
+    with _verdicts_late(0.3 if rank == late_rank else 0.0):
+        for step in range(3):
+            saver("latest", url, {"t": torch.full((4,), 10.0 * step + rank)}, metadata={"iteration": step}, pg=None)
+            saver.wait()
+    saver.finalize()
 
 
 class _PreparingWriter(writing.ThreadWriter):

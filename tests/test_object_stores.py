@@ -23,7 +23,7 @@ from ppe_snapshot.storage.part_stores import part_store_type
 
 import _sharded_workers
 from _asserts import assert_ranged_reads_scatter
-from _extension_workers import Crash, Run, assert_same, make_writer
+from _extension_workers import Crash, Run, assert_same, dist_replace_latest, make_writer
 
 ITERS = 10
 
@@ -114,6 +114,19 @@ def test_resharding_restore(object_store, dist_run):
     target = StateDict(w=torch.zeros_like(expected))
     snap.restore({"dt": target})
     assert torch.equal(target["w"], expected)
+
+
+def test_two_ranks_replace_a_snapshot_with_one_rank_late(object_store, dist_run):
+    """SHARDED saves replacing ``latest`` (copied to the name: a store has no rename), rank 1 learning of each
+    commit late: ``latest`` holds the last save, nothing of its take's records, and nothing stays beside it."""
+    url, options = object_store.url, object_store.options
+    dist_run(dist_replace_latest, 2, f"{url}/run", options, "ThreadWriter", 1)
+    stored = sorted(p.split("/run/", 1)[1] for p in object_store.fs().find(f"{url}/run"))
+    assert stored == ["latest/data/rank0.bin", "latest/data/rank1.bin", "latest/index/rank0.idx",
+                      "latest/index/rank1.idx", "latest/index/shared.idx", "latest/manifest.json"]
+    snap = Snapshot(f"{url}/run/latest", storage_options=options)
+    assert snap.metadata == {"iteration": 2}
+    assert [snap.read_object(f"{rank}/state/t").tolist() for rank in (0, 1)] == [[20.0] * 4, [21.0] * 4]
 
 
 def test_google_cloud_storage_under_both_schemes(gcs_bucket):

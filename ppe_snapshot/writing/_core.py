@@ -122,6 +122,7 @@ class WriterCore:
                            metadata=metadata, base=base)
         if job.storage.url != asked:  # it replaces a snapshot (every rank follows rank 0's path), which its base
             job.base = None           # may read: a full save
+            job.moved_after_commit = job.storage.url == _replace.side_name(asked)
         return job, _replace.after_commit(job, replacement)
 
     def _base_for(self, path: str) -> str | None:

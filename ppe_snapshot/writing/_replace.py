@@ -17,7 +17,8 @@ taken into):
 
 A snapshot of several ranks is moved by rank 0 once it told every other
 rank of the commit (the take's rank channel): none of them looks for it
-where it was taken.
+where it was taken, nor touches it there (each rank's writer record, which
+a take ends by removing, is removed by rank 0 before the move).
 
 At every moment one complete snapshot exists under the name or beside it,
 and :func:`ppe_snapshot.retention.list_snapshots` lists both names for a
@@ -29,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ppe_snapshot.engine import MANIFEST_NAME
-from ppe_snapshot.storage import Tree, open_tree
+from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR
+from ppe_snapshot.storage import Tree, join, open_tree
 from ppe_snapshot.stored_snapshot import inspect, remove_snapshot, side_name
 
 
@@ -65,7 +66,9 @@ class Replacement:
         remove_snapshot(path, self.storage_options)
 
     def promote(self) -> None:
-        """Give the committed snapshot beside the name the name; the one it replaces is removed."""
+        """Give the committed snapshot beside the name the name; the one it replaces is removed. The take's
+        ``.parts/`` (the writer records the other ranks left, see ``TakeJob.moved_after_commit``) goes first."""
+        self.remove(join(self.side, PARTS_DIR))
         tree = self._tree()
         final, side = tree.root, tree.path(self.side)
         if tree.exists(final) and tree.swap(side, final):

@@ -79,6 +79,9 @@ class TakeJob:
     preparer: int = field(default_factory=os.getpid)
     #: The payloads :meth:`stage` left to copy from another take's staged image, copied before the write.
     deferred: Deferred = field(default_factory=list)
+    #: Rank 0 moves the committed take to another name (it replaces a snapshot there): the other ranks, which may
+    #: learn of the commit after the move, then leave the directory alone; rank 0 removes their writer records.
+    moved_after_commit: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "channel": None}

@@ -130,7 +130,8 @@ def conclude(job: Any, channel: TakeChannel, error: BaseException | None) -> Non
     except TimeoutError as e:
         raise SnapshotError(f"snapshot {storage.url}: {e}") from None
     if verdict["committed"] or (verdict["committed"] is None and _committed_before(storage, take_id)):
-        forget_quietly(storage, take_id, rank)  # each rank its own records: no rank removes thousands
+        if not job.moved_after_commit:  # (else rank 0 may have moved it: what is here now is not this take)
+            forget_quietly(storage, take_id, rank)  # each rank its own records: no rank removes thousands
         return
     mark_aborted(storage, take_id, verdict["reason"])
     raise SnapshotAbortedError(f"snapshot {storage.url} was not committed: {verdict['reason']}")
