@@ -142,9 +142,9 @@ def test_fixed_name_replaced_and_initialize_returns_the_name_on_every_rank(dist_
 @pytest.mark.parametrize("writer", ["SimpleWriter", "ThreadWriter", "ProcessWriter"])
 def test_a_rank_that_learns_of_the_commit_late_leaves_the_replacing_snapshot_alone(dist_run, tmp_path, writer):
     """SHARDED saves replacing ``latest``, rank 1 learning of each commit 0.3 s late: rank 0 has moved the take to
-    its name and removed the one it replaced by then. Every save succeeds on both ranks, and ``latest`` holds
-    nothing of its take's records (rank 1 once removed its record where the take had been written, from the
-    snapshot being removed there, which made rank 0's removal fail; or left it in ``latest``)."""
+    its name and is removing the one it replaced, at the name the take was written at. Every save succeeds on both
+    ranks, and ``latest`` holds nothing of its take's records: rank 1 must not remove its record there (its removal
+    raced rank 0's, which then failed) nor leave it in ``latest``."""
     results = dist_run(dist_fixed_name_and_initialize, 2, str(tmp_path), "SHARDED", writer, 1)
     for rank, r in enumerate(results):
         assert r["listing"] == ["latest"] and ".parts" not in r["kept"], r["kept"]
