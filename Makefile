@@ -9,16 +9,20 @@ STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 RUN_STAMP := $(VENV)/.ppe-snapshot-run.stamp
 
 .DEFAULT_GOAL := test
-.PHONY: venv test demo bench gpu-check gpu-tests gpu-bench gpu-example gpu-staging gpu-many gpu-wheels clean distclean
+.PHONY: venv test demo bench gpu-check gpu-native gpu-tests gpu-bench gpu-example gpu-staging gpu-many gpu-wheels clean \
+	distclean
 
 venv: $(STAMP)
 
-$(RUN_STAMP): requirements.txt setup.cfg setup.py
+# The install also builds the C helper of the checksums (setup.py; without a compiler it goes on without it).
+NATIVE_SRC := ppe_snapshot/engine/_files/hash_many.c
+
+$(RUN_STAMP): requirements.txt setup.cfg setup.py $(NATIVE_SRC)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -r requirements.txt
 	touch $@
 
-$(STAMP): requirements-dev.txt requirements.txt setup.cfg setup.py
+$(STAMP): requirements-dev.txt requirements.txt setup.cfg setup.py $(NATIVE_SRC)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -r requirements-dev.txt
 	@# Azurite, Azure's blob storage emulator, for the az:// tests (skipped where npm is missing)
@@ -48,8 +52,15 @@ GPU_PY ?= $(PY)
 GPU_RUN := /tmp/ppe-snapshot-gpu-check
 GPU_LOG ?= /tmp/ppe-snapshot-gpu-logs
 CUDA_TESTS := $(shell grep -l "needs CUDA" tests/test_*.py)
-GPU_VENV := $(if $(filter $(PY),$(GPU_PY)),venv)
+GPU_VENV := $(if $(filter $(PY),$(GPU_PY)),venv,gpu-native)
 gpu-check: gpu-tests gpu-bench gpu-example gpu-staging gpu-many
+
+# A GPU_PY that runs this tree without installing it (PYTHONPATH) builds the checksums' C helper in place; where
+# that machine has no C compiler, the checksums are computed in Python (the line printed says which).
+gpu-native:
+	mkdir -p $(GPU_LOG)
+	-$(GPU_PY) setup.py -q build_ext --inplace > $(GPU_LOG)/native.log 2>&1; $(GPU_PY) -c "from \
+		ppe_snapshot.engine._files import chunk_hashes as c; print('native checksums:', c.NATIVE is not None)"
 
 # Made here, before a GPU is lent: the wheels the GPU machine lacks (it reaches no package index; ../shared/GPU.md),
 # for its Python 3.12 on x86-64, into the ignored .whl/. There: W=$$(mktemp -d); python3 -m pip install -q --no-index
@@ -94,4 +105,4 @@ clean:
 	find . -path ./.venv -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf .venv
+	rm -rf .venv ppe_snapshot/engine/_files/libhash_many.so

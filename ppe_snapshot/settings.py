@@ -36,6 +36,9 @@ variable                              default  meaning
                                                compares (a changed byte rewrites its block; smaller
                                                blocks for sparse row updates, e.g. 4 for an
                                                embedding table of 1 KiB rows)
+``PPE_SNAPSHOT_NATIVE_HASH``          ``1``    ``0``: the checksums of small chunks are computed in
+                                               Python, holding the GIL, even where the compiled
+                                               helper is built (``engine/_files/chunk_hashes.py``)
 ====================================  =======  ====================================================
 """
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Settings:
     #: None: the default (settings import nothing of ours: the engine defines the versions and checks this one).
     format_version: int | None = None
     block_bytes: int = 1 << 20
+    native_hash: bool = True
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -78,6 +82,7 @@ class Settings:
             read_workers=int(env["PPE_SNAPSHOT_READ_WORKERS"]) if env.get("PPE_SNAPSHOT_READ_WORKERS") else None,
             format_version=int(env["PPE_SNAPSHOT_FORMAT_VERSION"]) if env.get("PPE_SNAPSHOT_FORMAT_VERSION") else None,
             block_bytes=int(env.get("PPE_SNAPSHOT_BLOCK_KB", "1024")) << 10,
+            native_hash=env.get("PPE_SNAPSHOT_NATIVE_HASH", "1") != "0",
         )
 
 

@@ -1,0 +1,20 @@
+/*
+ * The checksums of many chunks in one call, for ppe_snapshot.engine._files.chunk_hashes.
+ *
+ * A plain C library, no Python API: it is called through ctypes, which releases the GIL for the whole call, so a
+ * thread hashing thousands of small chunks (a restore's reads, a background save's checksums) runs beside the
+ * Python code of other threads instead of taking turns with it. The hash function itself is the xxh3_64 of the
+ * xxHash library the Python package xxhash carries; the caller passes its address.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef uint64_t (*ppe_hash_fn)(const void *data, size_t length);
+
+/* out[i] = hash(addresses[i], lengths[i]) for every i below count. */
+void ppe_hash_many(ppe_hash_fn hash, const uint64_t *addresses, const uint64_t *lengths, size_t count,
+                   uint64_t *out) {
+    for (size_t i = 0; i < count; i++) {
+        out[i] = hash((const void *)(uintptr_t)addresses[i], (size_t)lengths[i]);
+    }
+}
