@@ -63,7 +63,7 @@ def read_addresses_into(storage: Storage, file: str, offsets: Sequence[int], add
     iov[0::2, 0], iov[0::2, 1] = addresses, lengths
     iov[1::2, 0], iov[1::2, 1] = scratch.ctypes.data, gaps
     try:
-        storage.read_scattered(file, offsets[0], iov[iov[:, 1] > 0])
+        storage.read_scattered(file, int(offsets[0]), iov[iov[:, 1] > 0])
     except (EOFError, FileNotFoundError) as e:
         raise _truncated_error(storage, file, e) from e
 

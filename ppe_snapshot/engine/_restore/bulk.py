@@ -6,9 +6,9 @@ children to index rows and targets, and each time ``FLUSH_BYTES`` of them are pe
 an optimizer's state is a small dict per parameter) hands them to the read pool, sorted into runs of
 neighbouring bytes of a file, while it goes on; the rest when the walk ends. A run is one vectored read straight
 into its targets' memory (the alignment gaps land in a scratch buffer), then every chunk's checksum is verified
-in the target (unless the storage needs no check, ``Storage.verify_data``): a damaged chunk raises
-``CorruptSnapshotError`` naming its path. Runs of tiny chunks (the mean under ``TINY_BYTES``, where the gaps
-would outnumber the bytes) are read into a buffer and copied out after the check instead. Everything else goes
+in the target, the run's in one call (unless the storage needs no check, ``Storage.verify_data``): a damaged
+chunk raises ``CorruptSnapshotError`` naming its path. Runs of tiny chunks (the mean under ``TINY_BYTES``, where
+the gaps would outnumber the bytes) are read into a buffer and copied out after the check instead. Everything else goes
 the usual way (``loading.leaf_loader``); what a reader must check (sizes vs shapes, files inside the snapshot)
 was checked when the index was decoded or is checked here, before a byte reaches a target. A target on a device
 (a GPU) is read into a page-locked host slab instead, copied to the device with the slab's other tensors by the
@@ -17,20 +17,20 @@ read that completes the slab (:mod:`~ppe_snapshot.engine._restore.device_slabs`)
 The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg``
 and ``is_conj`` are asked after the reads, by ``finish``), the copies of tiny chunks keep it (a memoryview
 assignment, not ``ctypes.memmove``), and the walk yields it after each hand-off; otherwise each release hands
-the GIL over and waits up to the interpreter's switch interval to get it back.
+the GIL over and waits up to the interpreter's switch interval to get it back. A read thread leaves the GIL twice
+per run: for the vectored read and for the run's checksums (``chunk_hashes.hash_addresses``: one C call where the
+helper is built; the package xxhash would hold the GIL for every chunk under 64 KiB).
 """
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from ppe_snapshot.engine._files import ReadBatch, mismatch_error, read_addresses_into, read_file_into
+from ppe_snapshot.engine._files import ReadBatch, hash_addresses, mismatch_error, read_addresses_into, read_file_into
 from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, Manifest, torch_dtype
 from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 from ppe_snapshot.engine._state import child_paths
@@ -208,7 +208,8 @@ class BulkTensors:
         files, offsets = cols["chunk_file"][chunk].astype(np.int64), cols["chunk_offset"][chunk]
         order = np.lexsort((offsets, files))
         files, offsets, nbytes = files[order], offsets[order], cols["chunk_nbytes"][chunk][order]
-        checks, rows = cols["chunk_checksum"][chunk][order].tolist(), rows[order].tolist()
+        checks, rows = cols["chunk_checksum"][chunk][order], rows[order]
+        addresses = np.array(pointers, dtype=np.uint64)[order]
         ends = offsets + nbytes
         brk = np.ones(len(order), dtype=bool)
         brk[1:] = (files[1:] != files[:-1]) | (offsets[1:] - ends[:-1] > MAX_GAP) | (offsets[1:] < ends[:-1])
@@ -219,55 +220,52 @@ class BulkTensors:
             cuts = (s + 1 + np.flatnonzero(np.diff((ends[s:e] - offsets[s]) // MAX_RUN))).tolist()
             edges = [s, *cuts, e]
             bounds += zip(edges[:-1], edges[1:])
-        names, order_list = index.file_names, order.tolist()
-        pointers = [pointers[i] for i in order_list]
-        offsets_list, nbytes_list = offsets.tolist(), nbytes.tolist()
+        names = index.file_names
         for s, e in bounds:
-            run = _Run(self._storage, index, names[int(files[s])], offsets_list[s:e], nbytes_list[s:e], checks[s:e],
-                       pointers[s:e], rows[s:e], self._slabs)
-            tiny = sum(nbytes_list[s:e]) < (e - s) * TINY_BYTES
+            run = _Run(self._storage, index, names[int(files[s])], offsets[s:e], nbytes[s:e], checks[s:e],
+                       addresses[s:e], rows[s:e], self._slabs)
+            tiny = int(nbytes[s:e].sum()) < (e - s) * TINY_BYTES
             self._reads.submit(self._storage, run.read_buffered if tiny else run.read_direct)
 
 
 class _Run:
-    """Neighbouring chunks of one data file and the target memory each goes to; ``slabs`` (where device targets
-    are read to) is told what landed, verified."""
+    """Neighbouring chunks of one data file (offsets, sizes, checksums and index rows: arrays of one length) and the
+    address each goes to; ``slabs`` (where device targets are read to) is told what landed, verified."""
 
-    def __init__(self, storage: Storage, index: Index, file: str, offsets: list[int], nbytes: list[int],
-                 checks: list[int], pointers: list[int], rows: list[int], slabs: DeviceSlabs | None) -> None:
+    def __init__(self, storage: Storage, index: Index, file: str, offsets: np.ndarray, nbytes: np.ndarray,
+                 checks: np.ndarray, addresses: np.ndarray, rows: np.ndarray, slabs: DeviceSlabs | None) -> None:
         self.storage, self.index, self.file, self.slabs = storage, index, file, slabs
-        self.offsets, self.nbytes, self.checks, self.pointers, self.rows = offsets, nbytes, checks, pointers, rows
+        self.offsets, self.nbytes, self.checks, self.addresses, self.rows = offsets, nbytes, checks, addresses, rows
 
     def read_direct(self) -> None:
         """One vectored read straight into the targets, then every chunk verified where it landed (where the storage
-        asks it)."""
-        read_addresses_into(self.storage, self.file, self.offsets, self.pointers, self.nbytes)
-        if self.storage.verify_data:  # (the views to hash made in C-level passes: no Python code per chunk)
-            targets = map(MEMORY.__getitem__, map(slice, self.pointers, map(operator.add, self.pointers, self.nbytes)))
-            sums = list(map(xxhash.xxh3_64_intdigest, targets))
-            if sums != self.checks:
-                self._fail(sums)
+        asks it), in one call that leaves the GIL to the walk (``hash_addresses``)."""
+        read_addresses_into(self.storage, self.file, self.offsets, self.addresses, self.nbytes)
+        if self.storage.verify_data:
+            self._verify(hash_addresses(self.addresses, self.nbytes))
         self._landed()
 
     def read_buffered(self) -> None:
         """One read into a buffer; each chunk verified there, then copied into its target."""
-        start = self.offsets[0]
-        buffer = memoryview(bytearray(self.offsets[-1] + self.nbytes[-1] - start))  # at most about MAX_RUN
-        read_file_into(self.storage, self.file, start, buffer)
-        pieces = [buffer[o - start:o - start + n] for o, n in zip(self.offsets, self.nbytes)]
-        sums = list(map(xxhash.xxh3_64_intdigest, pieces)) if self.storage.verify_data else self.checks
-        if sums != self.checks:
-            self._fail(sums)
-        for piece, pointer, n in zip(pieces, self.pointers, self.nbytes):
-            MEMORY[pointer:pointer + n] = piece  # a copy that keeps the GIL: no hand-off per chunk
-        del pieces, buffer
+        start = int(self.offsets[0])
+        buffer = np.empty(int(self.offsets[-1] + self.nbytes[-1]) - start, dtype=np.uint8)  # at most about MAX_RUN
+        read_file_into(self.storage, self.file, start, memoryview(buffer))
+        sources = (self.offsets - start).astype(np.uint64) + np.uint64(buffer.ctypes.data)
+        if self.storage.verify_data:
+            self._verify(hash_addresses(sources, self.nbytes))
+        for source, address, n in zip(sources.tolist(), self.addresses.tolist(), self.nbytes.tolist()):
+            MEMORY[address:address + n] = MEMORY[source:source + n]  # a copy that keeps the GIL: no hand-off per chunk
+        del buffer
         self._landed()
 
     def _landed(self) -> None:
         if self.slabs is not None:
-            self.slabs.landed(self.pointers, self.nbytes)
+            self.slabs.landed(self.addresses, self.nbytes)
 
-    def _fail(self, sums: list[int]) -> None:
-        i = next(i for i, (got, want) in enumerate(zip(sums, self.checks)) if got != want)
-        raise mismatch_error(self.storage, self.file, self.offsets[i], self.nbytes[i],
-                             self.index.header["tensors"][self.rows[i]])
+    def _verify(self, sums: np.ndarray) -> None:
+        """Raise for the first chunk whose checksum is not the stored one."""
+        wrong = np.flatnonzero(sums != self.checks)
+        if len(wrong):
+            i = int(wrong[0])
+            raise mismatch_error(self.storage, self.file, int(self.offsets[i]), int(self.nbytes[i]),
+                                 self.index.header["tensors"][int(self.rows[i])])

@@ -10,10 +10,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
-import xxhash
 
 from ppe_snapshot.engine._files import (
-    ALIGNMENT, chunk_limit, FileLayout, Written, checksum, is_copyable_raw, tensor_bytes,
+    ALIGNMENT, chunk_limit, FileLayout, Written, checksum, hash_addresses, is_copyable_raw, tensor_bytes,
 )
 from ppe_snapshot.engine._format import Chunk, Raw
 from ppe_snapshot.engine._take.device_gather import DeviceGather, device_rows, gathers, on_device
@@ -207,16 +206,22 @@ def write_staged(storage: Storage, layout: FileLayout, buffer: torch.Tensor, blo
 
     The checksums are computed in a second thread while the image is written:
     both only read the buffer, and the hashing hides behind the disk (which
-    matters most for a background writer that gets little CPU).
+    matters most for a background writer that gets little CPU). The payloads
+    of one chunk each (most of them) are hashed in one call that leaves the
+    GIL to the training loop (``hash_addresses``).
     """
     image = tensor_bytes(buffer[: layout.size])
     written: Written = []
 
     def hash_image() -> None:
-        add, digest, most = written.append, xxhash.xxh3_64_intdigest, chunk_limit(block_bytes)
-        for offset, n in zip(layout.offsets, layout.sizes):
-            if n <= most:
-                add(digest(image[offset:offset + n]))
+        add, most = written.append, chunk_limit(block_bytes)
+        sizes = np.asarray(layout.sizes, dtype=np.uint64)
+        whole = sizes <= most
+        addresses = np.asarray(layout.offsets, dtype=np.uint64)[whole] + np.uint64(buffer.data_ptr())
+        sums = iter(hash_addresses(addresses, sizes[whole]).tolist())
+        for offset, n, one in zip(layout.offsets, layout.sizes, whole.tolist()):
+            if one:
+                add(next(sums))
             else:
                 add([Chunk(layout.file, s, min(most, offset + n - s), checksum(image[s:min(s + most, offset + n)]))
                      for s in range(offset, offset + n, most)])
