@@ -192,24 +192,23 @@ class BulkTensors:
 
     def _submit(self, lookup: _Lookup, codes: list[int], pointers: list[int]) -> None:
         """Hand picked tensors to the read pool, in runs of neighbouring bytes of a file."""
-        picked = np.array(codes, dtype=np.int64)
+        picked, addresses = np.array(codes, dtype=np.int64), np.array(pointers, dtype=np.uint64)
         if len(lookup.tables) == 1:
-            self._submit_rows(lookup.tables[0], picked, pointers)
+            self._submit_rows(lookup.tables[0], picked, addresses)
             return
         which = np.searchsorted(lookup.bases, picked, side="right") - 1
         for number, index in enumerate(lookup.tables):
-            mine = np.flatnonzero(which == number)
-            if len(mine):
-                self._submit_rows(index, picked[mine] - lookup.bases[number], [pointers[i] for i in mine.tolist()])
+            mine = which == number
+            if mine.any():
+                self._submit_rows(index, picked[mine] - lookup.bases[number], addresses[mine])
 
-    def _submit_rows(self, index: Index, rows: np.ndarray, pointers: list[int]) -> None:
+    def _submit_rows(self, index: Index, rows: np.ndarray, addresses: np.ndarray) -> None:
         cols = index.cols
         chunk = index.tensor_chunk_start[rows]
         files, offsets = cols["chunk_file"][chunk].astype(np.int64), cols["chunk_offset"][chunk]
         order = np.lexsort((offsets, files))
         files, offsets, nbytes = files[order], offsets[order], cols["chunk_nbytes"][chunk][order]
-        checks, rows = cols["chunk_checksum"][chunk][order], rows[order]
-        addresses = np.array(pointers, dtype=np.uint64)[order]
+        checks, rows, addresses = cols["chunk_checksum"][chunk][order], rows[order], addresses[order]
         ends = offsets + nbytes
         brk = np.ones(len(order), dtype=bool)
         brk[1:] = (files[1:] != files[:-1]) | (offsets[1:] - ends[:-1] > MAX_GAP) | (offsets[1:] < ends[:-1])
