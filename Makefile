@@ -9,8 +9,8 @@ STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 RUN_STAMP := $(VENV)/.ppe-snapshot-run.stamp
 
 .DEFAULT_GOAL := test
-.PHONY: venv test demo bench gpu-check gpu-native gpu-tests gpu-bench gpu-example gpu-staging gpu-many gpu-wheels clean \
-	distclean
+.PHONY: venv test demo bench gpu-check gpu-native gpu-tests gpu-bench gpu-example gpu-staging gpu-many gpu-wheels \
+	clean distclean
 
 venv: $(STAMP)
 
@@ -43,10 +43,11 @@ bench: venv
 # The checks that need a CUDA GPU (CI has none, and these tests skip there): the CUDA tests, benchmarks/bench_gpu.py
 # (issue 35's figures), the FSDP2 example over NCCL (stopped at 25, resumed on the GPU, then resumed on two CPU
 # ranks over gloo), staging with the state on the GPU, and where 10,000 small CUDA tensors' save and restore spend
-# their time, the restore variant by variant (gpu-many). GPU_PY: a Python whose torch has CUDA, with this package's
-# requirements. Each step has its own target, time limit and log (GPU_LOG), so that one hang costs only itself and a
-# lent GPU's calls can split them: on an H200, gpu-tests took 55-87 s, gpu-bench about 215 s (its peers about 70 s
-# of it), gpu-example 48 s, gpu-staging 53-56 s and gpu-many about 30 s before probe_many_restore.py joined it.
+# their time, the restore variant by variant and with the checksums' C helper against without (gpu-many). GPU_PY: a
+# Python whose torch has CUDA, with this package's requirements. Each step has its own target, time limit and log
+# (GPU_LOG), so that one hang costs only itself and a lent GPU's calls can split them: on an H200, gpu-tests took
+# 55-87 s, gpu-bench about 215 s (its peers about 70 s of it), gpu-example 48 s, gpu-staging 53-56 s and gpu-many
+# about 30 s before probe_many_restore.py and bench_native_hash.py joined it.
 # (bench_gpu.py's --read-workers and --sweep, which settled DEVICE_READ_WORKERS and SMALL_DEVICE_BYTES, are left out.)
 GPU_PY ?= $(PY)
 GPU_RUN := /tmp/ppe-snapshot-gpu-check
@@ -99,6 +100,8 @@ gpu-many: $(GPU_VENV)
 		--count 10000 --device cuda > $(GPU_LOG)/many_$$what.log 2>&1; head -30 $(GPU_LOG)/many_$$what.log; done
 	-timeout 120 $(GPU_PY) benchmarks/probe_many_restore.py --device cuda > $(GPU_LOG)/probe_many.log 2>&1; \
 		tail -8 $(GPU_LOG)/probe_many.log
+	-timeout 120 $(GPU_PY) benchmarks/bench_native_hash.py --device cuda --rounds 4 > $(GPU_LOG)/native_hash.log 2>&1; \
+		tail -4 $(GPU_LOG)/native_hash.log
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache benchmarks/out
