@@ -254,7 +254,6 @@ class _Run:
             self._verify(hash_addresses(sources, self.nbytes))
         for source, address, n in zip(sources.tolist(), self.addresses.tolist(), self.nbytes.tolist()):
             MEMORY[address:address + n] = MEMORY[source:source + n]  # a copy that keeps the GIL: no hand-off per chunk
-        del buffer
         self._landed()
 
     def _landed(self) -> None:
