@@ -93,21 +93,26 @@ def _fill(address: int, values: torch.Tensor) -> None:
     ctypes.memmove(address, values.data_ptr(), values.nbytes)
 
 
+def _place(slabs: DeviceSlabs, target: torch.Tensor) -> int | None:
+    """Where the walk would place ``target`` (its dtype and flatness it knows from the index)."""
+    return slabs.place(target, target.nbytes, target.dtype, target.dim() == 1)
+
+
 def test_a_slab_is_copied_once_closed_and_landed_then_placed_into_again():
     slabs = DeviceSlabs(slab_bytes=64, held_bytes=1 << 20)
     a, b, c, d = torch.zeros(4), torch.zeros(4), torch.zeros(16), torch.zeros(16)
-    first, second = slabs.place(a, 16), slabs.place(b, 16)
+    first, second = _place(slabs, a), _place(slabs, b)
     _fill(first, torch.full((4,), 1.0))
     _fill(second, torch.full((4,), 2.0))
     slabs.landed([first], [16])
-    third = slabs.place(c, 64)  # no room left: a and b's slab is closed, with b's bytes not landed yet
+    third = _place(slabs, c)  # no room left: a and b's slab is closed, with b's bytes not landed yet
     assert not a.any() and not b.any()
     slabs.landed([second, 64], [16, 8])  # (an address outside every slab is left alone)
     assert a.eq(1).all() and b.eq(2).all()  # closed, all landed: copied
     _fill(third, torch.full((16,), 3.0))
     slabs.landed([third], [64])
     assert not c.any()  # still open
-    assert slabs.place(d, 64) in (first, third)  # c's slab closed (copied at once), d in a slab copied out of
+    assert _place(slabs, d) in (first, third)  # c's slab closed (copied at once), d in a slab copied out of
     assert c.eq(3).all()
     slabs.copy()  # d's slab, open: nothing landed in it, so it holds c's or a and b's bytes
     assert d.eq(3).all() or d[:8].tolist() == [1.0] * 4 + [2.0] * 4
@@ -128,7 +133,7 @@ def test_a_damaged_chunk_names_its_tensor(tmp_path, on_device):
 def test_places_follow_one_another_per_kind():
     slabs = DeviceSlabs(slab_bytes=64, held_bytes=1 << 20)
     a, b, c = torch.zeros(4), torch.zeros(2, dtype=torch.int64), torch.zeros(8)
-    first = slabs.place(a, 16)
-    assert slabs.place(b, 16) is not None and slabs.place(c, 32) == first + 16  # after a, in the float32 slab
-    assert slabs.place(torch.zeros(32), 128) is None  # larger than a slab: the usual path
-    assert slabs.place(torch.zeros(8), 32) != first + 48  # would overflow the slab: a new one
+    first = _place(slabs, a)
+    assert _place(slabs, b) is not None and _place(slabs, c) == first + 16  # after a, in the float32 slab
+    assert _place(slabs, torch.zeros(32)) is None  # larger than a slab: the usual path
+    assert _place(slabs, torch.zeros(8)) != first + 48  # would overflow the slab: a new one

@@ -161,7 +161,8 @@ class BulkTensors:
             if on_host(target):
                 pointers.append(target.data_ptr())
                 host_targets.append(target)
-            elif slabs is not None and (address := slabs.place(target, cost - PER_TENSOR_COST)) is not None:
+            elif slabs is not None and \
+                    (address := slabs.place(target, cost - PER_TENSOR_COST, dtype, len(shape) == 1)) is not None:
                 pointers.append(address)
                 full = slabs.full()
             else:

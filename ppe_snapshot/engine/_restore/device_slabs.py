@@ -65,26 +65,28 @@ class DeviceSlabs:
         self._in_use = 0  # bytes of the live slabs
         self._devices: set[torch.device] = set()  # the devices copied to
 
-    def place(self, target: torch.Tensor, nbytes: int) -> int | None:
-        """The host address ``target``'s ``nbytes`` are to be read to; None where it is too large for a slab."""
+    def place(self, target: torch.Tensor, nbytes: int, dtype: torch.dtype, flat: bool) -> int | None:
+        """The host address ``target``'s ``nbytes`` are to be read to; None where it is too large for a slab.
+        ``dtype`` and ``flat`` (one dimension) are the target's, which the walk knows already from the index (asked
+        of the target again, they made the walk through the slabs 5 % slower: benchmarks/RESULTS.md, issue 35)."""
         if nbytes > self._slab_bytes:
             return None
         slab = self._last
-        if slab is None or target.dtype is not slab.dtype or slab.used + nbytes > self._slab_bytes \
+        if slab is None or dtype is not slab.dtype or slab.used + nbytes > self._slab_bytes \
                 or target.device != slab.device:
-            slab = self._last = self._slab_for(target, nbytes)
+            slab = self._last = self._slab_for(target, dtype, nbytes)
         address = slab.address + slab.used
         slab.used += nbytes
         slab.targets.append(target)
         slab.sizes.append(nbytes)
-        if slab.flat and target.dim() != 1:
+        if not flat:
             slab.flat = False
         return address
 
-    def _slab_for(self, target: torch.Tensor, nbytes: int) -> _Slab:
+    def _slab_for(self, target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> _Slab:
         """The open slab of ``target``'s kind, a new one where there is none or it has no room for ``nbytes``
         (the full one is closed)."""
-        kind = (target.device, target.dtype)
+        kind = (target.device, dtype)
         slab = self._open.get(kind)
         if slab is None or slab.used + nbytes > self._slab_bytes:
             if slab is not None:
