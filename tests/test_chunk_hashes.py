@@ -3,6 +3,7 @@ native where the C helper is built, and computed without the GIL there."""
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import logging
 import shutil
 import threading
@@ -93,6 +94,17 @@ def test_a_helper_that_hashes_otherwise_is_not_used(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=chunk_hashes.__name__):
         assert chunk_hashes._load() == (None, None)
     assert "hashes differently from the package xxhash" in caplog.text
+
+
+def test_the_system_libxxhash_stands_in_for_the_package_s(monkeypatch):
+    """Where the package xxhash's extension exports no ``XXH3_64bits`` (here: no extension found at all), the
+    system's libxxhash is used, after the same check."""
+    if not chunk_hashes.LIBRARY.exists() or not ctypes.util.find_library("xxhash"):
+        pytest.skip("the C helper or the system's libxxhash is missing")
+    monkeypatch.setattr(xxhash, "_xxhash", None)
+    system = ctypes.cast(ctypes.CDLL(ctypes.util.find_library("xxhash")).XXH3_64bits, ctypes.c_void_p).value
+    assert chunk_hashes._xxh3_function() == system
+    assert chunk_hashes._load()[1] == system
 
 
 def test_no_helper_library_means_python_checksums(monkeypatch, tmp_path):

@@ -38,12 +38,14 @@ _SAMPLE_SIZES = (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1023, 1024, 6708,
 def _xxh3_function() -> int | None:
     """The address of the C function ``XXH3_64bits``: from the package xxhash's extension module, else from the
     system's libxxhash; None where neither has it."""
-    places = [getattr(getattr(xxhash, "_xxhash", None), "__file__", None), ctypes.util.find_library("xxhash")]
+    places = (lambda: getattr(getattr(xxhash, "_xxhash", None), "__file__", None),
+              lambda: ctypes.util.find_library("xxhash"))  # (asked only if needed: it runs ldconfig)
     for place in places:
-        if not place:
+        name = place()
+        if not name:
             continue
         try:
-            function = ctypes.CDLL(place).XXH3_64bits
+            function = ctypes.CDLL(name).XXH3_64bits
         except (OSError, AttributeError):
             continue
         return ctypes.cast(function, ctypes.c_void_p).value
