@@ -14,8 +14,9 @@ RUN_STAMP := $(VENV)/.ppe-snapshot-run.stamp
 
 venv: $(STAMP)
 
-# The install also builds the C helper of the checksums (setup.py; without a compiler it goes on without it).
-NATIVE_SRC := ppe_snapshot/engine/_files/hash_many.c
+# The install also builds the C helpers of the checksums and the local reads (setup.py; without a compiler it goes
+# on without them).
+NATIVE_SRC := ppe_snapshot/engine/_files/hash_many.c ppe_snapshot/storage/preadv_all.c
 
 $(RUN_STAMP): requirements.txt setup.cfg setup.py $(NATIVE_SRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,12 +57,13 @@ CUDA_TESTS := $(shell grep -l "needs CUDA" tests/test_*.py)
 GPU_VENV := $(if $(filter $(PY),$(GPU_PY)),venv,gpu-native)
 gpu-check: gpu-tests gpu-bench gpu-example gpu-staging gpu-many
 
-# A GPU_PY that runs this tree without installing it (PYTHONPATH) builds the checksums' C helper in place; where
-# that machine has no C compiler, the checksums are computed in Python (the line printed says which).
+# A GPU_PY that runs this tree without installing it (PYTHONPATH) builds the C helpers in place; where that machine
+# has no C compiler, Python does their work (the line printed says which are in use).
 gpu-native:
 	mkdir -p $(GPU_LOG)
 	-$(GPU_PY) setup.py -q build_ext --inplace > $(GPU_LOG)/native.log 2>&1; $(GPU_PY) -c "from \
-		ppe_snapshot.engine._files import chunk_hashes as c; print('native checksums:', c.NATIVE is not None)"
+		ppe_snapshot.engine._files import chunk_hashes as c; from ppe_snapshot.storage import local_reads as r; \
+		print('native checksums:', c.NATIVE is not None, '- native local reads:', r.READ_ALL is not None)"
 
 # Made here, before a GPU is lent: the wheels the GPU machine lacks (it reaches no package index; ../shared/GPU.md),
 # for its Python 3.12 on x86-64, into the ignored .whl/. There: W=$$(mktemp -d); python3 -m pip install -q --no-index
@@ -108,4 +110,4 @@ clean:
 	find . -path ./.venv -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf .venv ppe_snapshot/engine/_files/libhash_many.so
+	rm -rf .venv ppe_snapshot/engine/_files/libhash_many.so ppe_snapshot/storage/libpreadv_all.so

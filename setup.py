@@ -1,9 +1,13 @@
-"""The package's metadata is in setup.cfg; this file adds the one compiled helper.
+"""The package's metadata is in setup.cfg; this file adds the two compiled helpers.
 
-``ppe_snapshot/engine/_files/hash_many.c`` is built as a plain shared library (no Python API, loaded with ctypes),
-named without the interpreter's tag so that one build serves any Python. It is optional: where no C compiler is
-found the install goes on without it, and the checksums are computed in Python, with the GIL held
-(``ppe_snapshot.engine._files.chunk_hashes``).
+Each is built as a plain shared library (no Python API, loaded with ctypes), named without the interpreter's tag so
+that one build serves any Python. Both are optional: where no C compiler is found the install goes on without them,
+and Python does the same work, holding the GIL longer:
+
+- ``ppe_snapshot/engine/_files/hash_many.c``: the checksums of many chunks in one call
+  (``ppe_snapshot.engine._files.chunk_hashes``);
+- ``ppe_snapshot/storage/preadv_all.c``: a local read of many pieces, and what is to follow it, in one call
+  (``ppe_snapshot.storage.local_reads``).
 """
 import os
 
@@ -23,6 +27,8 @@ class PlainLibraries(build_ext):
 
 setuptools.setup(
     ext_modules=[setuptools.Extension("ppe_snapshot.engine._files.libhash_many",
-                                      sources=["ppe_snapshot/engine/_files/hash_many.c"], optional=True)],
+                                      sources=["ppe_snapshot/engine/_files/hash_many.c"], optional=True),
+                 setuptools.Extension("ppe_snapshot.storage.libpreadv_all",
+                                      sources=["ppe_snapshot/storage/preadv_all.c"], optional=True)],
     cmdclass={"build_ext": PlainLibraries},
 )

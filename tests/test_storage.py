@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import shutil
 import uuid
 from typing import Iterator
 
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
-from ppe_snapshot.storage import FsspecStorage, LocalStorage, Storage, open_storage
+from ppe_snapshot.storage import AfterRead, FsspecStorage, LocalStorage, Storage, open_storage
 from ppe_snapshot.storage import local_reads
 from ppe_snapshot.settings import SETTINGS
 
@@ -179,31 +181,115 @@ def test_read_scattered_into_memory_named_by_address(storage):
         assert b"".join(out[s:s + n].tobytes() for s, n in zip(starts, sizes))[:-5] == content[tail:]
 
 
-def test_local_read_scattered_goes_on_after_a_short_read(tmp_path, monkeypatch):
-    """preadv may stop before the end (Linux reads at most about 2 GiB per call, a signal may cut it short): the
-    rest is read from where it stopped, within the piece it stopped in. Calls here stop after 1,000 bytes."""
-    real = local_reads._preadv
-    assert real is not None
+_PREADV = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+_THEN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _stopping_short(limit: int, calls: list[int]):
+    """A preadv like the C library's that reads at most ``limit`` bytes per call (Linux reads at most about 2 GiB
+    per call, a signal may cut one short), and records the pieces each call was given."""
+    real = ctypes.CDLL(None, use_errno=True).preadv
+    real.argtypes, real.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64], ctypes.c_ssize_t
 
     def short(fd: int, address: int, count: int, offset: int) -> int:
+        calls.append(count)
         rows = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(address)).reshape(count, 2).copy()
-        keep = int(np.searchsorted(np.cumsum(rows[:, 1]), 1000)) + 1
+        keep = int(np.searchsorted(np.cumsum(rows[:, 1]), limit)) + 1
         rows = rows[:keep]
-        rows[-1, 1] -= np.uint64(max(0, int(rows[:, 1].sum()) - 1000))
+        rows[-1, 1] -= np.uint64(max(0, int(rows[:, 1].sum()) - limit))
         return real(fd, rows.ctypes.data, len(rows), offset)
+    return short
 
-    monkeypatch.setattr(local_reads, "_preadv", short)
-    content = os.urandom(20000)
+
+@pytest.fixture(params=["native", "python"])
+def local_read_path(request, monkeypatch) -> str:
+    """Local reads by address through the C helper (``preadv_all.c``) or the Python loop of ``preadv`` calls."""
+    if request.param == "native" and local_reads.READ_ALL is None:
+        pytest.skip("the C helper is not built")
+    if request.param == "python":
+        monkeypatch.setattr(local_reads, "READ_ALL", None)
+    return request.param
+
+
+def test_local_read_scattered_goes_on_after_a_short_read(tmp_path, monkeypatch, local_read_path):
+    """preadv may stop before the end: the rest is read from where it stopped, within the piece it stopped in.
+    Calls here stop after 1,000 bytes; 2,500 pieces take calls of at most 1,024 (IOV_MAX)."""
+    calls: list[int] = []
+    short = _stopping_short(1000, calls)
+    if local_read_path == "native":
+        callback = _PREADV(short)
+        monkeypatch.setattr(local_reads, "PREADV_ADDRESS", ctypes.cast(callback, ctypes.c_void_p).value)
+    else:
+        monkeypatch.setattr(local_reads, "_preadv", short)
+    content = os.urandom(30000)
     store = open_storage(str(tmp_path / "snap"))
     writer = store.open_writer("data/f.bin")
     writer.write([memoryview(content)])
     writer.close()
-    out = np.zeros(19000, dtype=np.uint8)
-    iov = np.array([[out.ctypes.data, 333], [out.ctypes.data + 333, 18000], [out.ctypes.data + 18333, 667]],
-                   dtype=np.uint64)
+    out = np.zeros(29000, dtype=np.uint8)
+    iov = np.array([[out.ctypes.data, 333], [out.ctypes.data + 333, 18000], [out.ctypes.data + 18333, 667]]
+                   + [[out.ctypes.data + 19000 + i * 4, 4] for i in range(2500)], dtype=np.uint64)
     store.read_scattered("data/f.bin", 7, iov)
-    assert out.tobytes() == content[7:19007]
+    assert out.tobytes() == content[7:29007]
+    assert max(calls) == 1024 and len(calls) >= 29
+    assert iov[1].tolist() == [out.ctypes.data + 333, 18000]  # (the caller's rows are left as they were)
     store.close()
+
+
+def test_read_scattered_then_runs_its_function_once_the_bytes_have_landed(storage, monkeypatch):
+    """``read_scattered_then``: the function runs once, on the reading thread, after every byte is in place; not
+    where the read fails. On local storage the read and the function are one native call (the GIL left once)."""
+    content = bytes(i * 11 % 253 for i in range(50000))
+    writer = storage.open_writer("data/f.bin")
+    writer.write([memoryview(content)])
+    writer.close()
+    out = np.zeros(3000 * 9, dtype=np.uint8)
+    iov = np.stack([out.ctypes.data + np.arange(3000) * 9, np.full(3000, 9)], axis=1).astype(np.uint64)
+    events: list[str] = []
+    seen: list[bytes] = []
+
+    def then(argument: int) -> None:
+        events.append("then")
+        seen.append(out.tobytes() if argument == 7 else b"")
+    callback = _THEN(then)
+    after = AfterRead(ctypes.cast(callback, ctypes.c_void_p).value, 7)
+    native = isinstance(storage, LocalStorage) and local_reads.READ_ALL is not None
+    if native:
+        read_all = local_reads.READ_ALL
+
+        def recorded(*args):
+            events.append("enter")
+            code = read_all(*args)
+            events.append("return")
+            return code
+        monkeypatch.setattr(local_reads, "READ_ALL", recorded)
+    storage.read_scattered_then("data/f.bin", 1000, iov, after)
+    assert seen == [content[1000:1000 + 27000]]
+    assert events == (["enter", "then", "return"] if native else ["then"])
+
+    events.clear()
+    with pytest.raises(EOFError):
+        storage.read_scattered_then("data/f.bin", 30000, iov, after)
+    assert "then" not in events
+
+
+def test_a_failed_local_read_names_the_error(tmp_path, local_read_path):
+    """A system call's error is an OSError with its errno (here EBADF: a closed descriptor)."""
+    fd = os.open(tmp_path / "f", os.O_RDONLY | os.O_CREAT)
+    os.close(fd)
+    out = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(OSError) as raised:
+        local_reads.read_addresses(fd, 0, np.array([[out.ctypes.data, 8]], dtype=np.uint64), lambda: "f")
+    assert raised.value.errno == errno.EBADF and "reading f" in str(raised.value)
+
+
+def test_the_read_helper_is_built_where_a_compiler_is():
+    """CI installs the package with a C compiler at hand: the helper must have been built and loaded there."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine")
+    assert local_reads.READ_ALL_LIBRARY.exists(), \
+        f"{local_reads.READ_ALL_LIBRARY} is missing: install the package (pip install -e ., or make venv) to build it"
+    assert local_reads.READ_ALL is not None
 
 
 def test_missing_files(storage):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ppe_snapshot.storage.base import (
-    BlobWriter, Storage, is_safe_relative, split_reference,
+    AfterRead, BlobWriter, Storage, is_safe_relative, split_reference,
 )
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
@@ -39,7 +39,8 @@ def join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if base else name
 
 
-__all__ = ["BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree", "Tuning",
-           "UnchangedFiles", "absolute", "anchored", "in_one_process", "is_known_location", "is_safe_relative", "join",
-           "mapped", "memory_backed_dir", "open_storage", "open_tree", "open_unchanged", "open_url", "record_files",
-           "register_store", "remove_local_shadow", "shared_pool", "split_reference", "split_tuning", "url_to_fs"]
+__all__ = ["AfterRead", "BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree",
+           "Tuning", "UnchangedFiles", "absolute", "anchored", "in_one_process", "is_known_location",
+           "is_safe_relative", "join", "mapped", "memory_backed_dir", "open_storage", "open_tree", "open_unchanged",
+           "open_url", "record_files", "register_store", "remove_local_shadow", "shared_pool", "split_reference",
+           "split_tuning", "url_to_fs"]

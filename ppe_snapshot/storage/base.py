@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -23,6 +23,17 @@ def is_safe_relative(name: Any) -> bool:
     """
     return (type(name) is str and name != "" and name[0] != "/" and "\\" not in name and "\0" not in name
             and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+class AfterRead(NamedTuple):
+    """A C function ``void function(void *argument)`` for :meth:`Storage.read_scattered_then` to run on the reading
+    thread once every byte has landed (the engine's checksums of what was read)."""
+    function: int  # its address
+    argument: int
+
+    def __call__(self) -> None:
+        """Run it here, through ctypes (without the GIL)."""
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.function)(self.argument)
 
 
 #: How a name of an incremental snapshot's data file starts when the bytes lie in another snapshot of the same run
@@ -143,6 +154,14 @@ class Storage(abc.ABC):
         :meth:`read_vectored`; local storage hands the array to ``preadv`` as it is."""
         self.read_vectored(rel, offset, [memoryview((ctypes.c_char * int(n)).from_address(int(a))).cast("B")
                                          for a, n in iov.tolist() if n])
+
+    def read_scattered_then(self, rel: str, offset: int, iov: np.ndarray, then: AfterRead) -> None:
+        """:meth:`read_scattered`, then ``then()`` on this thread once every byte has landed (not where the read
+        fails). Local storage runs both in one native call, which leaves the GIL once: a read thread that left
+        it for the read and again for ``then`` waited up to the interpreter's switch interval each time to get it
+        back while another thread ran Python."""
+        self.read_scattered(rel, offset, iov)
+        then()
 
     @abc.abstractmethod
     def exists(self, rel: str) -> bool:

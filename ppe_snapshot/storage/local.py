@@ -13,7 +13,9 @@ import numpy as np
 
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.settings import SETTINGS
-from ppe_snapshot.storage.base import BlobWriter, Storage, is_readable_name, naming_missing_base, split_reference
+from ppe_snapshot.storage.base import (
+    AfterRead, BlobWriter, Storage, is_readable_name, naming_missing_base, split_reference,
+)
 from ppe_snapshot.storage.local_reads import read_addresses, read_views
 
 # One syscall writes at most this much (Linux caps a single write near 2 GiB).
@@ -360,6 +362,10 @@ class LocalStorage(Storage):
     def read_scattered(self, rel: str, offset: int, iov: np.ndarray) -> None:
         if not read_addresses(self._reader_fd(rel), offset, iov, lambda: self._abs(rel)):
             super().read_scattered(rel, offset, iov)
+
+    def read_scattered_then(self, rel: str, offset: int, iov: np.ndarray, then: AfterRead) -> None:
+        if not read_addresses(self._reader_fd(rel), offset, iov, lambda: self._abs(rel), then):
+            super().read_scattered_then(rel, offset, iov, then)
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(self._abs(rel))

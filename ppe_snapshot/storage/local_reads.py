@@ -1,14 +1,21 @@
 """Vectored reads of a local file: into buffer objects (``os.preadv``), or into memory named by address (the C
-library's ``preadv`` through ctypes, with no Python object per piece: a restore of thousands of small tensors)."""
+library's ``preadv`` through ctypes, with no Python object per piece: a restore of thousands of small tensors).
+
+Reads by address go through ``preadv_all.c`` where ``setup.py`` built it: every system call a read takes, and the
+caller's ``AfterRead``, in one native call (the GIL left once); else a Python loop of ``preadv`` calls.
+"""
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import pathlib
 import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from ppe_snapshot.storage.base import AfterRead
 
 # preadv takes at most this many buffers per call (IOV_MAX on Linux).
 _IOV_MAX = 1024
@@ -50,14 +57,42 @@ def _libc_preadv() -> Any:
 
 
 _preadv = _libc_preadv()
+#: The C library ``setup.py`` builds beside this module.
+READ_ALL_LIBRARY = pathlib.Path(__file__).with_name("libpreadv_all.so")
 
 
-def read_addresses(fd: int, offset: int, iov: np.ndarray, name: Callable[[], str]) -> bool:
+def _load_read_all() -> Any:
+    """``ppe_preadv_all`` of the C library, where it is built and ``preadv`` is at hand; else None (the Python loop
+    reads the same bytes)."""
+    if _preadv is None or not READ_ALL_LIBRARY.exists():
+        return None
+    try:
+        read_all = ctypes.CDLL(str(READ_ALL_LIBRARY)).ppe_preadv_all
+    except (OSError, AttributeError):
+        return None
+    read_all.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+    read_all.restype = ctypes.c_int
+    return read_all
+
+
+#: ``ppe_preadv_all(preadv, fd, iov, count, offset, then, argument, done)`` (None: the Python loop) and the
+#: ``preadv`` it calls.
+READ_ALL = _load_read_all()
+PREADV_ADDRESS = None if _preadv is None else ctypes.cast(_preadv, ctypes.c_void_p).value
+
+
+def read_addresses(fd: int, offset: int, iov: np.ndarray, name: Callable[[], str],
+                   then: AfterRead | None = None) -> bool:
     """Fill the memory ``iov`` names, a ``(n, 2)`` uint64 array of (address, length) rows, in order from the
-    bytes of ``fd`` at ``offset``; EOFError (naming the file ``name()``, asked only on a failure) where the file
-    ends first. False where this system has no such call (nothing was read)."""
+    bytes of ``fd`` at ``offset``, then run ``then`` (where given) on this thread; EOFError (naming the file
+    ``name()``, asked only on a failure) where the file ends first, and ``then`` is not run. False where this
+    system has no such call (nothing was read)."""
     if _preadv is None:
         return False
+    if READ_ALL is not None:
+        _read_all(fd, offset, np.array(iov, dtype=np.uint64, order="C"), name, then)  # (a copy: the call changes it)
+        return True
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
     while len(iov):
         batch = iov[:_IOV_MAX]
@@ -82,4 +117,17 @@ def read_addresses(fd: int, offset: int, iov: np.ndarray, name: Callable[[], str
         into = np.uint64(n - (int(ends[done - 1]) if done else 0))
         iov[0, 0] += into
         iov[0, 1] -= into
+    if then is not None:
+        then()
     return True
+
+
+def _read_all(fd: int, offset: int, iov: np.ndarray, name: Callable[[], str], then: AfterRead | None) -> None:
+    """:func:`read_addresses` in one native call."""
+    done, want = ctypes.c_int64(), int(iov[:, 1].sum())
+    function, argument = then if then is not None else (None, None)
+    code = READ_ALL(PREADV_ADDRESS, fd, iov.ctypes.data, len(iov), offset, function, argument, ctypes.byref(done))
+    if code < 0:
+        raise EOFError(f"{name()} ends at byte {offset + done.value}, expected at least {offset + want}")
+    if code:
+        raise OSError(code, f"{os.strerror(code)}: reading {name()}")
