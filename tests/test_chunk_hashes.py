@@ -116,14 +116,16 @@ def test_no_helper_library_means_python_checksums(monkeypatch, tmp_path):
     del buffer
 
 
+@pytest.mark.parametrize("size", [40, 1500], ids=["buffered-runs", "direct-runs"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_small_tensors_round_trip_and_a_damaged_one_is_named(native, monkeypatch, tmp_path):
+def test_small_tensors_round_trip_and_a_damaged_one_is_named(native, size, monkeypatch, tmp_path):
     """Both hashings write and check the same snapshot: a take staged by a writer (``write_staged``'s checksums)
-    restored bit-exact through the bulk path, and one flipped byte named by its path."""
+    restored bit-exact through the bulk path (runs of tiny chunks read through a buffer, and runs read straight
+    into the targets), and one flipped byte named by its path."""
     if native and chunk_hashes.NATIVE is None:
         pytest.skip("the C helper is not built")
     monkeypatch.setattr(SETTINGS, "native_hash", native)
-    state = {f"t{i}": torch.randn(40 + i % 7) for i in range(500)}
+    state = {f"t{i}": torch.randn(size + i % 7) for i in range(500)}
     path = str(tmp_path / "s")
     ps.Snapshot.async_take(path, {"m": ps.StateDict(state)}).wait()
     back = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -138,3 +140,27 @@ def test_small_tensors_round_trip_and_a_damaged_one_is_named(native, monkeypatch
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CorruptSnapshotError, match="m/t123"):
         ps.Snapshot(path).restore({"m": ps.StateDict(back)})
+
+
+@needs_native
+@pytest.mark.parametrize("size", [40, 1500], ids=["buffered-runs", "direct-runs"])
+def test_a_local_bulk_restore_hashes_inside_its_reads(size, monkeypatch, tmp_path):
+    """With both C helpers, each run of a bulk restore is hashed by its read's own native call (the read thread
+    leaves the GIL once per run): no checksum is computed after a read."""
+    from ppe_snapshot.storage import local_reads
+    if local_reads.READ_ALL is None or chunk_hashes.HASH_JOB is None:
+        pytest.skip("the C helpers are not built")
+    state = {f"t{i}": torch.randn(size) for i in range(2000)}
+    path = str(tmp_path / "s")
+    ps.Snapshot.take(path, {"m": ps.StateDict(state)})
+    read_all, reads_then = local_reads.READ_ALL, []
+
+    def recorded(*args):
+        reads_then.append(args[5] == chunk_hashes.HASH_JOB)
+        return read_all(*args)
+    monkeypatch.setattr(local_reads, "READ_ALL", recorded)
+    monkeypatch.setattr(chunk_hashes, "hash_addresses", lambda *a: pytest.fail("hashed after a read"))
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    ps.Snapshot(path).restore({"m": ps.StateDict(back)})
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert reads_then and all(reads_then)

@@ -9,6 +9,9 @@ GIL for the call: the hashing runs beside Python code instead of taking turns wi
 package xxhash computes, by the C function it carries (``XXH3_64bits``, exported by its extension module; else the
 system's libxxhash); it is checked against the package on sample inputs before it is used.
 
+A read can hash what it read before it takes the GIL back: :class:`HashesAfterRead` hands the storage the
+hashing as its ``AfterRead`` (``Storage.read_scattered_then``; local storage runs both in one native call).
+
 Where the library or the function cannot be had (``NATIVE`` is None), or ``PPE_SNAPSHOT_NATIVE_HASH=0``
 (``SETTINGS.native_hash``), the same checksums are computed in Python, with the GIL held.
 """
@@ -25,6 +28,7 @@ import xxhash
 
 from ppe_snapshot.engine._util import MEMORY
 from ppe_snapshot.settings import SETTINGS
+from ppe_snapshot.storage import AfterRead
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,48 @@ def _load() -> tuple[Any, int | None]:
 #: ``ppe_hash_many(hash function, addresses, lengths, count, out)`` and the hash function's address: the native
 #: hashing (None: chunks are hashed in Python).
 NATIVE, XXH3_64BITS = _load()
+
+
+def _job_function() -> int | None:
+    """The address of ``ppe_hash_job`` (``ppe_hash_many`` of a struct of its arguments), where the native hashing
+    is loaded."""
+    if NATIVE is None:
+        return None
+    try:
+        return ctypes.cast(ctypes.CDLL(str(LIBRARY)).ppe_hash_job, ctypes.c_void_p).value
+    except (OSError, AttributeError):  # (a library built before it had one)
+        return None
+
+
+HASH_JOB = _job_function()
+
+
+class _Job(ctypes.Structure):
+    """``struct ppe_hash_job`` of hash_many.c."""
+    _fields_ = [("hash", ctypes.c_void_p), ("addresses", ctypes.c_void_p), ("lengths", ctypes.c_void_p),
+                ("count", ctypes.c_size_t), ("out", ctypes.c_void_p)]
+
+
+class HashesAfterRead:
+    """The checksums of chunks about to be read, computed by the read itself where it can: ``after_read`` is the
+    ``AfterRead`` to hand to ``Storage.read_scattered_then`` (None where the native hashing is off: read with
+    ``read_scattered``); :meth:`sums` once the read has returned."""
+
+    def __init__(self, addresses: Any, lengths: Any) -> None:
+        self._addresses = np.ascontiguousarray(addresses, dtype=np.uint64)
+        self._lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+        if len(self._addresses) != len(self._lengths):
+            raise ValueError(f"{len(self._addresses)} addresses and {len(self._lengths)} lengths")
+        self._out = np.empty(len(self._addresses), dtype=np.uint64)
+        self.after_read: AfterRead | None = None
+        if HASH_JOB is not None and SETTINGS.native_hash and len(self._out):
+            self._job = _Job(XXH3_64BITS, self._addresses.ctypes.data, self._lengths.ctypes.data, len(self._out),
+                             self._out.ctypes.data)
+            self.after_read = AfterRead(HASH_JOB, ctypes.addressof(self._job))
+
+    def sums(self) -> np.ndarray:
+        """:func:`hash_addresses` of the chunks: computed by the read, else now."""
+        return self._out if self.after_read is not None else hash_addresses(self._addresses, self._lengths)
 
 
 def hash_addresses(addresses: Any, lengths: Any) -> np.ndarray:

@@ -18,3 +18,18 @@ void ppe_hash_many(ppe_hash_fn hash, const uint64_t *addresses, const uint64_t *
         out[i] = hash((const void *)(uintptr_t)addresses[i], (size_t)lengths[i]);
     }
 }
+
+/* The arguments of one ppe_hash_many call, for ppe_hash_job. */
+struct ppe_hash_job {
+    ppe_hash_fn hash;
+    const uint64_t *addresses;
+    const uint64_t *lengths;
+    size_t count;
+    uint64_t *out;
+};
+
+/* ppe_hash_many of a job: the function a local read runs once its bytes have landed, in the same native call
+   (ppe_snapshot/storage/preadv_all.c), so that the read thread leaves the GIL once for both. */
+void ppe_hash_job(const struct ppe_hash_job *job) {
+    ppe_hash_many(job->hash, job->addresses, job->lengths, job->count, job->out);
+}

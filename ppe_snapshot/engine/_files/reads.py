@@ -12,7 +12,7 @@ import xxhash
 from ppe_snapshot.engine._files.packing import CHUNK_BYTES, checksum, row_major_blocks, tensor_bytes
 from ppe_snapshot.engine._format import Chunk, Entry, Manifest, ShardedTensorEntry
 from ppe_snapshot.errors import CorruptSnapshotError
-from ppe_snapshot.storage import Storage, shared_pool
+from ppe_snapshot.storage import AfterRead, Storage, shared_pool
 
 # Smallest host buffer used when a read must go through one (device or dtype change).
 ALIGN_STEP = 1 << 16
@@ -49,10 +49,11 @@ def read_views_into(storage: Storage, file: str, offsets: Sequence[int], views: 
 
 
 def read_addresses_into(storage: Storage, file: str, offsets: Sequence[int], addresses: Sequence[int],
-                        sizes: Sequence[int]) -> None:
+                        sizes: Sequence[int], then: AfterRead | None = None) -> None:
     """:func:`read_views_into` for memory named by address: ``sizes[i]`` bytes of data file ``file`` at
     ``offsets[i]`` (ascending, neighbours at most ``ReadBatch.MAX_GAP`` apart) to ``addresses[i]``, in one
-    vectored read without an object per piece (``Storage.read_scattered``)."""
+    vectored read without an object per piece (``Storage.read_scattered``); ``then`` run on this thread once
+    every byte has landed (``Storage.read_scattered_then``)."""
     n = len(offsets)
     starts, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
     gaps = starts[1:] - starts[:-1] - lengths[:-1]
@@ -62,8 +63,12 @@ def read_addresses_into(storage: Storage, file: str, offsets: Sequence[int], add
     iov = np.empty((2 * n - 1, 2), dtype=np.uint64)
     iov[0::2, 0], iov[0::2, 1] = addresses, lengths
     iov[1::2, 0], iov[1::2, 1] = scratch.ctypes.data, gaps
+    iov = iov[iov[:, 1] > 0]
     try:
-        storage.read_scattered(file, int(offsets[0]), iov[iov[:, 1] > 0])
+        if then is None:
+            storage.read_scattered(file, int(offsets[0]), iov)
+        else:
+            storage.read_scattered_then(file, int(offsets[0]), iov, then)
     except (EOFError, FileNotFoundError) as e:
         raise _truncated_error(storage, file, e) from e
 

@@ -17,9 +17,10 @@ read that completes the slab (:mod:`~ppe_snapshot.engine._restore.device_slabs`)
 The walk and the read threads share the GIL: the walk calls no torch method that releases it (``is_neg``
 and ``is_conj`` are asked after the reads, by ``finish``), the copies of tiny chunks keep it (a memoryview
 assignment, not ``ctypes.memmove``), and the walk yields it after each hand-off; otherwise each release hands
-the GIL over and waits up to the interpreter's switch interval to get it back. A read thread leaves the GIL twice
-per run: for the vectored read and for the run's checksums (``chunk_hashes.hash_addresses``: one C call where the
-helper is built; the package xxhash would hold the GIL for every chunk under 64 KiB).
+the GIL over and waits up to the interpreter's switch interval to get it back. A read thread leaves the GIL once
+per run where the C helpers are built: the vectored read (every system call it takes) and the run's checksums are
+one native call (``Storage.read_scattered_then`` with ``chunk_hashes.HashesAfterRead``); without them, once for
+the read and once more for the checksums (the package xxhash would hold the GIL for every chunk under 64 KiB).
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppe_snapshot.engine._files import ReadBatch, hash_addresses, mismatch_error, read_addresses_into, read_file_into
+from ppe_snapshot.engine._files import (
+    HashesAfterRead, ReadBatch, mismatch_error, read_addresses_into, read_file_into,
+)
 from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, Manifest, torch_dtype
 from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 from ppe_snapshot.engine._state import child_paths
@@ -247,20 +250,29 @@ class _Run:
 
     def read_direct(self) -> None:
         """One vectored read straight into the targets, then every chunk verified where it landed (where the storage
-        asks it), in one call that leaves the GIL to the walk (``hash_addresses``)."""
-        read_addresses_into(self.storage, self.file, self.offsets, self.addresses, self.nbytes)
-        if self.storage.verify_data:
-            self._verify(hash_addresses(self.addresses, self.nbytes))
+        asks it), hashed by the read's own call where it can (``HashesAfterRead``: the GIL left once)."""
+        if not self.storage.verify_data:
+            read_addresses_into(self.storage, self.file, self.offsets, self.addresses, self.nbytes)
+        else:
+            hashes = HashesAfterRead(self.addresses, self.nbytes)
+            read_addresses_into(self.storage, self.file, self.offsets, self.addresses, self.nbytes,
+                                hashes.after_read)
+            self._verify(hashes.sums())
         self._landed()
 
     def read_buffered(self) -> None:
-        """One read into a buffer; each chunk verified there, then copied into its target."""
+        """One read into a buffer; each chunk verified there (hashed by the read's own call where it can), then
+        copied into its target."""
         start = int(self.offsets[0])
         buffer = np.empty(int(self.offsets[-1] + self.nbytes[-1]) - start, dtype=np.uint8)  # at most about MAX_RUN
-        read_file_into(self.storage, self.file, start, memoryview(buffer))
         sources = (self.offsets - start).astype(np.uint64) + np.uint64(buffer.ctypes.data)
-        if self.storage.verify_data:
-            self._verify(hash_addresses(sources, self.nbytes))
+        if not self.storage.verify_data:
+            read_file_into(self.storage, self.file, start, memoryview(buffer))
+        else:
+            hashes = HashesAfterRead(sources, self.nbytes)
+            read_addresses_into(self.storage, self.file, [start], [buffer.ctypes.data], [buffer.nbytes],
+                                hashes.after_read)
+            self._verify(hashes.sums())
         for source, address, n in zip(sources.tolist(), self.addresses.tolist(), self.nbytes.tolist()):
             MEMORY[address:address + n] = MEMORY[source:source + n]  # a copy that keeps the GIL: no hand-off per chunk
         self._landed()
