@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,8 +95,12 @@ def _fill(address: int, values: torch.Tensor) -> None:
 
 
 def _place(slabs: DeviceSlabs, target: torch.Tensor) -> int | None:
-    """Where the walk would place ``target`` (its dtype and flatness it knows from the index)."""
-    return slabs.place(target, target.nbytes, target.dtype, target.dim() == 1)
+    """Where the walk would place ``target`` alone (its dtype and flatness it knows from the index); None where it
+    is larger than a slab (the walk sends it the usual way)."""
+    if target.nbytes > slabs.slab_bytes:
+        return None
+    (address,) = slabs.place_many([target], np.array([target.nbytes]), [target.dtype], [target.dim() == 1]).tolist()
+    return address
 
 
 def test_a_slab_is_copied_once_closed_and_landed_then_placed_into_again():
@@ -137,3 +142,22 @@ def test_places_follow_one_another_per_kind():
     assert _place(slabs, b) is not None and _place(slabs, c) == first + 16  # after a, in the float32 slab
     assert _place(slabs, torch.zeros(32)) is None  # larger than a slab: the usual path
     assert _place(slabs, torch.zeros(8)) != first + 48  # would overflow the slab: a new one
+
+
+def test_a_batch_is_placed_per_kind_in_order_and_in_part_at_the_bound():
+    """``place_many``: runs of one device and dtype each follow the last place of their kind, in the order given,
+    a new slab where one is full; where the slabs in use would pass the bound, it stops, and after ``copy`` the
+    rest is placed in the slabs copied out of."""
+    slabs = DeviceSlabs(slab_bytes=64, held_bytes=192)
+    floats = [torch.zeros(4) for _ in range(5)]  # 16 bytes each
+    longs = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+    meta = torch.zeros(4, device="meta")  # another device: a slab of its own
+    batch = [floats[0], floats[1], longs[0], longs[1], meta, floats[2], floats[3], floats[4], longs[2]]
+    nbytes = np.array([t.nbytes for t in batch])
+    got = slabs.place_many(batch, nbytes, [t.dtype for t in batch], [True] * len(batch)).tolist()
+    assert len(got) == 7  # three slabs (float32, int64, meta) hold 192 bytes: floats[4] would need a fourth
+    f0, f1, l0, l1, m0, f2, f3 = got
+    assert (f1, f2, f3) == (f0 + 16, f0 + 32, f0 + 48) and l1 == l0 + 16 and len({f0, l0, m0}) == 3
+    slabs.copy()
+    rest = slabs.place_many(batch[7:], nbytes[7:], [torch.float32, torch.int64], [True, True]).tolist()
+    assert len(rest) == 2 and rest[0] != rest[1] and {rest[0], rest[1]} <= {f0, l0, m0}  # slabs copied out of

@@ -14,14 +14,18 @@ tensor. Those copies run on the read threads while the walk goes on (on an H200 
 transfer out of it ends: a CUDA event), so a restore pins a few slabs instead of one per 8 MiB of tensors. The
 slabs still open when the walk ends are copied by :meth:`DeviceSlabs.copy`.
 
+The walk asks for places in batches (:meth:`DeviceSlabs.place_many`: a few numpy passes per run of targets of one
+device and dtype, no Python call per target), each time it hands its picks to the read pool.
+
 Host memory: slabs of ``SLAB_BYTES`` (page-locked for CUDA), at most ``HELD_BYTES`` of them placed into and not
-yet copied; the walk hands its picks over, joins the reads and copies the slabs each time they reach it
-(:meth:`DeviceSlabs.full`). The copies from read threads go on the device's default stream: the walk's current
-stream is synchronized once per device first, so that work queued on the targets before the restore ends before
-they begin.
+yet copied; where a batch would need more, it is placed in part, and the walk hands that part over, joins the
+reads and copies the slabs before it places the rest. The copies from read threads go on the device's default
+stream: the walk's current stream is synchronized once per device first, so that work queued on the targets before
+the restore ends before they begin.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +39,8 @@ from ppe_snapshot.engine._files import host_buffer
 SLAB_BYTES = 8 << 20
 #: The slabs placed into and not yet copied, at most, before the walk waits for their reads and copies them.
 HELD_BYTES = 128 << 20
+
+_DEVICE = operator.attrgetter("device")
 
 
 @dataclass
@@ -59,42 +65,70 @@ class DeviceSlabs:
         self._held_bytes = HELD_BYTES if held_bytes is None else held_bytes
         self._lock = threading.Lock()  # guards what the read threads touch: the slabs' landing, the spares
         self._open: dict[tuple[torch.device, torch.dtype], _Slab] = {}  # the slab being filled, per kind
-        self._last: _Slab | None = None  # the slab of the last place (most targets share the kind of the last)
         self._live: dict[int, _Slab] = {}  # by address: the slabs placed into and not yet copied
         self._spare: list[tuple[torch.Tensor, Any]] = []  # host slabs copied out of, and the end of that copy
         self._in_use = 0  # bytes of the live slabs
         self._devices: set[torch.device] = set()  # the devices copied to
 
-    def place(self, target: torch.Tensor, nbytes: int, dtype: torch.dtype, flat: bool) -> int | None:
-        """The host address ``target``'s ``nbytes`` are to be read to; None where it is too large for a slab.
-        ``dtype`` and ``flat`` (one dimension) are the target's, which the walk knows already from the index (asked
-        of the target again, they made the walk through the slabs 5 % slower: benchmarks/RESULTS.md, issue 35)."""
-        if nbytes > self._slab_bytes:
-            return None
-        slab = self._last
-        if slab is None or dtype is not slab.dtype or slab.used + nbytes > self._slab_bytes \
-                or target.device != slab.device:
-            slab = self._last = self._slab_for(target, dtype, nbytes)
-        address = slab.address + slab.used
-        slab.used += nbytes
-        slab.targets.append(target)
-        slab.sizes.append(nbytes)
-        if not flat:
-            slab.flat = False
-        return address
+    def place_many(self, targets: list[torch.Tensor], nbytes: np.ndarray, dtypes: list[torch.dtype],
+                   flat: list[bool]) -> np.ndarray:
+        """The host addresses ``targets[i]``'s ``nbytes[i]`` bytes (each at most ``slab_bytes``) are to be read to,
+        in order, for as many targets as the bound allows: fewer addresses than targets where the slabs in use
+        would pass it, and the caller hands the placed ones to the reads, joins them, calls :meth:`copy`, and
+        places the rest. ``dtypes`` and ``flat`` (one dimension) are the targets', which the walk knows already
+        from the index. Each slab holds its targets' bytes one after another, in the order given."""
+        n = len(targets)
+        if not n:
+            return np.empty(0, dtype=np.int64)
+        devices = list(map(_DEVICE, targets))
+        changes = np.fromiter(map(operator.is_not, dtypes[1:], dtypes[:-1]), dtype=bool, count=n - 1) \
+            | np.fromiter(map(operator.ne, devices[1:], devices[:-1]), dtype=bool, count=n - 1)
+        edges = [0, *(np.flatnonzero(changes) + 1).tolist(), n]
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        ends = np.cumsum(nbytes)
+        addresses: list[np.ndarray] = []
+        for start, stop in zip(edges[:-1], edges[1:]):  # runs of one device and dtype
+            if self._place_run(targets, nbytes, ends, flat, start, stop, (devices[start], dtypes[start]),
+                               addresses) < stop:
+                break
+        return np.concatenate(addresses) if addresses else np.empty(0, dtype=np.int64)
 
-    def _slab_for(self, target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> _Slab:
-        """The open slab of ``target``'s kind, a new one where there is none or it has no room for ``nbytes``
-        (the full one is closed)."""
-        kind = (target.device, dtype)
-        slab = self._open.get(kind)
-        if slab is None or slab.used + nbytes > self._slab_bytes:
-            if slab is not None:
-                self._close(slab)
-            host = self._host_slab(target.device)
-            slab = self._open[kind] = _Slab(*kind, host, host.data_ptr())
-            with self._lock:
-                self._live[slab.address] = slab
+    @property
+    def slab_bytes(self) -> int:
+        """The size of a slab: a larger target goes the usual way."""
+        return self._slab_bytes
+
+    def _place_run(self, targets: list[torch.Tensor], nbytes: np.ndarray, ends: np.ndarray, flat: list[bool],
+                   start: int, stop: int, kind: tuple[torch.device, torch.dtype], addresses: list[np.ndarray]) -> int:
+        """Place ``targets[start:stop]``, all of ``kind``, slab by slab (``ends``: the cumulated ``nbytes``), their
+        addresses appended to ``addresses``; returns where it stopped (``stop`` unless the bound was reached)."""
+        position = start
+        while position < stop:
+            slab = self._open.get(kind)
+            if slab is None or slab.used + int(nbytes[position]) > self._slab_bytes:
+                if self._in_use and self._in_use + self._slab_bytes > self._held_bytes:
+                    return position
+                slab = self._new_slab(kind, slab)
+            before = int(ends[position] - nbytes[position])  # the bytes of the targets before ``position``
+            end = min(stop, int(np.searchsorted(ends, before + self._slab_bytes - slab.used, side="right")))
+            offsets = ends[position:end] - nbytes[position:end] - before + slab.used
+            addresses.append(offsets + slab.address)
+            slab.targets += targets[position:end]
+            slab.sizes += nbytes[position:end].tolist()
+            slab.used += int(ends[end - 1]) - before
+            if not all(flat[position:end]):
+                slab.flat = False
+            position = end
+        return stop
+
+    def _new_slab(self, kind: tuple[torch.device, torch.dtype], full: _Slab | None) -> _Slab:
+        """A new open slab of ``kind``; ``full``, the one it replaces, is closed."""
+        if full is not None:
+            self._close(full)
+        host = self._host_slab(kind[0])
+        slab = self._open[kind] = _Slab(*kind, host, host.data_ptr())
+        with self._lock:
+            self._live[slab.address] = slab
         return slab
 
     def _close(self, slab: _Slab) -> None:
@@ -128,10 +162,6 @@ class DeviceSlabs:
         for slab in ready:
             self._copy_slab(slab)
 
-    def full(self) -> bool:
-        """Whether the slabs in use reach the bound: the caller joins their reads and calls :meth:`copy`."""
-        return self._in_use >= self._held_bytes
-
     def _host_slab(self, device: torch.device) -> torch.Tensor:
         """A host slab for ``device``: a spare one (once the copy out of it has ended), else a new one."""
         if device.type == "cuda" and device not in self._devices:
@@ -152,7 +182,7 @@ class DeviceSlabs:
         targets, and wait for every copy to the device. The slabs are kept for the places asked for next."""
         with self._lock:
             slabs, self._live = list(self._live.values()), {}
-        self._open, self._last = {}, None
+        self._open = {}
         for slab in slabs:
             self._copy_slab(slab)
         for device in self._devices:
