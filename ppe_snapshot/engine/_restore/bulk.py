@@ -213,10 +213,11 @@ class BulkTensors:
         codes, pointers = self._codes, self._pointers
         targets, fits, device_codes = self._device_targets, self._device_fits, self._device_codes
         self._codes, self._pointers, self._device_codes, self._device_targets, self._device_fits = [], [], [], [], []
+        self._pending = 0
         if not targets:
             self._submit(lookup, codes, pointers)
             return
-        assert self._slabs is not None
+        assert self._slabs is not None  # (device picks are made only where there are slabs)
         nbytes = np.fromiter(map(_COST, fits), dtype=np.int64, count=len(fits)) - PER_TENSOR_COST
         dtypes, flat = list(map(_DTYPE, fits)), list(map((1).__eq__, map(len, map(_SHAPE, fits))))
         placed = 0
