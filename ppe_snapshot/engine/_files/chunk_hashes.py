@@ -117,10 +117,7 @@ class HashesAfterRead:
     ``read_scattered``); :meth:`sums` once the read has returned."""
 
     def __init__(self, addresses: Any, lengths: Any) -> None:
-        self._addresses = np.ascontiguousarray(addresses, dtype=np.uint64)
-        self._lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
-        if len(self._addresses) != len(self._lengths):
-            raise ValueError(f"{len(self._addresses)} addresses and {len(self._lengths)} lengths")
+        self._addresses, self._lengths = _columns(addresses, lengths)
         self._out = np.empty(len(self._addresses), dtype=np.uint64)
         self.after_read: AfterRead | None = None
         if HASH_JOB is not None and SETTINGS.native_hash and len(self._out):
@@ -133,13 +130,19 @@ class HashesAfterRead:
         return self._out if self.after_read is not None else hash_addresses(self._addresses, self._lengths)
 
 
-def hash_addresses(addresses: Any, lengths: Any) -> np.ndarray:
-    """The xxh3_64 of ``lengths[i]`` bytes at address ``addresses[i]`` for each ``i`` (uint64); the memory must
-    stay alive and unchanged during the call. Without the GIL where the native hashing was loaded."""
+def _columns(addresses: Any, lengths: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The addresses and lengths of chunks as the C helper takes them: uint64 arrays of one length."""
     addresses = np.ascontiguousarray(addresses, dtype=np.uint64)
     lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
     if len(addresses) != len(lengths):
         raise ValueError(f"{len(addresses)} addresses and {len(lengths)} lengths")
+    return addresses, lengths
+
+
+def hash_addresses(addresses: Any, lengths: Any) -> np.ndarray:
+    """The xxh3_64 of ``lengths[i]`` bytes at address ``addresses[i]`` for each ``i`` (uint64); the memory must
+    stay alive and unchanged during the call. Without the GIL where the native hashing was loaded."""
+    addresses, lengths = _columns(addresses, lengths)
     out = np.empty(len(addresses), dtype=np.uint64)
     if NATIVE is not None and SETTINGS.native_hash and len(out):
         NATIVE(XXH3_64BITS, addresses.ctypes.data, lengths.ctypes.data, len(out), out.ctypes.data)

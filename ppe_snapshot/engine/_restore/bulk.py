@@ -33,9 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppe_snapshot.engine._files import (
-    HashesAfterRead, ReadBatch, mismatch_error, read_addresses_into, read_file_into,
-)
+from ppe_snapshot.engine._files import HashesAfterRead, ReadBatch, mismatch_error, read_addresses_into
 from ppe_snapshot.engine._format import PLAIN_TENSOR_TYPES, Index, Manifest, torch_dtype
 from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 from ppe_snapshot.engine._state import child_paths
@@ -277,33 +275,29 @@ class _Run:
         self.offsets, self.nbytes, self.checks, self.addresses, self.rows = offsets, nbytes, checks, addresses, rows
 
     def read_direct(self) -> None:
-        """One vectored read straight into the targets, then every chunk verified where it landed (where the storage
-        asks it), hashed by the read's own call where it can (``HashesAfterRead``: the GIL left once)."""
-        if not self.storage.verify_data:
-            read_addresses_into(self.storage, self.file, self.offsets, self.addresses, self.nbytes)
-        else:
-            hashes = HashesAfterRead(self.addresses, self.nbytes)
-            read_addresses_into(self.storage, self.file, self.offsets, self.addresses, self.nbytes,
-                                hashes.after_read)
-            self._verify(hashes.sums())
+        """One vectored read straight into the targets, then every chunk verified where it landed."""
+        self._read_checked(self.offsets, self.addresses, self.nbytes, self.addresses)
         self._landed()
 
     def read_buffered(self) -> None:
-        """One read into a buffer; each chunk verified there (hashed by the read's own call where it can), then
-        copied into its target."""
+        """One read into a buffer; each chunk verified there, then copied into its target."""
         start = int(self.offsets[0])
         buffer = np.empty(int(self.offsets[-1] + self.nbytes[-1]) - start, dtype=np.uint8)  # at most about MAX_RUN
         sources = (self.offsets - start).astype(np.uint64) + np.uint64(buffer.ctypes.data)
-        if not self.storage.verify_data:
-            read_file_into(self.storage, self.file, start, memoryview(buffer))
-        else:
-            hashes = HashesAfterRead(sources, self.nbytes)
-            read_addresses_into(self.storage, self.file, [start], [buffer.ctypes.data], [buffer.nbytes],
-                                hashes.after_read)
-            self._verify(hashes.sums())
+        self._read_checked([start], [buffer.ctypes.data], [buffer.nbytes], sources)
         for source, address, n in zip(sources.tolist(), self.addresses.tolist(), self.nbytes.tolist()):
             MEMORY[address:address + n] = MEMORY[source:source + n]  # a copy that keeps the GIL: no hand-off per chunk
         self._landed()
+
+    def _read_checked(self, offsets: Any, addresses: Any, sizes: Any, chunks_at: np.ndarray) -> None:
+        """``sizes[i]`` bytes of the file at ``offsets[i]`` read to ``addresses[i]`` in one vectored read; then,
+        where the storage asks it, every chunk (now at ``chunks_at``) checked, its checksum computed by the read's
+        own call where it can (``HashesAfterRead``: the GIL left once)."""
+        hashes = HashesAfterRead(chunks_at, self.nbytes) if self.storage.verify_data else None
+        read_addresses_into(self.storage, self.file, offsets, addresses, sizes,
+                            None if hashes is None else hashes.after_read)
+        if hashes is not None:
+            self._verify(hashes.sums())
 
     def _landed(self) -> None:
         if self.slabs is not None:
