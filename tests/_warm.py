@@ -1,18 +1,21 @@
 """The warm launcher: ``popen([sys.executable, script, ...])`` starts the script in a real process forked from a
 zygote (``_zygote.py``) that has imported torch and pytorch_pfn_extras already, which saves each process the
-seconds of CPU those imports cost; ``run`` is the same for ``subprocess.run``.
+seconds of CPU those imports cost; ``-m module`` and ``-c code`` start the same way. ``run`` is the same for
+``subprocess.run``.
 
 The child is a real process: ``pid`` is the process running the script, a ``kill -9`` of it kills that one, and
 its exit status is Popen's ``returncode`` (a negative signal number when a signal killed it). It stays a zombie
-until ``poll`` / ``wait`` sees it end, as a Popen child does. What the call sites use of Popen is here: ``pid``,
-``args``, ``poll``, ``wait(timeout)``, ``communicate(input=None, timeout)``, ``kill``, ``terminate``,
-``send_signal``, ``returncode``, the ``stdin`` / ``stdout`` / ``stderr`` pipes (text or bytes), ``with``.
+until ``poll`` / ``wait`` sees it end, as a Popen child does, and its ``os.getppid()`` answers the caller. What the
+call sites use of Popen is here: ``pid``, ``args``, ``poll``, ``wait(timeout)``, ``communicate(input=None,
+timeout)``, ``kill``, ``terminate``, ``send_signal``, ``returncode``, the ``stdin`` / ``stdout`` / ``stderr`` pipes
+(text or bytes), ``pass_fds``, ``with``.
 
-Everything else gets a plain ``subprocess.Popen``: another command (``-m``, ``-c``, a wrapper command), a keyword
+Everything else gets a plain ``subprocess.Popen``: another command (other options, a wrapper command), a keyword
 not handled here, or an environment that differs from the zygote's in what an interpreter reads once at start
-(``PYTHON*`` but PYTHONPATH, locale, ``TORCH*``, OpenMP's / OpenBLAS's but OMP_NUM_THREADS). A zygote that does not
-start or dies is reported once (a warning) and every later launch is a plain Popen; the zygote stops when the
-process that started it exits (its control socket closes). ``PPE_SNAPSHOT_TESTS_WARM=0`` turns the launcher off
+(``PYTHON*`` but PYTHONPATH, locale, ``TORCH*`` but the inductor's cache directory, which torch sets itself
+once it is asked for, OpenMP's / OpenBLAS's but OMP_NUM_THREADS). A zygote that does not start or dies is
+reported once (a warning) and every later launch is a plain Popen; the zygote stops when the process that
+started it exits (its control socket closes). ``PPE_SNAPSHOT_TESTS_WARM=0`` turns the launcher off
 (every launch a plain Popen), to compare or to rule it out.
 """
 from __future__ import annotations
@@ -33,9 +36,11 @@ from typing import Any, Optional
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
 _READY_TIMEOUT = 120.0
 _REPLY_TIMEOUT = 60.0
-_HANDLED = {"stdin", "stdout", "stderr", "text", "universal_newlines", "encoding", "errors", "env", "cwd"}
+_HANDLED = {"stdin", "stdout", "stderr", "text", "universal_newlines", "encoding", "errors", "env", "cwd",
+            "pass_fds"}
+_MAX_PASS_FDS = 16  # the zygote's MAX_PASS_FDS
 _STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "KMP_", "GOMP_", "OPENBLAS_", "LC_", "LD_", "MALLOC_")
-_PER_CHILD = {"PYTHONPATH", "OMP_NUM_THREADS"}
+_PER_CHILD = {"PYTHONPATH", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 def _startup_env(env: dict[str, str]) -> dict[str, str]:
@@ -118,9 +123,20 @@ def _give_up(why: str) -> None:
     warnings.warn(why, RuntimeWarning, stacklevel=3)
 
 
+def _text(arg: Any) -> str:
+    return os.fsdecode(arg) if isinstance(arg, bytes) else str(arg)
+
+
+def _starts_python(args: Any) -> bool:
+    """``[sys.executable, script.py, ...]``, ``[sys.executable, "-m", module, ...]`` or ``-c code``."""
+    if not (isinstance(args, (list, tuple)) and len(args) >= 2 and _text(args[0]) == sys.executable):
+        return False
+    first = str(args[1])
+    return first.endswith(".py") and os.path.isfile(first) or first in ("-c", "-m") and len(args) >= 3
+
+
 def _eligible(args: Any, kwargs: dict[str, Any]) -> bool:
-    return (isinstance(args, (list, tuple)) and len(args) >= 2 and args[0] == sys.executable
-            and str(args[1]).endswith(".py") and os.path.isfile(str(args[1])) and set(kwargs) <= _HANDLED
+    return (_starts_python(args) and set(kwargs) <= _HANDLED and len(kwargs.get("pass_fds", ())) <= _MAX_PASS_FDS
             and kwargs.get("stdin") in (None, subprocess.DEVNULL, subprocess.PIPE)
             and kwargs.get("stdout") in (None, subprocess.DEVNULL, subprocess.PIPE)
             and kwargs.get("stderr") in (None, subprocess.DEVNULL, subprocess.PIPE, subprocess.STDOUT))
@@ -133,7 +149,7 @@ def popen(args: list, **kwargs: Any):
         zygote = _get_zygote()
         if zygote is not None and _startup_env(env) == zygote.startup:
             try:
-                return WarmPopen(zygote, [str(a) for a in args], env,
+                return WarmPopen(zygote, [_text(a) for a in args], env,
                                  **{k: v for k, v in kwargs.items() if k != "env"})
             except _ZygoteGone as e:
                 _give_up(f"the warm launcher's zygote is gone ({e}): tests start plain processes")
@@ -164,7 +180,7 @@ class WarmPopen:
 
     def __init__(self, zygote: _Zygote, args: list[str], env: dict[str, str], *, stdin=None, stdout=None,
                  stderr=None, text: bool = False, universal_newlines: Optional[bool] = None,
-                 encoding: Optional[str] = None, errors: Optional[str] = None, cwd=None):
+                 encoding: Optional[str] = None, errors: Optional[str] = None, cwd=None, pass_fds=()):
         self.args, self.returncode = args, None
         self.stdin = self.stdout = self.stderr = None
         self._lock = threading.Lock()
@@ -184,12 +200,13 @@ class WarmPopen:
             elif how == subprocess.STDOUT:
                 theirs[index] = theirs[1]
         self._conn, conn_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pass_fds = [int(fd) for fd in pass_fds]
         request = json.dumps({"argv": args, "env": env, "cwd": os.getcwd() if cwd is None else os.fspath(cwd),
-                              "umask": _umask()}).encode()
+                              "umask": _umask(), "parent": os.getpid(), "pass_fds": pass_fds}).encode()
         try:
             try:
                 with zygote.lock:
-                    socket.send_fds(zygote.control, [request], [*theirs, conn_theirs.fileno()])
+                    socket.send_fds(zygote.control, [request], [*theirs, conn_theirs.fileno(), *pass_fds])
             except OSError as e:
                 self._conn.close()
                 for fd in pipes.values():

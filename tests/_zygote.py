@@ -1,20 +1,24 @@
 """The warm launcher's zygote (see ``_warm.py``): an interpreter that has imported torch and pytorch_pfn_extras
-once and forks a child for each ``python script.py ...`` the tests ask for.
+once and forks a child for each ``python script.py ...``, ``python -m module ...`` or ``python -c code ...`` the
+tests ask for.
 
 Started as ``python _zygote.py CONTROL_FD``. Requests come on the control socket (SOCK_SEQPACKET): a JSON
-``{"argv", "env", "cwd", "umask"}`` with four descriptors (the child's stdin, stdout, stderr and a socket of
-its own to the caller). On that socket the zygote answers ``pid N`` once forked (``error ...`` if it could not
-fork), ``exited`` once the child has ended (it stays a zombie, as a Popen child does until waited for), and
-``code N`` after the caller's ``reap``.
+``{"argv", "env", "cwd", "umask", "parent", "pass_fds"}`` with four descriptors (the child's stdin, stdout,
+stderr and a socket of its own to the caller), then one per number in ``pass_fds`` (at most ``MAX_PASS_FDS``),
+which the child holds under that number. On that socket the zygote answers ``pid N`` once forked (``error ...``
+if it could not fork), ``exited`` once the child has ended (it stays a zombie, as a Popen child does until waited
+for), and ``code N`` after the caller's ``reap``.
 The zygote is single-threaded (it checks that before answering ``ready``) and ends when the control socket
 closes: its caller went away.
 
-A child is what ``python script.py`` would be, but for what the zygote imported already (torch,
-pytorch_pfn_extras and what they import: never ppe_snapshot, which each child imports itself under its own
+A child is what ``python script.py`` (or ``-m`` / ``-c``) would be, but for what the zygote imported already
+(torch, pytorch_pfn_extras and what they import: never ppe_snapshot, which each child imports itself under its own
 environment): signals as a fresh interpreter has them, its environment, directory, umask, standard streams, argv
 and sys.path; torch's intra-op threads from its OMP_NUM_THREADS; numpy's and multiprocessing's random state drawn
-anew (not str hashes: every child has the zygote's hash seed); the script runs as ``__main__``, and the child
-then ends as the interpreter would (see ``exit_as_interpreter``).
+anew (not str hashes: every child has the zygote's hash seed); ``os.getppid()`` answers the caller's pid
+(``parent``) for as long as the zygote lives, as it would for the caller's own child, and what the child's parent
+really is once the zygote is gone (the caller is then gone too); the script, module or code runs as ``__main__``,
+and the child then ends as the interpreter would (see ``exit_as_interpreter``).
 """
 import os
 import signal
@@ -26,17 +30,22 @@ _SIGNALS = {sig: signal.getsignal(sig) for sig in signal.valid_signals()
 _PATH = sys.path[1:]  # sys.path after the script's directory (the zygote is started without PYTHONPATH)
 
 import atexit  # noqa: E402
+import fcntl  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
 import importlib.machinery  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
+import runpy  # noqa: E402
 import selectors  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
 
 import pytorch_pfn_extras  # noqa: E402,F401
 import torch  # noqa: E402
+
+#: The most descriptors a request may pass beyond the standard four.
+MAX_PASS_FDS = 16
 
 
 class _Child:
@@ -74,7 +83,7 @@ def serve(control: socket.socket):
     while True:
         for key, _ in selector.select():
             if key.fileobj is control:
-                message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
+                message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4 + MAX_PASS_FDS)
                 if not message:
                     selector.close()
                     return None
@@ -83,7 +92,7 @@ def serve(control: socket.socket):
                 try:
                     pid = os.fork()
                 except OSError as e:  # no child: the caller starts a plain process
-                    for fd in fds[:3]:
+                    for fd in fds[:3] + fds[4:]:
                         os.close(fd)
                     conn.send(f"error {e}".encode())
                     conn.close()
@@ -95,8 +104,8 @@ def serve(control: socket.socket):
                     for other in children.values():
                         other.conn.close()
                         os.close(other.pidfd)
-                    return request, fds[:3]
-                for fd in fds[:3]:
+                    return request, fds[:3], fds[4:]
+                for fd in fds[:3] + fds[4:]:
                     os.close(fd)
                 child = children[pid] = _Child(pid, conn, os.pidfd_open(pid))
                 selector.register(child.pidfd, selectors.EVENT_READ, child)
@@ -136,8 +145,9 @@ def _stream(fd: int, mode: str, errors: str, line_buffering: bool, unbuffered: b
                             line_buffering=line_buffering, write_through=unbuffered and mode == "w")
 
 
-def become(request: dict, fds: list[int]) -> None:
-    """Turns this forked process into ``python script.py args`` (``request["argv"]``) up to running the script."""
+def become(request: dict, fds: list[int], passed: list[int]) -> None:
+    """Turns this forked process into ``python script.py args`` (or ``-m`` / ``-c``: ``request["argv"]``) up to
+    running it."""
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     for sig, handler in _SIGNALS.items():
         if signal.getsignal(sig) is not handler:
@@ -150,16 +160,21 @@ def become(request: dict, fds: list[int]) -> None:
         os.dup2(fd, target)
     for fd in set(fds):
         os.close(fd)
+    _hold_as(passed, request["pass_fds"])
+    _answer_getppid(request["parent"])
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = _stream(0, "r", "strict", False, unbuffered)
     sys.stdout = sys.__stdout__ = _stream(1, "w", "strict", os.isatty(1), unbuffered)
     sys.stderr = sys.__stderr__ = _stream(2, "w", "backslashreplace", True, unbuffered)
     argv = request["argv"]
-    sys.orig_argv, sys.argv = list(argv), list(argv[1:])
-    script = os.path.abspath(argv[1])
+    sys.orig_argv = list(argv)
+    if argv[1] in ("-c", "-m"):  # the interpreter's argv and first path entry for each
+        sys.argv, first = [argv[1], *argv[3:]], "" if argv[1] == "-c" else os.getcwd()
+    else:
+        sys.argv, first = list(argv[1:]), os.path.dirname(os.path.realpath(os.path.abspath(argv[1])))
     extra = os.environ.get("PYTHONPATH")
     extra = [os.path.abspath(entry) for entry in extra.split(os.pathsep)] if extra else []
-    sys.path[:] = [os.path.dirname(os.path.realpath(script)), *extra, *_PATH]
+    sys.path[:] = [first, *extra, *_PATH]
     importlib.invalidate_caches()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
@@ -170,18 +185,44 @@ def become(request: dict, fds: list[int]) -> None:
         sys.modules["multiprocessing.process"].current_process().authkey = os.urandom(32)
 
 
-def run_script() -> int:
-    """Runs ``sys.argv[0]`` as ``__main__``; returns the exit status the interpreter would give."""
-    script = os.path.abspath(sys.argv[0])
+def _hold_as(passed: list[int], numbers: list[int]) -> None:
+    """Puts each passed descriptor under the number it had in the caller (first above them all, so that none is
+    overwritten before it moved)."""
+    if len(passed) != len(numbers):
+        raise RuntimeError(f"{len(passed)} descriptors came for pass_fds {numbers}")
+    above = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, max(numbers, default=0) + 1) for fd in passed]
+    for fd in passed:
+        os.close(fd)
+    for fd, number in zip(above, numbers):
+        os.dup2(fd, number)  # inheritable, as Popen's pass_fds leaves them
+        os.close(fd)
+
+
+def _answer_getppid(caller: int) -> None:
+    zygote, real = os.getppid(), os.getppid
+    os.getppid = lambda: caller if real() == zygote else real()
+
+
+def run_main() -> int:
+    """Runs the script, module or code of ``sys.orig_argv`` as ``__main__``; returns the exit status the interpreter
+    would give."""
+    how, what = sys.orig_argv[1], sys.orig_argv[2] if len(sys.orig_argv) > 2 else ""
     main = type(sys)("__main__")
-    main.__file__, main.__cached__ = script, None
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
-    with io.open_code(script) as f:
-        code = compile(f.read(), script, "exec")
     try:
-        exec(code, main.__dict__)
+        if how == "-m":
+            runpy._run_module_as_main(what)  # what ``python -m`` calls
+        elif how == "-c":
+            main.__loader__ = importlib.machinery.BuiltinImporter
+            exec(compile(what, "<string>", "exec"), main.__dict__)
+        else:
+            script = os.path.abspath(sys.argv[0])
+            main.__file__, main.__cached__ = script, None
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+            with io.open_code(script) as f:
+                code = compile(f.read(), script, "exec")
+            exec(code, main.__dict__)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
@@ -225,4 +266,4 @@ if __name__ == "__main__":
         sys.exit(0)
     become(*forked)
     del forked
-    exit_as_interpreter(run_script())
+    exit_as_interpreter(run_main())

@@ -6,12 +6,15 @@
 ``gcs_bucket``   the same on a Google Cloud Storage emulator (``gs://``)
 ``az_container`` the same on Azurite, Azure's blob storage emulator (``az://``)
 ``object_store`` each of the three in turn, as an :class:`ObjectStore`
+
+The Process writers' workers of the tests' own process start warm (``_writer_workers_start_warm``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import types
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +26,7 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import _dist  # noqa: E402
+import _warm  # noqa: E402
 
 # Two pytest-xdist workers share CI's 2 cores: torch's intra-op threads, in each worker and in the processes its
 # tests start, would only crowd them (set before torch is first imported here).
@@ -55,6 +59,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         name = item.path.name
         return _LONG_FILES.index(name) if name in _LONG_FILES else len(_LONG_FILES)
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+@pytest.fixture(autouse=True)
+def _writer_workers_start_warm(request, monkeypatch):
+    """The Process writers' workers that the tests' own process starts come from the warm launcher (``_warm.py``):
+    each a real process of its own that runs the worker's boot code as ``python -c`` would, without the seconds
+    of importing torch (about 40 workers in the suite). A test marked ``fresh_workers`` starts them as a user's
+    start, from a fresh interpreter, as do the processes the tests start (scripts, ranks:
+    ``test_process_writer_scripts.py`` and others); ``PPE_SNAPSHOT_TESTS_WARM=0`` turns this off with the
+    launcher."""
+    if request.node.get_closest_marker("fresh_workers") is None:
+        from ppe_snapshot.writing import _process
+
+        monkeypatch.setattr(_process, "subprocess", types.SimpleNamespace(Popen=_warm.popen))
 
 
 @pytest.fixture(scope="session")

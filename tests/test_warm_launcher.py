@@ -118,13 +118,75 @@ def test_a_child_imports_ppe_snapshot_itself_under_its_environment(tmp_path):
 
 def test_what_it_cannot_start_warm_is_a_plain_popen(tmp_path):
     script = _script(tmp_path, "print('hi')\n")
-    plain = [_warm.popen([sys.executable, "-c", "print('hi')"], stdout=subprocess.PIPE),
+    plain = [_warm.popen([sys.executable, "-u", script], stdout=subprocess.PIPE),
              _warm.popen([sys.executable, script], stdout=subprocess.PIPE, env={**os.environ, "PYTHONHASHSEED": "7"}),
              _warm.popen(["sh", "-c", f"exec {sys.executable} {script}"], stdout=subprocess.PIPE),
              _warm.popen([sys.executable, script], stdout=subprocess.PIPE, start_new_session=True)]
     for process in plain:
         assert type(process) is subprocess.Popen
         assert process.communicate(timeout=60) == (b"hi\n", None) and process.returncode == 0
+
+
+_REPORT = ("import os, sys\nprint(sys.argv, repr(sys.path[0]), __name__, globals().get('__file__'),"
+           " os.getppid() == int(os.environ['CALLER']))\n")
+
+
+def test_code_and_modules_run_as_the_interpreter_runs_them(tmp_path, monkeypatch):
+    """``-c`` and ``-m`` children see the argv, first path entry, ``__main__`` and parent a plain start sees; a
+    failure's traceback and status are the interpreter's."""
+    (tmp_path / "reporter.py").write_text(_REPORT)
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "CALLER": str(os.getpid())}
+    for args in ([sys.executable, "-c", _REPORT, "a", "b c"], [sys.executable, "-m", "reporter", "x"],
+                 [sys.executable, "-c", "raise KeyError('k')"], [sys.executable, "-m", "no_such_module"]):
+        plain = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+        process = _warm_popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert process.communicate(timeout=60) == (plain.stdout, plain.stderr)
+        assert process.returncode == plain.returncode
+    assert plain.returncode == 1 and "No module named no_such_module" in plain.stderr
+    assert subprocess.run([sys.executable, "-c", _REPORT], capture_output=True, text=True, timeout=60,
+                          env=env).stdout == "['-c'] '' __main__ None True\n"
+
+
+def test_passed_descriptors_keep_their_numbers(tmp_path):
+    read, write = os.pipe()
+    try:
+        code = ("import os, sys\nfd = int(sys.argv[1])\nos.write(fd, b'through %d' % fd)\n"
+                "print(os.get_inheritable(fd), os.fstat(fd).st_ino == int(sys.argv[2]))\n")
+        process = _warm_popen([sys.executable, "-c", code, str(write), str(os.fstat(write).st_ino)],
+                              pass_fds=[write], stdout=subprocess.PIPE, text=True)
+        os.close(write)
+        out, _ = process.communicate(timeout=60)
+        assert (process.returncode, out) == (0, "True True\n")
+        assert os.read(read, 100) == f"through {write}".encode() and os.read(read, 100) == b""
+    finally:
+        os.close(read)
+
+
+def test_a_process_writers_worker_starts_warm_and_stays_with_its_parent(tmp_path):
+    """The suite's Process writers start their workers warm (conftest): a worker that finds its parent changed
+    leaves, so it must see this process as its parent past its checks (``PARENT_CHECK_S``)."""
+    import torch
+
+    from ppe_snapshot import Snapshot
+    from ppe_snapshot.writing import ProcessWriter
+    from ppe_snapshot.writing._worker import PARENT_CHECK_S
+
+    writer = ProcessWriter(out_dir=str(tmp_path))
+    try:
+        writer("a", str(tmp_path), {"x": torch.arange(3)})
+        writer.wait()
+        pid = writer.worker_pid
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert f.read().split(b"\0")[1].endswith(b"_zygote.py")
+        time.sleep(2.5 * PARENT_CHECK_S)
+        writer("b", str(tmp_path), {"x": torch.arange(4)})
+        writer.wait()
+        assert writer.worker_pid == pid
+    finally:
+        writer.finalize()
+    Snapshot(str(tmp_path / "b")).verify()
+    assert _gone(pid)
 
 
 def test_children_run_side_by_side_and_start_fast(tmp_path):
@@ -167,7 +229,9 @@ def test_a_zygote_that_dies_is_reported_and_plain_processes_follow(tmp_path, mon
         plain.kill()
         assert plain.wait(timeout=30) == -signal.SIGKILL
         plain.stdout.close()
-        assert type(_warm.popen([sys.executable, script], stdout=subprocess.DEVNULL)) is subprocess.Popen
+        later = _warm.popen([sys.executable, script], stdout=subprocess.DEVNULL)
+        later.kill()
+        assert type(later) is subprocess.Popen and later.wait(timeout=30) == -signal.SIGKILL
     finally:
         os.kill(running.pid, signal.SIGKILL)  # orphaned when its zygote died
         running.stdout.close()

@@ -325,6 +325,7 @@ def test_background_failure_is_raised_at_finalize(kind, make_writer, tmp_path):
 
 
 # -- worker processes -------------------------------------------------------------------
+@pytest.mark.fresh_workers  # the worker is this process's own child
 def test_process_writer_keeps_one_worker_and_stops_it_at_finalize(make_writer, tmp_path):
     writer = make_writer("process", out_dir=str(tmp_path))
     pid = writer.worker_pid
