@@ -20,6 +20,7 @@ from ppe_snapshot.cli import main
 from ppe_snapshot.dcp import SnapshotStorageWriter
 from ppe_snapshot.retention import METRICS_KEY
 
+import _warm
 from _asserts import manifest_doc
 from _extension_workers import flip_byte
 
@@ -72,8 +73,8 @@ COMMANDS = ("ls", "inspect", "verify", "diff", "convert", "prune")
 def _run(*commands: list[str]) -> list[subprocess.CompletedProcess]:
     """Each command line of the CLI in a process of its own, all at once (each start imports torch: seconds)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    started = [(args, subprocess.Popen([sys.executable, "-m", "ppe_snapshot.cli", *args], stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True, env=env)) for args in commands]
+    started = [(args, _warm.popen([sys.executable, "-m", "ppe_snapshot.cli", *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)) for args in commands]
     done = []
     for args, process in started:
         out, err = process.communicate(timeout=120)
@@ -277,7 +278,7 @@ def test_s3_run_directory(kinds, s3_bucket, capsys):
 
 def test_the_real_command(kinds):
     """Exit codes and output as a shell sees them; never a traceback without --debug."""
-    helps = subprocess.Popen(  # every subcommand's -h in one process (each is a SystemExit(0) after the usage)
+    helps = _warm.popen(  # every subcommand's -h in one process (each is a SystemExit(0) after the usage)
         [sys.executable, "-c", "import sys\nfrom ppe_snapshot.cli import main\nfor c in sys.argv[1:]:\n"
          "    try:\n        main([c, '-h'])\n    except SystemExit as e:\n        print('EXIT', e.code)",
          *COMMANDS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -390,8 +391,8 @@ def test_convert_to_dcp_fails_in_one_line(tmp_path, capsys):
 
 
 def test_the_package_runs_as_the_command_and_ships_its_types():
-    done = subprocess.run([sys.executable, "-m", "ppe_snapshot", "--version"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    done = _warm.run([sys.executable, "-m", "ppe_snapshot", "--version"], capture_output=True, text=True,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert done.returncode == 0 and done.stdout.strip(), done.stderr
     import ppe_snapshot
     assert {"snapshot", "snapshot_object", "SnapshotMode"} <= set(dir(ppe_snapshot)) & set(ppe_snapshot.__all__)

@@ -14,6 +14,8 @@ from ppe_snapshot import RNGState, Snapshot, StateDict
 from ppe_snapshot.cli import main
 from ppe_snapshot.retention import METRICS_KEY
 
+import _warm
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -85,8 +87,7 @@ def test_output_into_a_pipe_that_closes_early_ends_quietly(tmp_path):
     assert len(lines) == 5 and all(line.startswith("differs:") for line in lines[:4]), done.stdout
     assert lines[4] == "exit 141" and (tmp_path / "err").read_text() == ""
     # a reader gone before the first byte: the same
-    process = subprocess.Popen(_command("ls", str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=ENV)
+    process = _warm.popen(_command("ls", str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
     process.stdout.close()
     assert process.stderr.read() == b"" and process.wait(timeout=300) == 141
     process.stderr.close()

@@ -259,8 +259,8 @@ def _leftover(run: Path, name: str, fmt: str) -> retention.Candidate:
 
 def _ls_status(run: Path, name: str) -> str:
     """The STATUS column of ``name`` as ``ppe-snapshot ls`` prints it."""
-    done = subprocess.run([sys.executable, "-m", "ppe_snapshot.cli", "ls", str(run)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    done = _warm.run([sys.executable, "-m", "ppe_snapshot.cli", "ls", str(run)], capture_output=True, text=True,
+                     timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if name in line.split()[:2])
     return row.split("  ")[-1].strip()

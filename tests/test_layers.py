@@ -705,14 +705,15 @@ def test_a_format_version_added_by_the_recipe_passes_the_layer_checks(tmp_path):
     """Version 99 added to a copy of the package by the recipe: the layer checks accept it, a take and a restore
     run in it (bit-exact; its manifest says 99); the same copy with a read path that tests the version's type is
     rejected."""
-    import subprocess
     import sys
+
+    import _warm
 
     root = _with_version_99(tmp_path)
     assert layer_problems(root) == []
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path), "PPE_SNAPSHOT_FORMAT_VERSION": "99"}
-    done = subprocess.run([sys.executable, "-c", _ROUND_TRIP, str(tmp_path / "snap")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = _warm.run([sys.executable, "-c", _ROUND_TRIP, str(tmp_path / "snap")], env=env, cwd=tmp_path,
+                     capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == ["99", "Version99"], done.stderr
 
     bulk = root / "engine" / "_restore" / "bulk.py"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import fsspec.asyn
@@ -22,6 +21,7 @@ from ppe_snapshot.storage import join, open_storage, url_to_fs
 from ppe_snapshot.storage.part_stores import part_store_type
 
 import _sharded_workers
+import _warm
 from _asserts import assert_ranged_reads_scatter
 from _extension_workers import Crash, Run, assert_same, dist_replace_latest, make_writer
 
@@ -220,8 +220,8 @@ def test_listings_see_what_another_process_wrote(object_store, tmp_path):
             "for i in (2, 3):\n"
             "    Snapshot.take(f'{url}/snapshot_iter_{i}', {'s': StateDict(x=torch.ones(3))}, storage_options=options,"
             " metadata={'iteration': i})\n")
-    done = subprocess.run([sys.executable, "-c", code, url, json.dumps(options)], capture_output=True, text=True,
-                          timeout=300)
+    done = _warm.run([sys.executable, "-c", code, url, json.dumps(options)], capture_output=True, text=True,
+                     timeout=300)
     assert done.returncode == 0, done.stderr
     assert [c.name for c in list_snapshots(url, "snapshot_iter_{.iteration}", options)] == [
         "snapshot_iter_1", "snapshot_iter_2", "snapshot_iter_3"]
@@ -274,7 +274,7 @@ def test_a_store_whose_file_system_is_not_installed_names_the_extra(url, extra, 
             "import torch\nfrom ppe_snapshot import Snapshot, StateDict\nfrom ppe_snapshot.cli import main\n"
             "print('ls exit', main(['ls', sys.argv[2]]), flush=True)\n"
             "Snapshot.take(sys.argv[2] + '/snap', {'s': StateDict(x=torch.ones(1))})\n")
-    done = subprocess.run([sys.executable, "-c", code, package, url], capture_output=True, text=True, timeout=300)
+    done = _warm.run([sys.executable, "-c", code, package, url], capture_output=True, text=True, timeout=300)
     line = f"{url.split(':')[0]}:// needs {package}, which is not installed: pip install 'ppe-snapshot[{extra}]'"
     assert done.stdout == "ls exit 2\n"  # the CLI: one line on stderr, exit 2
     first, *rest = done.stderr.splitlines()
