@@ -8,7 +8,7 @@ MLP (with dropout, so the RNG matters) under pytorch-pfn-extras'
 
 every few iterations, three times, each in a child process:
 
-1. straight through, as the reference;
+1. straight through, as the reference (beside run 2);
 2. killed with SIGKILL right after a snapshot was handed to the writer (its
    write may still be in flight);
 3. restarted on the same directory: ``autoload`` finds the newest complete
@@ -24,6 +24,7 @@ with the command line (``ppe-snapshot ls DIR/crashed``).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -189,11 +190,13 @@ def main(keep: str | None) -> int:
     with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="ppe-snapshot-demo-")) as root:
         os.makedirs(root, exist_ok=True)
         straight, crashed = os.path.join(root, "straight"), os.path.join(root, "crashed")
-        print(f"1. training {ITERATIONS} iterations without interruption")
-        _run_to_end(straight, show=False)
-        print(f"2. training again, snapshots every {SNAPSHOT_EVERY} iterations, and killing it with SIGKILL\n"
-              "   (the first write also waits for the writer's new worker process to import torch)")
-        _report_kill(crashed, _run_and_kill(crashed))
+        print(f"1. training {ITERATIONS} iterations without interruption (the reference, beside run 2)")
+        with concurrent.futures.ThreadPoolExecutor(1) as background:
+            reference = background.submit(_run_to_end, straight, False)
+            print(f"2. training again, snapshots every {SNAPSHOT_EVERY} iterations, and killing it with SIGKILL\n"
+                  "   (the first write also waits for the writer's new worker process to import torch)")
+            _report_kill(crashed, _run_and_kill(crashed))
+            reference.result()  # raises its SystemExit if it failed
         print("3. restarting it with autoload=True")
         lines = _run_to_end(crashed)
         if not any(line.startswith("RESUMED") for line in lines):

@@ -2,18 +2,18 @@
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+import _warm
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_resumes_bit_exact_and_says_what_the_kill_left(tmp_path):
     keep = tmp_path / "runs"
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--keep", str(keep)],
-                          capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = _warm.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--keep", str(keep)],
+                     capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "PASS: the final model and optimizer state are bit-identical" in out
