@@ -171,7 +171,7 @@ def become(request: dict, fds: list[int], passed: list[int]) -> None:
     if argv[1] in ("-c", "-m"):  # the interpreter's argv and first path entry for each
         sys.argv, first = [argv[1], *argv[3:]], "" if argv[1] == "-c" else os.getcwd()
     else:
-        sys.argv, first = list(argv[1:]), os.path.dirname(os.path.realpath(os.path.abspath(argv[1])))
+        sys.argv, first = list(argv[1:]), os.path.dirname(os.path.realpath(argv[1]))
     extra = os.environ.get("PYTHONPATH")
     extra = [os.path.abspath(entry) for entry in extra.split(os.pathsep)] if extra else []
     sys.path[:] = [first, *extra, *_PATH]
@@ -206,16 +206,16 @@ def _answer_getppid(caller: int) -> None:
 def run_main() -> int:
     """Runs the script, module or code of ``sys.orig_argv`` as ``__main__``; returns the exit status the interpreter
     would give."""
-    how, what = sys.orig_argv[1], sys.orig_argv[2] if len(sys.orig_argv) > 2 else ""
+    how = sys.orig_argv[1]
     main = type(sys)("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     try:
         if how == "-m":
-            runpy._run_module_as_main(what)  # what ``python -m`` calls
+            runpy._run_module_as_main(sys.orig_argv[2])  # what ``python -m`` calls
         elif how == "-c":
             main.__loader__ = importlib.machinery.BuiltinImporter
-            exec(compile(what, "<string>", "exec"), main.__dict__)
+            exec(compile(sys.orig_argv[2], "<string>", "exec"), main.__dict__)
         else:
             script = os.path.abspath(sys.argv[0])
             main.__file__, main.__cached__ = script, None
