@@ -65,8 +65,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _writer_workers_start_warm(request, monkeypatch):
     """The Process writers' workers that the tests' own process starts come from the warm launcher (``_warm.py``):
     each a real process of its own that runs the worker's boot code as ``python -c`` would, without the seconds
-    of importing torch (about 40 workers in the suite). A test marked ``fresh_workers`` starts them as a user's
-    start, from a fresh interpreter, as do the processes the tests start (scripts, ranks:
+    of importing torch (about 40 workers in the suite). A test marked ``fresh_workers`` gets workers started as a
+    user's are, from a fresh interpreter, and so do the processes the tests start (scripts, ranks:
     ``test_process_writer_scripts.py`` and others); ``PPE_SNAPSHOT_TESTS_WARM=0`` turns this off with the
     launcher."""
     if request.node.get_closest_marker("fresh_workers") is None:
