@@ -20,5 +20,5 @@ __all__ = [
     "DeviceReads", "FileLayout", "fill", "hash_addresses", "HashesAfterRead", "host_buffer", "host_copy_buffer",
     "is_copyable_raw", "is_direct", "lay_out", "mismatch_error", "needs_bounce", "payload_chunks",
     "PayloadAppender", "read_addresses_into", "read_file_into", "read_into", "read_through_host", "ReadBatch",
-    "tensor_bytes", "verify_chunks", "write_from_sources", "Written"
+    "tensor_bytes", "verify_chunks", "write_from_sources", "Written",
 ]
