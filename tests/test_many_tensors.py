@@ -353,3 +353,32 @@ def test_bulk_restore_of_one_dict_per_kind_of_shapes(tmp_path, monkeypatch, shap
     assert len(read_in_bulk) == len(state)
     assert all(restored.state_dict()[k] is target[k] for k in state)
     assert_same(restored.state_dict(), state)
+
+
+def test_dicts_loaded_whole_in_bulk_keep_their_kind_and_key_order(tmp_path):
+    """A dict or OrderedDict whose children all load in bulk comes back as the same kind, keys in saved order, its
+    tensors restored in place; one with a child loaded the usual way (a large tensor, a number) alike."""
+    import collections
+    torch.manual_seed(1)
+    keys = [f"k{i}" for i in (5, 2, 9, 0, 7, 1)]  # not sorted: the saved order must survive
+    saved = {
+        "plain": {key: torch.randn(3) for key in keys},
+        "ordered": collections.OrderedDict((key, torch.randn(2, 2)) for key in keys),
+        "mixed": collections.OrderedDict([("a", torch.randn(4)), ("n", 3), ("big", torch.randn(bulk.SMALL_BYTES)),
+                                          ("b", torch.randn(4))]),
+    }
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(saved)})
+    target = {name: type(d)((k, torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in d.items())
+              for name, d in saved.items()}
+    tensors = {(name, k): v for name, d in target.items() for k, v in d.items() if isinstance(v, torch.Tensor)}
+    restored = StateDict(target)
+    Snapshot(str(tmp_path / "s")).restore({"m": restored})
+    got = restored.state_dict()
+    for name, d in saved.items():
+        assert type(got[name]) is type(d) and list(got[name]) == list(d), name
+        for key, value in d.items():
+            if isinstance(value, torch.Tensor):
+                assert got[name][key] is tensors[(name, key)], (name, key)
+                assert torch.equal(got[name][key], value), (name, key)
+            else:
+                assert got[name][key] == value

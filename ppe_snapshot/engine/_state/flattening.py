@@ -225,7 +225,8 @@ def _template_children(template: Any) -> Callable[[Any], Any]:
 MAX_CONTAINER_DEPTH = 200
 
 
-#: ``(path of a dict, its stored keys, the target dict) -> {key: value}`` for the children loaded at once.
+#: ``(path of a dict, its stored keys, the target dict) -> {key: value}`` for the children loaded at once: some of
+#: the stored keys that are strings, in their stored order.
 LoadChildren = Callable[[str, list[Any], Any], dict[Any, Any]]
 
 
@@ -242,8 +243,11 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
                                        f"deeper than {MAX_CONTAINER_DEPTH} levels in the manifest)")
         child, depth = _template_children(template), depth + 1
         if entry.kind in Container.KEYED:
-            out = collections.OrderedDict() if entry.kind == Container.ORDERED_DICT else {}
+            ordered = entry.kind == Container.ORDERED_DICT
             loaded = load_children(path, entry.keys, template) if load_children is not None else None
+            if loaded and len(loaded) == len(entry.keys):  # every child loaded at once, in order (no duplicate key)
+                return collections.OrderedDict(loaded) if ordered else loaded
+            out = collections.OrderedDict() if ordered else {}
             for key in entry.keys:  # a loop, not a generator: thousands of children in a model's state
                 if loaded and type(key) is str and key in loaded:
                     out[key] = loaded[key]
