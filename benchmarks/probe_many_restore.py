@@ -14,7 +14,10 @@ Variants, each once per round in a rotating order, medians reported per tensor:
 - **reads only**: the reads of the "as is" restore, run one after another in one thread (recorded once);
 - **the bare restore**: each key's saved bytes and target looked up, the data file read whole into page-locked
   memory, a checksum per chunk compared, each target's dtype and shape compared, one copy to the device, one
-  split, one ``torch._foreach_copy_``.
+  ``torch.split_with_sizes_copy`` into the targets (and scratch tensors for the gaps between them);
+- **the bare restore, split + foreach**: the same, the device copy cut into views by one split and copied by one
+  ``torch._foreach_copy_`` instead (the way the restore copied its slabs of flat tensors before; which of the two
+  costs less on a GPU is what this row tells).
 
 On an H200 the walk and the reads took turns rather than overlapping (issue 35's notes); this tells which of the
 walk, the reads, and their sharing of the GIL a change should go after.
@@ -39,12 +42,15 @@ from ppe_snapshot.engine._files import ReadBatch
 from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 
 
-def bare_restore(path: str, state: dict[str, torch.Tensor], host: torch.Tensor) -> Callable[[], None]:
+def bare_restore(path: str, state: dict[str, torch.Tensor], host: torch.Tensor,
+                 split_copy: bool = True) -> Callable[[], None]:
     """The bare restore of ``state`` (flat fp32 tensors, saved under app state key ``"m"`` by one rank) from
     snapshot ``path``, through ``host`` (page-locked for a device state, at least the data file's size). What a
     restore must do is timed: each key's saved bytes and target found, the data file read, every chunk's
     checksum and every target's dtype and shape compared, the bytes copied in; the rest of the layout (the table
-    by path, the split sizes) is made here, before, from the manifest."""
+    by path, the split sizes, scratch tensors for the gaps) is made here, before, from the manifest.
+    ``split_copy``: the bytes copied into the targets by one ``torch.split_with_sizes_copy``, else by a split and one
+    ``torch._foreach_copy_``."""
     manifest = ps.Snapshot(path).get_manifest()
     entries = [manifest[f"0/m/{key}"] for key in state]
     chunks = [entry.chunks[0] for entry in entries]
@@ -58,6 +64,7 @@ def bare_restore(path: str, state: dict[str, torch.Tensor], host: torch.Tensor) 
     pieces = [n for start, end, following in zip(starts, ends, starts[1:] + [ends[-1]])
               for n in (end - start, following - end)]  # each tensor and the gap after it, in floats
     first, last = starts[0] * 4, ends[-1] * 4
+    gaps = [torch.empty(n, device=device) for n in pieces[1::2]]  # where the bytes between the tensors go
     start_of, end_of, sum_of, want_of = map(operator.itemgetter, range(4))
 
     def restore() -> None:
@@ -72,7 +79,10 @@ def bare_restore(path: str, state: dict[str, torch.Tensor], host: torch.Tensor) 
         if list(map(operator.attrgetter("dtype", "shape"), targets)) != list(map(want_of, rows)):
             raise AssertionError("a target differs")
         staged = host[first:last].view(torch.float32).to(device, non_blocking=True)
-        torch._foreach_copy_(targets, staged.split(pieces)[0::2])
+        if split_copy:
+            torch.split_with_sizes_copy(staged, pieces, out=[t for pair in zip(targets, gaps) for t in pair])
+        else:
+            torch._foreach_copy_(targets, staged.split(pieces)[0::2])
     return restore
 
 
@@ -117,6 +127,7 @@ def main() -> None:
         "reads inline": patched(lambda self, storage, fn, *a, workers=None: fn(*a)),
         "walk only": patched(lambda self, storage, fn, *a, workers=None: None),
         "the bare restore": bare_restore(path, state, host),
+        "the bare restore, split + foreach": bare_restore(path, state, host, split_copy=False),
     }
     # The reads of one restore, recorded to be replayed; the host slabs they read into (for device targets) are
     # kept alive for them.
@@ -155,7 +166,7 @@ def main() -> None:
           f"{torch.__version__}, {os.cpu_count()} cores; per tensor, median (min-max)")
     for name, values in times.items():
         per = [v / args.count * 1e6 for v in values]
-        print(f"  {name:<20} {statistics.median(per):6.2f} us  ({min(per):.2f}-{max(per):.2f})")
+        print(f"  {name:<34} {statistics.median(per):6.2f} us  ({min(per):.2f}-{max(per):.2f})")
 
 
 if __name__ == "__main__":

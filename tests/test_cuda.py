@@ -225,8 +225,8 @@ def test_cuda_many_small_tensors_gathered_and_a_large_one_pipelined(tmp_path):
 
 def test_cuda_small_tensors_of_one_dtype_and_any_shape_through_the_gather_and_the_slabs(tmp_path):
     """A run of one dtype (scalars, vectors, matrices) is gathered by one concatenation; restored, the targets of a
-    slab of vectors are cut from it by a split, those of other shapes by views of their shapes. Bit-exact, in
-    place, values at the call."""
+    slab of vectors are copied out of it by one split copy, those of other shapes through views of their shapes.
+    Bit-exact, in place, values at the call."""
     g = torch.Generator(device="cuda").manual_seed(4)
     shaped = {f"m{i}": torch.randn(i % 7 + 1, 3, device="cuda", generator=g) for i in range(500)}
     shaped.update({f"c{i}": torch.tensor(float(i), device="cuda") for i in range(100)})
@@ -240,3 +240,19 @@ def test_cuda_small_tensors_of_one_dtype_and_any_shape_through_the_gather_and_th
         target = StateDict(zeros_like(expected[key]))
         Snapshot(str(tmp_path / "s")).restore({key: target})
         assert_same(dict(target), expected[key])
+
+
+def test_cuda_negative_and_conjugate_views_in_a_slab_of_vectors_receive_the_values(tmp_path):
+    """A slab of vectors is copied out in one call, which refuses a negative or conjugate target; such targets
+    still show the saved values, not the saved bytes."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    state = {f"v{i}": torch.randn(i % 11 + 1, device="cuda", generator=g) for i in range(300)}
+    state.update({f"c{i}": torch.randn(i + 2, dtype=torch.complex64, device="cuda", generator=g) for i in range(3)})
+    state.update(negated=torch.randn(9, device="cuda", generator=g),
+                 conjugated=torch.randn(4, dtype=torch.complex64, device="cuda", generator=g))
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    targets.update(negated=torch.zeros(9, device="cuda")._neg_view(),
+                   conjugated=torch.zeros(4, dtype=torch.complex64, device="cuda").conj())
+    Snapshot(str(tmp_path / "s")).restore({"m": StateDict(targets)})
+    assert_same({k: v.resolve_neg().resolve_conj() for k, v in targets.items()}, state)

@@ -6,13 +6,13 @@ which a device tensor does not offer. For such a target it asks :class:`DeviceSl
 slab of its device and dtype holds its bytes right after the previous target's (no gap), so the slab is the exact
 concatenation of its targets. A slab is closed when the walk opens the next one of its kind; once closed and all
 its bytes read and verified (:meth:`DeviceSlabs.landed`, called by the read that completes it), it goes to the
-device in one transfer, is cut into the targets' shapes with one call (``Tensor.split`` where every target is
-flat: 4x cheaper per tensor than views of their shapes, ``torch._utils._unflatten_dense_tensors``, which the
-others take) and copied into them with one ``torch._foreach_copy_``: a few launches per slab, no torch call per
-tensor. Those copies run on the read threads while the walk goes on (on an H200 the copies of 10,000 tensors took
-13-17 ms after the walk when all waited for its end), and their host slab is then placed into again (after the
-transfer out of it ends: a CUDA event), so a restore pins a few slabs instead of one per 8 MiB of tensors. The
-slabs still open when the walk ends are copied by :meth:`DeviceSlabs.copy`.
+device in one transfer and copied into its targets: where every target is flat, by one
+``torch.split_with_sizes_copy`` (one kernel on CUDA, and no tensor object made per target), else cut into views of
+the targets' shapes (``torch._utils._unflatten_dense_tensors``) and copied by one ``torch._foreach_copy_``: a few
+launches per slab, no torch call per tensor. Those copies run on the read threads while the walk goes on (on an
+H200 the copies of 10,000 tensors took 13-17 ms after the walk when all waited for its end), and their host slab is
+then placed into again (after the transfer out of it ends: a CUDA event), so a restore pins a few slabs instead of
+one per 8 MiB of tensors. The slabs still open when the walk ends are copied by :meth:`DeviceSlabs.copy`.
 
 The walk asks for places in batches (:meth:`DeviceSlabs.place_many`: a few numpy passes per run of targets of one
 device and dtype, no Python call per target), each time it hands its picks to the read pool.
@@ -199,20 +199,22 @@ class DeviceSlabs:
 
 
 def _to_device(slab: _Slab) -> Any:
-    """One transfer of the slab, one split, one gathered copy into its targets; the CUDA event that marks the end
-    of the transfer out of the host slab (None elsewhere: the copy was synchronous)."""
+    """One transfer of the slab, then one copy out of it into its targets (see the module doc); the CUDA event that
+    marks the end of the transfer out of the host slab (None elsewhere: the copy was synchronous)."""
     device, dtype = slab.device, slab.dtype
     cuda = device.type == "cuda"
     with torch.no_grad():  # (a thread of its own: the walk's mode is not this thread's)
         staged = torch.empty(slab.used // dtype.itemsize, dtype=dtype, device=device)
         staged.copy_(slab.host[:slab.used].view(dtype), non_blocking=cuda)
-        if slab.flat:
-            views = staged.split((np.asarray(slab.sizes) // dtype.itemsize).tolist())
-        else:
-            views = torch._utils._unflatten_dense_tensors(staged, slab.targets)
+        sizes = (np.asarray(slab.sizes) // dtype.itemsize).tolist() if slab.flat else None
         try:
-            torch._foreach_copy_(slab.targets, views)
-        except RuntimeError:  # a target with the negative or conjugate bit, which foreach copies refuse
+            if sizes is not None:
+                torch.split_with_sizes_copy(staged, sizes, out=slab.targets)
+            else:
+                torch._foreach_copy_(slab.targets, torch._utils._unflatten_dense_tensors(staged, slab.targets))
+        except RuntimeError:  # a target with the negative or conjugate bit, which copies into a list refuse
+            views = staged.split(sizes) if sizes is not None else \
+                torch._utils._unflatten_dense_tensors(staged, slab.targets)
             for target, view in zip(slab.targets, views):
                 target.copy_(view)
     if not cuda:
