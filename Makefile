@@ -101,7 +101,7 @@ gpu-many: $(GPU_VENV)
 	-for what in writer restore; do timeout 60 $(GPU_PY) benchmarks/bench_many_tensors.py --profile $$what \
 		--count 10000 --device cuda > $(GPU_LOG)/many_$$what.log 2>&1; head -30 $(GPU_LOG)/many_$$what.log; done
 	-timeout 120 $(GPU_PY) benchmarks/probe_many_restore.py --device cuda > $(GPU_LOG)/probe_many.log 2>&1; \
-		tail -8 $(GPU_LOG)/probe_many.log
+		tail -9 $(GPU_LOG)/probe_many.log
 	-timeout 120 $(GPU_PY) benchmarks/bench_native_hash.py --device cuda --rounds 4 > $(GPU_LOG)/native_hash.log 2>&1; \
 		tail -4 $(GPU_LOG)/native_hash.log
 
