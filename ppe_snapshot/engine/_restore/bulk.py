@@ -111,11 +111,11 @@ class BulkTensors:
         self._storage, self._manifest, self._rank, self._reads, self._slabs = storage, manifest, rank, reads, slabs
         self._lookup: _Lookup | None = None
         self._on_host: list[torch.Tensor] = []  # the targets read straight into (not through a slab)
+        self._handed = 0  # how many of them were handed to the read pool
         # Picks not yet handed to the read pool (from any number of dicts: an optimizer's state is a small dict
-        # per parameter) and their cost: host targets by code and address, device targets by code, target and fit
-        # (placed in slabs at the hand-off, in one batch).
+        # per parameter) and their cost: host targets by code (the targets: ``_on_host[_handed:]``), device targets
+        # by code, target and fit (placed in slabs at the hand-off, in one batch).
         self._codes: list[int] = []
-        self._pointers: list[int] = []
         self._device_codes: list[int] = []
         self._device_targets: list[torch.Tensor] = []
         self._device_fits: list[tuple[torch.dtype, tuple[int, ...], int]] = []
@@ -163,7 +163,7 @@ class BulkTensors:
         loaded: dict[str, torch.Tensor] = {}
         pending, plain = self._pending, PLAIN_TENSOR_TYPES
         device_cost = -1 if slabs is None else slabs.slab_bytes + PER_TENSOR_COST  # (a larger one: the usual path)
-        add_code, add_pointer, add_host, add_device_code, add_device, add_device_fit = self._appends()
+        add_code, add_host, add_device_code, add_device, add_device_fit = self._appends()
         for key, target, code in found:
             if code is None or type(target) not in plain or (fit := fits[code]) is None:
                 continue
@@ -173,7 +173,6 @@ class BulkTensors:
                     or not target.is_contiguous():
                 continue  # the usual path: reads through a buffer, or names the mismatch
             if on_host(target):
-                add_pointer(target.data_ptr())
                 add_host(target)
                 add_code(code)
             elif cost <= device_cost:
@@ -187,7 +186,7 @@ class BulkTensors:
             if pending >= FLUSH_BYTES:
                 self._hand_off(lookup)
                 pending = 0
-                add_code, add_pointer, add_host, add_device_code, add_device, add_device_fit = self._appends()
+                add_code, add_host, add_device_code, add_device, add_device_fit = self._appends()
                 # Let a read thread take the GIL and start its read now, not 5 ms later (the interpreter's
                 # switch interval): on a cold disk the reads then start while the walk goes on (94-96 % of
                 # the disk's read instead of 90 % for 5,000 tensors of 40 KB).
@@ -202,15 +201,17 @@ class BulkTensors:
 
     def _appends(self) -> tuple[Any, ...]:
         """The ``append`` of each list of pending picks (the walk binds them once per hand-off, not per target)."""
-        return (self._codes.append, self._pointers.append, self._on_host.append, self._device_codes.append,
+        return (self._codes.append, self._on_host.append, self._device_codes.append,
                 self._device_targets.append, self._device_fits.append)
 
     def _hand_off(self, lookup: _Lookup) -> None:
         """Hand the pending picks to the read pool, the device ones placed in slabs first, in one batch; each time
         the slabs reach their bound, the reads handed over so far land and the slabs are copied to the device."""
-        codes, pointers = self._codes, self._pointers
+        codes, on_host = self._codes, self._on_host
+        pointers = list(map(torch.Tensor.data_ptr, on_host[self._handed:]))  # (a C-level pass)
+        self._handed = len(on_host)
         targets, fits, device_codes = self._device_targets, self._device_fits, self._device_codes
-        self._codes, self._pointers, self._device_codes, self._device_targets, self._device_fits = [], [], [], [], []
+        self._codes, self._device_codes, self._device_targets, self._device_fits = [], [], [], []
         self._pending = 0
         if not targets:
             self._submit(lookup, codes, pointers)
