@@ -24,11 +24,12 @@ the read and once more for the checksums (the package xxhash would hold the GIL 
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from collections.abc import Mapping
 from itertools import compress
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -54,10 +55,11 @@ PER_TENSOR_COST = 256
 TINY_BYTES = 2048
 
 
-_DTYPE, _SHAPE, _COST = (operator.itemgetter(i) for i in range(3))  # of a fit: (torch dtype, shape, cost)
 #: Whether a target's bytes are read straight into its memory (on the host), not through a slab (a C-level getter:
 #: a Python function here cost the walk a call per target).
 in_host_memory = operator.attrgetter("is_cpu")
+#: What the walk checks a target against, by code: (torch dtype, shape, cost).
+_Fit = tuple[torch.dtype, tuple[int, ...], int]
 
 
 class _Lookup:
@@ -66,16 +68,19 @@ class _Lookup:
     ``codes`` maps a path to a code: a row number plus ``bases[i]`` for the ``i``-th index file (a rank's own
     entries of any kind hide replicated ones of the same path). ``fits[code]`` is ``(torch dtype, shape, cost)``
     for a tensor that may be loaded in bulk (a single chunk of at most ``SMALL_BYTES``), else None; the cost, its
-    bytes plus ``PER_TENSOR_COST``, paces the hand-offs to the read pool. ``complex``: whether any tensor of the
-    index files has a complex dtype.
+    bytes plus ``PER_TENSOR_COST``, paces the hand-offs to the read pool. The same by code in arrays, for the
+    device targets of a hand-off: ``dtypes`` (object), ``nbytes`` and ``flat`` (one dimension). ``complex``:
+    whether any tensor of the index files has a complex dtype.
     """
 
     def __init__(self, indexes: list[Index], owned: bool) -> None:
         self.tables = indexes  # each table's index file, read as columns
         self.bases = np.cumsum([0] + [len(index.tensor_rows) for index in indexes])
-        self.fits: list[tuple[torch.dtype, tuple[int, ...], int] | None] = []
-        for index in indexes:
-            self.fits += _fits(index)
+        rows = [_fits(index) for index in indexes]
+        self.fits: list[_Fit | None] = list(itertools.chain.from_iterable(row.fits for row in rows))
+        self.dtypes = np.concatenate([np.empty(0, dtype=object), *(row.dtypes for row in rows)])
+        self.nbytes = np.concatenate([np.empty(0, dtype=np.int64), *(row.nbytes for row in rows)])
+        self.flat = np.concatenate([np.empty(0, dtype=bool), *(row.flat for row in rows)])
         self.complex = any(kind == "tensor" and torch_dtype(name).is_complex
                            for index in indexes for kind, name in index.header["dtypes"])
         if len(indexes) == 1:
@@ -89,7 +94,16 @@ class _Lookup:
         self.codes = codes  # type: ignore[assignment]
 
 
-def _fits(index: Index) -> list[tuple[torch.dtype, tuple[int, ...], int] | None]:
+class _Rows(NamedTuple):
+    """An index file's tensor rows as ``_Lookup`` holds them: each row's fit, and its torch dtype (None for a numpy
+    array), bytes (where it has a fit) and flatness (one dimension) as arrays."""
+    fits: list[_Fit | None]
+    dtypes: np.ndarray
+    nbytes: np.ndarray
+    flat: np.ndarray
+
+
+def _fits(index: Index) -> _Rows:
     cols, first = index.cols, index.tensor_chunk_start
     nbytes = np.zeros(len(first), dtype=np.int64)
     single = cols["tensor_chunk_end"] - first == 1  # a tensor of no chunk (crafted, or empty) stays out
@@ -99,7 +113,7 @@ def _fits(index: Index) -> list[tuple[torch.dtype, tuple[int, ...], int] | None]
     fits: list[Any] = list(zip(row_dtypes.tolist(), index.shapes.tuples(), (nbytes + PER_TENSOR_COST).tolist()))
     for row in np.flatnonzero(~single | (nbytes > SMALL_BYTES) | np.equal(row_dtypes, None)).tolist():
         fits[row] = None
-    return fits
+    return _Rows(fits, row_dtypes, nbytes, index.shapes.ndims == 1)
 
 
 class BulkTensors:
@@ -114,11 +128,10 @@ class BulkTensors:
         self._handed = 0  # how many of them were handed to the read pool
         # Picks not yet handed to the read pool (from any number of dicts: an optimizer's state is a small dict
         # per parameter) and their cost: host targets by code (the targets: ``_on_host[_handed:]``), device targets
-        # by code, target and fit (placed in slabs at the hand-off, in one batch).
+        # by code and target (placed in slabs at the hand-off, in one batch).
         self._codes: list[int] = []
         self._device_codes: list[int] = []
         self._device_targets: list[torch.Tensor] = []
-        self._device_fits: list[tuple[torch.dtype, tuple[int, ...], int]] = []
         self._pending = 0
 
     def finish(self) -> None:
@@ -163,7 +176,7 @@ class BulkTensors:
         loaded: dict[str, torch.Tensor] = {}
         pending, plain = self._pending, PLAIN_TENSOR_TYPES
         device_cost = -1 if slabs is None else slabs.slab_bytes + PER_TENSOR_COST  # (a larger one: the usual path)
-        add_code, add_host, add_device_code, add_device, add_device_fit = self._appends()
+        add_code, add_host, add_device_code, add_device = self._appends()
         for key, target, code in found:
             if code is None or type(target) not in plain or (fit := fits[code]) is None:
                 continue
@@ -177,7 +190,6 @@ class BulkTensors:
                 add_code(code)
             elif cost <= device_cost:
                 add_device(target)
-                add_device_fit(fit)
                 add_device_code(code)
             else:
                 continue
@@ -186,7 +198,7 @@ class BulkTensors:
             if pending >= FLUSH_BYTES:
                 self._hand_off(lookup)
                 pending = 0
-                add_code, add_host, add_device_code, add_device, add_device_fit = self._appends()
+                add_code, add_host, add_device_code, add_device = self._appends()
                 # Let a read thread take the GIL and start its read now, not 5 ms later (the interpreter's
                 # switch interval): on a cold disk the reads then start while the walk goes on (94-96 % of
                 # the disk's read instead of 90 % for 5,000 tensors of 40 KB).
@@ -201,8 +213,7 @@ class BulkTensors:
 
     def _appends(self) -> tuple[Any, ...]:
         """The ``append`` of each list of pending picks (the walk binds them once per hand-off, not per target)."""
-        return (self._codes.append, self._on_host.append, self._device_codes.append,
-                self._device_targets.append, self._device_fits.append)
+        return self._codes.append, self._on_host.append, self._device_codes.append, self._device_targets.append
 
     def _hand_off(self, lookup: _Lookup) -> None:
         """Hand the pending picks to the read pool, the device ones placed in slabs first, in one batch; each time
@@ -210,15 +221,15 @@ class BulkTensors:
         codes, on_host = self._codes, self._on_host
         pointers = list(map(torch.Tensor.data_ptr, on_host[self._handed:]))  # (a C-level pass)
         self._handed = len(on_host)
-        targets, fits, device_codes = self._device_targets, self._device_fits, self._device_codes
-        self._codes, self._device_codes, self._device_targets, self._device_fits = [], [], [], []
+        targets, device_codes = self._device_targets, self._device_codes
+        self._codes, self._device_codes, self._device_targets = [], [], []
         self._pending = 0
         if not targets:
             self._submit(lookup, codes, pointers)
             return
         assert self._slabs is not None  # (device picks are made only where there are slabs)
-        nbytes = np.fromiter(map(_COST, fits), dtype=np.int64, count=len(fits)) - PER_TENSOR_COST
-        dtypes, flat = list(map(_DTYPE, fits)), list(map((1).__eq__, map(len, map(_SHAPE, fits))))
+        picked = np.array(device_codes, dtype=np.int64)
+        nbytes, dtypes, flat = lookup.nbytes[picked], lookup.dtypes[picked].tolist(), lookup.flat[picked]
         placed = 0
         while True:
             addresses = self._slabs.place_many(targets[placed:], nbytes[placed:], dtypes[placed:], flat[placed:])

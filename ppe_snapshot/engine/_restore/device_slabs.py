@@ -71,7 +71,7 @@ class DeviceSlabs:
         self._devices: set[torch.device] = set()  # the devices copied to
 
     def place_many(self, targets: list[torch.Tensor], nbytes: np.ndarray, dtypes: list[torch.dtype],
-                   flat: list[bool]) -> np.ndarray:
+                   flat: np.ndarray | list[bool]) -> np.ndarray:
         """The host addresses ``targets[i]``'s ``nbytes[i]`` bytes (each at most ``slab_bytes``) are to be read to,
         in order, for as many targets as the bound allows: fewer addresses than targets where the slabs in use
         would pass it, and the caller hands the placed ones to the reads, joins them, calls :meth:`copy`, and
@@ -84,7 +84,7 @@ class DeviceSlabs:
         changes = np.fromiter(map(operator.is_not, dtypes[1:], dtypes[:-1]), dtype=bool, count=n - 1) \
             | np.fromiter(map(operator.ne, devices[1:], devices[:-1]), dtype=bool, count=n - 1)
         edges = [0, *(np.flatnonzero(changes) + 1).tolist(), n]
-        nbytes = np.asarray(nbytes, dtype=np.int64)
+        nbytes, flat = np.asarray(nbytes, dtype=np.int64), np.asarray(flat, dtype=bool)
         ends = np.cumsum(nbytes)
         addresses: list[np.ndarray] = []
         for start, stop in zip(edges[:-1], edges[1:]):  # runs of one device and dtype
@@ -98,7 +98,7 @@ class DeviceSlabs:
         """The size of a slab: a larger target goes the usual way."""
         return self._slab_bytes
 
-    def _place_run(self, targets: list[torch.Tensor], nbytes: np.ndarray, ends: np.ndarray, flat: list[bool],
+    def _place_run(self, targets: list[torch.Tensor], nbytes: np.ndarray, ends: np.ndarray, flat: np.ndarray,
                    start: int, stop: int, kind: tuple[torch.device, torch.dtype], addresses: list[np.ndarray]) -> int:
         """Place ``targets[start:stop]``, all of ``kind``, slab by slab (``ends``: the cumulated ``nbytes``), their
         addresses appended to ``addresses``; returns where it stopped (``stop`` unless the bound was reached)."""
@@ -116,7 +116,7 @@ class DeviceSlabs:
             slab.targets += targets[position:end]
             slab.sizes += nbytes[position:end].tolist()
             slab.used += int(ends[end - 1]) - before
-            if not all(flat[position:end]):
+            if not flat[position:end].all():
                 slab.flat = False
             position = end
         return stop
