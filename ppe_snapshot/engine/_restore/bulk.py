@@ -218,31 +218,35 @@ class BulkTensors:
     def _hand_off(self, lookup: _Lookup) -> None:
         """Hand the pending picks to the read pool, the device ones placed in slabs first, in one batch; each time
         the slabs reach their bound, the reads handed over so far land and the slabs are copied to the device."""
-        codes, on_host = self._codes, self._on_host
-        pointers = list(map(torch.Tensor.data_ptr, on_host[self._handed:]))  # (a C-level pass)
+        on_host, handed = self._on_host, self._handed
+        codes = np.array(self._codes, dtype=np.int64)
+        pointers = np.fromiter(map(torch.Tensor.data_ptr, on_host[handed:]), dtype=np.uint64,
+                               count=len(on_host) - handed)  # (a C-level pass)
         self._handed = len(on_host)
-        targets, device_codes = self._device_targets, self._device_codes
+        targets, device_codes = self._device_targets, np.array(self._device_codes, dtype=np.int64)
         self._codes, self._device_codes, self._device_targets = [], [], []
         self._pending = 0
         if not targets:
             self._submit(lookup, codes, pointers)
             return
         assert self._slabs is not None  # (device picks are made only where there are slabs)
-        picked = np.array(device_codes, dtype=np.int64)
-        nbytes, dtypes, flat = lookup.nbytes[picked], lookup.dtypes[picked].tolist(), lookup.flat[picked]
+        nbytes, dtypes, flat = lookup.nbytes[device_codes], lookup.dtypes[device_codes].tolist(), \
+            lookup.flat[device_codes]
         placed = 0
         while True:
             addresses = self._slabs.place_many(targets[placed:], nbytes[placed:], dtypes[placed:], flat[placed:])
-            self._submit(lookup, codes + device_codes[placed:placed + len(addresses)], pointers + addresses.tolist())
-            codes, pointers, placed = [], [], placed + len(addresses)
+            end = placed + len(addresses)
+            self._submit(lookup, np.concatenate((codes, device_codes[placed:end])),
+                         np.concatenate((pointers, addresses.astype(np.uint64))))
+            codes, pointers, placed = codes[:0], pointers[:0], end
             if placed == len(targets):
                 return
             self._reads.join()  # (the slabs are at their bound: their reads land, then they go to the device)
             self._slabs.copy()
 
-    def _submit(self, lookup: _Lookup, codes: list[int], pointers: list[int]) -> None:
-        """Hand picked tensors to the read pool, in runs of neighbouring bytes of a file."""
-        picked, addresses = np.array(codes, dtype=np.int64), np.array(pointers, dtype=np.uint64)
+    def _submit(self, lookup: _Lookup, picked: np.ndarray, addresses: np.ndarray) -> None:
+        """Hand picked tensors (codes, and the addresses their bytes go to) to the read pool, in runs of
+        neighbouring bytes of a file."""
         if len(lookup.tables) == 1:
             self._submit_rows(lookup.tables[0], picked, addresses)
             return
