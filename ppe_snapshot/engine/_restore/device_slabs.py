@@ -81,9 +81,12 @@ class DeviceSlabs:
         if not n:
             return np.empty(0, dtype=np.int64)
         devices = list(map(_DEVICE, targets))
-        changes = np.fromiter(map(operator.is_not, dtypes[1:], dtypes[:-1]), dtype=bool, count=n - 1) \
-            | np.fromiter(map(operator.ne, devices[1:], devices[:-1]), dtype=bool, count=n - 1)
-        edges = [0, *(np.flatnonzero(changes) + 1).tolist(), n]
+        if devices.count(devices[0]) == n and dtypes.count(dtypes[0]) == n:  # one run: the common case, told in
+            edges = [0, n]  # two C-level passes (a third of the time of the pairwise ones)
+        else:
+            changes = np.fromiter(map(operator.is_not, dtypes[1:], dtypes[:-1]), dtype=bool, count=n - 1) \
+                | np.fromiter(map(operator.ne, devices[1:], devices[:-1]), dtype=bool, count=n - 1)
+            edges = [0, *(np.flatnonzero(changes) + 1).tolist(), n]
         nbytes, flat = np.asarray(nbytes, dtype=np.int64), np.asarray(flat, dtype=bool)
         ends = np.cumsum(nbytes)
         addresses: list[np.ndarray] = []
