@@ -176,3 +176,10 @@ def test_a_batch_is_placed_per_kind_in_order_and_in_part_at_the_bound():
     slabs.copy()
     rest = slabs.place_many(batch[7:], nbytes[7:], [torch.float32, torch.int64], [True, True]).tolist()
     assert len(rest) == 2 and rest[0] != rest[1] and {rest[0], rest[1]} <= {f0, l0, m0}  # slabs copied out of
+
+
+def test_a_batch_of_one_dtype_on_two_devices_gets_a_slab_per_device():
+    slabs = DeviceSlabs(slab_bytes=64, held_bytes=1 << 20)
+    batch = [torch.zeros(4), torch.zeros(4, device="meta"), torch.zeros(4), torch.zeros(4, device="meta")]
+    got = slabs.place_many(batch, np.array([16] * 4), [torch.float32] * 4, [True] * 4).tolist()
+    assert got[2] == got[0] + 16 and got[3] == got[1] + 16 and abs(got[1] - got[0]) >= 64
