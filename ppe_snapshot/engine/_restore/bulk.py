@@ -24,11 +24,10 @@ the read and once more for the checksums (the package xxhash would hold the GIL 
 """
 from __future__ import annotations
 
-import itertools
 import operator
 import time
 from collections.abc import Mapping
-from itertools import compress
+from itertools import chain, compress
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -77,7 +76,7 @@ class _Lookup:
         self.tables = indexes  # each table's index file, read as columns
         self.bases = np.cumsum([0] + [len(index.tensor_rows) for index in indexes])
         rows = [_fits(index) for index in indexes]
-        self.fits: list[_Fit | None] = list(itertools.chain.from_iterable(row.fits for row in rows))
+        self.fits: list[_Fit | None] = list(chain.from_iterable(row.fits for row in rows))
         self.dtypes = np.concatenate([np.empty(0, dtype=object), *(row.dtypes for row in rows)])
         self.nbytes = np.concatenate([np.empty(0, dtype=np.int64), *(row.nbytes for row in rows)])
         self.flat = np.concatenate([np.empty(0, dtype=bool), *(row.flat for row in rows)])
