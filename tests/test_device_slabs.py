@@ -59,19 +59,25 @@ def test_small_targets_go_through_one_slab_per_dtype(tmp_path, on_device):
         key=str)  # one slab per dtype, each copied once
 
 
-def test_flat_targets_receive_the_values_in_negative_and_conjugate_views_too(tmp_path, on_device):
-    """A slab of flat targets is copied out in one call; a negative or conjugate view among them still shows the
-    saved values, not the saved bytes."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["flat", "mixed"])
+def test_targets_receive_the_values_in_negative_and_conjugate_views_too(tmp_path, on_device, mixed):
+    """A slab is copied into its targets in one call (one split copy where every target is flat); a negative or
+    conjugate view among them still shows the saved values, not the saved bytes."""
     g = torch.Generator().manual_seed(1)
     state = {f"v{i}": torch.randn(i % 7 + 1, generator=g) for i in range(40)}
     state.update({f"c{i}": torch.randn(i + 2, dtype=torch.complex64, generator=g) for i in range(3)})
     state.update(negated=torch.randn(9, generator=g), conjugated=torch.randn(4, dtype=torch.complex64, generator=g))
+    if mixed:  # matrices and scalars among the vectors, a conjugate matrix among the complex ones
+        state.update({f"m{i}": torch.randn(i % 3 + 1, 5, generator=g) for i in range(10)})
+        state.update({f"s{i}": torch.tensor(float(i)) for i in range(5)})
+        state["conjugated"] = torch.randn(2, 2, dtype=torch.complex64, generator=g)
     Snapshot.take(str(tmp_path / "s"), {"m": StateDict(state)})
     targets = {k: torch.zeros_like(v) for k, v in state.items()}
-    targets.update(negated=torch.zeros(9)._neg_view(), conjugated=torch.zeros(4, dtype=torch.complex64).conj())
+    targets.update(negated=torch.zeros(9)._neg_view(), conjugated=torch.zeros_like(state["conjugated"]).conj())
     Snapshot(str(tmp_path / "s")).restore({"m": StateDict(targets)})
     assert_same({k: v.resolve_neg().resolve_conj() for k, v in targets.items()}, state)
-    assert sorted((copy[:2] for copy in on_device), key=str) == [(torch.complex64, 4), (torch.float32, 41)]
+    floats = 41 + (15 if mixed else 0)
+    assert sorted((copy[:2] for copy in on_device), key=str) == [(torch.complex64, 4), (torch.float32, floats)]
 
 
 def test_slabs_are_copied_each_time_the_bound_is_reached(tmp_path, on_device, monkeypatch):
