@@ -210,15 +210,14 @@ def _to_device(slab: _Slab) -> Any:
         staged = torch.empty(slab.used // dtype.itemsize, dtype=dtype, device=device)
         staged.copy_(slab.host[:slab.used].view(dtype), non_blocking=cuda)
         sizes = (np.asarray(slab.sizes) // dtype.itemsize).tolist() if slab.flat else None
+        views = None if sizes is not None else torch._utils._unflatten_dense_tensors(staged, slab.targets)
         try:
-            if sizes is not None:
+            if views is None:
                 torch.split_with_sizes_copy(staged, sizes, out=slab.targets)
             else:
-                torch._foreach_copy_(slab.targets, torch._utils._unflatten_dense_tensors(staged, slab.targets))
+                torch._foreach_copy_(slab.targets, views)
         except RuntimeError:  # a target with the negative or conjugate bit, which copies into a list refuse
-            views = staged.split(sizes) if sizes is not None else \
-                torch._utils._unflatten_dense_tensors(staged, slab.targets)
-            for target, view in zip(slab.targets, views):
+            for target, view in zip(slab.targets, staged.split(sizes) if views is None else views):
                 target.copy_(view)
     if not cuda:
         return None
