@@ -181,6 +181,11 @@ def test_shape_and_dtype_mismatch_name_the_key_and_both(runs):
         snapshot.restore({"dt": StateDict(s0=torch.zeros(3, 10))})
     assert str(e.value) == ("dt/s0: the snapshot holds a sharded tensor of global shape [10, 3] and dtype float32, "
                             "but the restore target has global shape [3, 10] and dtype float32")
+    with pytest.raises(StateMismatchError) as e:  # a meta tensor has no memory to load into: not left empty
+        snapshot.restore({"dt": StateDict(s0=torch.zeros(10, 3, device="meta"))})
+    assert str(e.value) == ("dt/s0: the snapshot holds a sharded tensor of global shape [10, 3] and dtype float32, "
+                            "but the restore target is a meta tensor, which holds no data: a restore loads into the "
+                            "target's memory in place; materialize it first (e.g. with Module.to_empty(device=...))")
     for rank, result in enumerate(runs["four"]):
         errors = result["errors"]
         assert errors["shape"] == (

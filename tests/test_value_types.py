@@ -189,6 +189,38 @@ def test_meta_tensor_is_refused_even_with_pickle(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+_IN_PLACE = "a restore loads into the target's memory in place"
+
+
+@pytest.mark.parametrize("size", [3, 1 << 19], ids=["small", "large"])  # loaded in bulk / one by one
+@pytest.mark.parametrize("kind, problem", [
+    ("meta", f"is a meta tensor, which holds no data: {_IN_PLACE}; materialize it first (e.g. with "
+             "Module.to_empty(device=...))"),
+    ("nested", f"is a nested tensor: {_IN_PLACE}; pass a dense tensor of that shape and dtype"),
+    ("jagged", f"is a nested tensor: {_IN_PLACE}; pass a dense tensor of that shape and dtype"),
+    ("sparse", f"has layout torch.sparse_coo: {_IN_PLACE}; pass a dense tensor of that shape and dtype"),
+])
+def test_a_target_without_plain_memory_is_a_mismatch_that_says_why(tmp_path, size, kind, problem):
+    """A restore target with no plain strided memory to load into (a meta tensor of a model built on the meta
+    device, a nested or sparse tensor) is named with its problem; a meta one is not left silently empty, a nested
+    one (which has no shape) raises no internal error of torch's."""
+    path = str(tmp_path / "s")
+    saved = {"before": torch.ones(4), "t": torch.arange(size, dtype=torch.float32), "after": torch.ones(4)}
+    Snapshot.take(path, {"s": StateDict(saved)})
+    target = {
+        "meta": lambda: torch.empty(size, device="meta"),
+        "nested": lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(size - 2)]),
+        "jagged": lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(size - 2)], layout=torch.jagged),
+        "sparse": lambda: torch.zeros(size).to_sparse(),
+    }[kind]()
+    state = {"before": torch.zeros(4), "t": target, "after": torch.zeros(4)}
+    with pytest.raises(ppe_snapshot.StateMismatchError) as e:
+        Snapshot(path).restore({"s": StateDict(state)})
+    assert str(e.value) == (f"s/t: the snapshot holds a tensor of shape [{size}] and dtype float32, but the "
+                            f"restore target {problem}")
+    assert state["t"] is target
+
+
 # -- crafted values: only already-imported classes of the tagged kind -----------------------
 
 def _b64(data: bytes) -> str:

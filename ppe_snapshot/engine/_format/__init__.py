@@ -18,7 +18,7 @@ from ppe_snapshot.engine._format.names import (
 )
 from ppe_snapshot.engine._format.serialization import (
     PLAIN_TENSOR_TYPES, RAW_DTYPE_NAMES, can_store_raw, decode_value, dtype_name, encode_value, is_raw_array,
-    raw_storage_problem, torch_dtype,
+    memory_problem, raw_storage_problem, torch_dtype,
 )
 from ppe_snapshot.engine._format.validation import (
     CHECKSUM_ALGORITHM, FORMAT_NAME, document_problem, document_v2_problem, document_v3_problem,
@@ -30,8 +30,8 @@ __all__ = [
     "detail_name", "document_problem", "document_v2_problem", "document_v3_problem", "dtype_key", "dtype_name",
     "dump_json", "encode_value", "entries_from_json", "entries_to_json", "Entry", "entry_to_json", "EntryColumns",
     "FORMAT_NAME", "INCREMENTAL_VERSION", "Index", "INDEX_DIR", "IndexBuilder", "IndexTable", "is_raw_array",
-    "LazyEntries", "load_json", "Manifest", "MANIFEST_NAME", "new_take_id", "ObjectEntry", "parse_document",
-    "parse_parts_name", "part_name", "PARTS_DIR", "PickleEntry", "PLAIN_TENSOR_TYPES", "rank_index", "Raw",
-    "RAW_DTYPE_NAMES", "raw_storage_problem", "read_stamp", "RETIRED_NAME", "ShapeColumns", "Shard",
+    "LazyEntries", "load_json", "Manifest", "MANIFEST_NAME", "memory_problem", "new_take_id", "ObjectEntry",
+    "parse_document", "parse_parts_name", "part_name", "PARTS_DIR", "PickleEntry", "PLAIN_TENSOR_TYPES", "rank_index",
+    "Raw", "RAW_DTYPE_NAMES", "raw_storage_problem", "read_stamp", "RETIRED_NAME", "ShapeColumns", "Shard",
     "ShardedTensorEntry", "SHARED_INDEX", "takes_in_progress", "TensorEntry", "torch_dtype",
 ]

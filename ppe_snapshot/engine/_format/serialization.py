@@ -63,8 +63,9 @@ def can_store_raw(tensor: torch.Tensor) -> bool:
         and not tensor.is_nested and not tensor.is_meta
 
 
-def raw_storage_problem(tensor: torch.Tensor) -> str:
-    """Why :func:`can_store_raw` refuses ``tensor``, in words."""
+def memory_problem(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s elements are not plain strided memory (meta, nested, another layout, quantized), in words;
+    None where they are."""
     if tensor.is_meta:
         return "is a meta tensor, which holds no data"
     if tensor.is_nested:
@@ -73,7 +74,12 @@ def raw_storage_problem(tensor: torch.Tensor) -> str:
         return f"has layout {tensor.layout}"
     if tensor.is_quantized:
         return "is quantized"
-    return f"has dtype {tensor.dtype}"
+    return None
+
+
+def raw_storage_problem(tensor: torch.Tensor) -> str:
+    """Why :func:`can_store_raw` refuses ``tensor``, in words."""
+    return memory_problem(tensor) or f"has dtype {tensor.dtype}"
 
 
 def is_raw_array(value: Any) -> bool:

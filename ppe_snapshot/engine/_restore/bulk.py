@@ -181,13 +181,16 @@ class BulkTensors:
                 continue
             dtype, shape, cost = fit
             # (no is_neg / is_conj here: they release the GIL, to the read threads for milliseconds; see finish)
-            if target.dtype is not dtype or target.shape != shape or target.layout is not strided \
-                    or not target.is_contiguous():
-                continue  # the usual path: reads through a buffer, or names the mismatch
+            try:
+                if target.dtype is not dtype or target.shape != shape or target.layout is not strided \
+                        or not target.is_contiguous():
+                    continue  # the usual path: reads through a buffer, or names the mismatch
+            except RuntimeError:  # a nested tensor of the strided layout has no shape: the usual path names it
+                continue
             if on_host(target):
                 add_host(target)
                 add_code(code)
-            elif cost <= device_cost:
+            elif cost <= device_cost and not target.is_meta:  # (a meta tensor has no memory: the usual path)
                 add_device(target)
                 add_device_code(code)
             else:

@@ -36,6 +36,7 @@ from ppe_snapshot.engine._restore.bulk import BulkTensors
 from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 from ppe_snapshot.engine._state import (
     LoadLeaf, check_tensor_target, dtensor_class, escape, inflate, is_sharded, sharded_tensor_class, state_of,
+    target_mismatch,
 )
 from ppe_snapshot.engine._versions import FormatVersion, version_of
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
@@ -186,11 +187,13 @@ def _target_regions(target: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
 
 
 def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) -> None:
-    found = (list(target.shape), str(target.dtype).removeprefix("torch."))  # the manifest's dtype names
-    if found != (entry.shape, entry.dtype):
-        raise StateMismatchError(
-            f"{path}: the snapshot holds a sharded tensor of global shape {entry.shape} and dtype {entry.dtype}, "
-            f"but the restore target has global shape {found[0]} and dtype {found[1]}")
+    try:
+        found = (list(target.shape), str(target.dtype).removeprefix("torch."))  # the manifest's dtype names
+        if found == (entry.shape, entry.dtype) and not target.is_meta and target.layout is torch.strided:
+            return
+    except RuntimeError:  # (a nested tensor of the strided layout has no shape)
+        pass
+    raise target_mismatch(path, "a sharded tensor", "global shape", entry.shape, entry.dtype, target)
 
 
 def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,

@@ -4,7 +4,7 @@ The face of this subpackage: what the rest of the engine uses of it (modules her
 """
 from ppe_snapshot.engine._state.flattening import (
     LoadLeaf, Payload, PlainTensors, check_tensor_target, child_path, child_paths, escape, flatten, inflate,
-    mark_replicated,
+    mark_replicated, target_mismatch,
 )
 from ppe_snapshot.engine._state.planner import RankPlan, plan_rank, replicated_patterns
 from ppe_snapshot.engine._state.sharded import (
@@ -20,5 +20,5 @@ __all__ = [
     "inflate", "is_shard_key", "is_sharded", "LoadLeaf", "mark_replicated", "merge_sharded", "OptimizerState",
     "Payload", "PlainTensors", "plan_rank", "RankPlan", "replicated_patterns", "restore_order", "RNGState",
     "sharded_entries", "sharded_state_patterns", "sharded_tensor_class", "ShardPlan", "state_of", "StateDict", "Stateful",
-    "take_states",
+    "take_states", "target_mismatch",
 ]

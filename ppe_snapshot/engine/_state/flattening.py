@@ -21,7 +21,8 @@ import torch
 
 from ppe_snapshot.engine._format import (
     PLAIN_TENSOR_TYPES, RAW_DTYPE_NAMES, Container, ContainerEntry, Entry, ObjectEntry, Raw, TensorEntry,
-    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, raw_storage_problem, torch_dtype,
+    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, memory_problem, raw_storage_problem,
+    torch_dtype,
 )
 from ppe_snapshot.engine._state.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
@@ -267,13 +268,25 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
 
 
 def check_tensor_target(path: str, entry: TensorEntry, target: torch.Tensor) -> None:
-    """Raise when ``target`` cannot receive the saved tensor at ``path``."""
-    if target.shape == tuple(entry.shape) and target.dtype is torch_dtype(entry.dtype) \
-            and target.layout is torch.strided:
-        return  # the common case, in a fifth of the time of the checks below
-    saved = (tuple(entry.shape), entry.dtype)
-    found = (tuple(target.shape), dtype_name(target.dtype) if can_store_raw(target) else str(target.dtype))
-    if saved != found:
-        raise StateMismatchError(
-            f"{path}: the snapshot holds a tensor of shape {list(saved[0])} and dtype {saved[1]}, "
-            f"but the restore target has shape {list(found[0])} and dtype {found[1]}")
+    """Raise when ``target`` cannot receive the saved tensor at ``path`` in place."""
+    try:
+        if target.shape == tuple(entry.shape) and target.dtype is torch_dtype(entry.dtype) \
+                and target.layout is torch.strided and not target.is_meta:
+            return  # the common case, in a fifth of the time of the checks below
+    except RuntimeError:  # (a nested tensor of the strided layout has no shape)
+        pass
+    raise target_mismatch(path, "a tensor", "shape", entry.shape, entry.dtype, target)
+
+
+def target_mismatch(path: str, what: str, shape_name: str, shape: list[int], dtype: str,
+                    target: torch.Tensor) -> StateMismatchError:
+    """The error for a restore target that cannot receive the saved ``what`` (of ``shape``, named ``shape_name``,
+    and ``dtype``) in place: one of another shape or dtype, or one without plain strided memory to load into."""
+    head = f"{path}: the snapshot holds {what} of {shape_name} {list(shape)} and dtype {dtype}, but the restore target"
+    problem = memory_problem(target)
+    if problem is not None:
+        hint = "materialize it first (e.g. with Module.to_empty(device=...))" if target.is_meta else \
+            f"pass a dense tensor of that {shape_name} and dtype"
+        return StateMismatchError(f"{head} {problem}: a restore loads into the target's memory in place; {hint}")
+    found = dtype_name(target.dtype) if can_store_raw(target) else str(target.dtype)
+    return StateMismatchError(f"{head} has {shape_name} {list(target.shape)} and dtype {found}")
