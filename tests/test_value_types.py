@@ -192,6 +192,7 @@ def test_meta_tensor_is_refused_even_with_pickle(tmp_path):
 _IN_PLACE = "a restore loads into the target's memory in place"
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("size", [3, 1 << 19], ids=["small", "large"])  # loaded in bulk / one by one
 @pytest.mark.parametrize("kind, problem", [
     ("meta", f"is a meta tensor, which holds no data: {_IN_PLACE}; materialize it first (e.g. with "
@@ -219,6 +220,23 @@ def test_a_target_without_plain_memory_is_a_mismatch_that_says_why(tmp_path, siz
     assert str(e.value) == (f"s/t: the snapshot holds a tensor of shape [{size}] and dtype float32, but the "
                             f"restore target {problem}")
     assert state["t"] is target
+
+
+@pytest.mark.parametrize("size", [3, 1 << 19], ids=["small", "large"])
+@pytest.mark.parametrize("view", ["expand", "as_strided"])
+def test_a_target_whose_elements_share_memory_is_a_mismatch_naming_it(tmp_path, size, view):
+    """A view that writes one element in several places (``expand``, a zero stride) cannot hold a saved tensor:
+    named by its path before anything is read into it, not torch's RuntimeError of the copy."""
+    path = str(tmp_path / "s")
+    Snapshot.take(path, {"s": StateDict(before=torch.ones(4), t=torch.arange(size, dtype=torch.float32))})
+    base = torch.zeros(size)
+    target = base[:1].expand(size) if view == "expand" else base.as_strided((size,), (0,))
+    state = {"before": torch.zeros(4), "t": target}
+    with pytest.raises(ppe_snapshot.StateMismatchError, match=r"^s/t: the restore target's elements share memory "
+                       r"\(a view made by expand\(\), or with a zero stride\): a restore loads into the target's "
+                       r"memory in place; pass a tensor of its own \(e\.g\. its clone\(\)\)$"):
+        Snapshot(path).restore({"s": StateDict(state)})
+    assert torch.equal(base, torch.zeros(size))
 
 
 # -- crafted values: only already-imported classes of the tagged kind -----------------------

@@ -270,12 +270,16 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
 def check_tensor_target(path: str, entry: TensorEntry, target: torch.Tensor) -> None:
     """Raise when ``target`` cannot receive the saved tensor at ``path`` in place."""
     try:
-        if target.shape == tuple(entry.shape) and target.dtype is torch_dtype(entry.dtype) \
-                and target.layout is torch.strided and not target.is_meta:
-            return  # the common case, in a fifth of the time of the checks below
+        fits = target.shape == tuple(entry.shape) and target.dtype is torch_dtype(entry.dtype) \
+            and target.layout is torch.strided and not target.is_meta
     except RuntimeError:  # (a nested tensor of the strided layout has no shape)
-        pass
-    raise target_mismatch(path, "a tensor", "shape", entry.shape, entry.dtype, target)
+        fits = False
+    if not fits:
+        raise target_mismatch(path, "a tensor", "shape", entry.shape, entry.dtype, target)
+    if not target.is_contiguous() and any(step == 0 and n > 1 for step, n in zip(target.stride(), target.shape)):
+        raise StateMismatchError(
+            f"{path}: the restore target's elements share memory (a view made by expand(), or with a zero stride): "
+            "a restore loads into the target's memory in place; pass a tensor of its own (e.g. its clone())")
 
 
 def target_mismatch(path: str, what: str, shape_name: str, shape: list[int], dtype: str,
