@@ -173,10 +173,10 @@ def ab_main(doc: str | None, child_source: str) -> None:
     run_ab(child_source, args, [str(args.scale), str(args.many)])
 
 
-def run_ab(child_source: str, args: argparse.Namespace, extra: list[str]) -> None:
+def run_ab(child_source: str, args: argparse.Namespace, extra: list[str], unit: str = " s") -> None:
     """Run ``child_source`` once per checkout and round, in a fresh process, alternating which goes first; print
     each round and a table of the medians with B/A. The child gets ``checkout root benchmarks *extra`` and
-    prints a JSON object of metric -> seconds (or ratio, for a metric whose name holds a ``/``) last."""
+    prints a JSON object of metric -> value in ``unit`` (or ratio, for a metric whose name holds a ``/``) last."""
     benchmarks = os.path.dirname(os.path.abspath(__file__))
     work = tempfile.mkdtemp(prefix="ab_")
     child = os.path.join(work, "child.py")
@@ -203,5 +203,5 @@ def run_ab(child_source: str, args: argparse.Namespace, extra: list[str]) -> Non
     print("| metric | A | B | B/A |\n|---|---|---|---|")
     for key in samples["A"]:
         a, b = statistics.median(samples["A"][key]), statistics.median(samples["B"][key])
-        unit = "x" if "/" in key else " s"
-        print(f"| {key} | {a:.3f}{unit} | {b:.3f}{unit} | {b / a:.2f} |")
+        shown = "x" if "/" in key else unit
+        print(f"| {key} | {a:.3f}{shown} | {b:.3f}{shown} | {b / a:.2f} |")
