@@ -35,8 +35,8 @@ from ppe_snapshot.engine._format import (
 from ppe_snapshot.engine._restore.bulk import BulkTensors
 from ppe_snapshot.engine._restore.device_slabs import DeviceSlabs
 from ppe_snapshot.engine._state import (
-    LoadLeaf, check_tensor_target, dtensor_class, escape, inflate, is_sharded, sharded_tensor_class, state_of,
-    target_mismatch,
+    LoadLeaf, check_target_fits, check_tensor_target, dtensor_class, escape, inflate, is_sharded,
+    sharded_tensor_class, state_of,
 )
 from ppe_snapshot.engine._versions import FormatVersion, version_of
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
@@ -186,16 +186,6 @@ def _target_regions(target: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
     return [(chunk, local.detach()) for chunk, local in zip(_create_chunk_list(target), locals_) if local.numel()]
 
 
-def _check_target(path: str, entry: ShardedTensorEntry, target: torch.Tensor) -> None:
-    try:
-        found = (list(target.shape), str(target.dtype).removeprefix("torch."))  # the manifest's dtype names
-        if found == (entry.shape, entry.dtype) and not target.is_meta and target.layout is torch.strided:
-            return
-    except RuntimeError:  # (a nested tensor of the strided layout has no shape)
-        pass
-    raise target_mismatch(path, "a sharded tensor", "global shape", entry.shape, entry.dtype, target)
-
-
 def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | TensorEntry, target: Any,
                  budget: int | None = None, batch: ReadBatch | None = None,
                  more_shards: Callable[[ShardedTensorEntry], Callable[[], list[Shard]] | None] | None = None,
@@ -215,7 +205,7 @@ def load_sharded(storage: Storage, path: str, entry: ShardedTensorEntry | Tensor
             entry = ShardedTensorEntry(entry.dtype, entry.shape, more())
         check_stored(storage, [c for shard in entry.shards for c in shard.chunks], path)
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-    _check_target(path, entry, target)
+    check_target_fits(path, target, entry.shape, entry.dtype, "a sharded tensor", "global shape")
     regions = _target_regions(target)
     if not regions:
         return target

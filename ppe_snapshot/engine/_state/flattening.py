@@ -269,28 +269,28 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
 
 def check_tensor_target(path: str, entry: TensorEntry, target: torch.Tensor) -> None:
     """Raise when ``target`` cannot receive the saved tensor at ``path`` in place."""
-    try:
-        fits = target.shape == tuple(entry.shape) and target.dtype is torch_dtype(entry.dtype) \
-            and target.layout is torch.strided and not target.is_meta
-    except RuntimeError:  # (a nested tensor of the strided layout has no shape)
-        fits = False
-    if not fits:
-        raise target_mismatch(path, "a tensor", "shape", entry.shape, entry.dtype, target)
+    check_target_fits(path, target, entry.shape, entry.dtype)
     if not target.is_contiguous() and any(step == 0 and n > 1 for step, n in zip(target.stride(), target.shape)):
         raise StateMismatchError(
             f"{path}: the restore target's elements share memory (a view made by expand(), or with a zero stride): "
             "a restore loads into the target's memory in place; pass a tensor of its own (e.g. its clone())")
 
 
-def target_mismatch(path: str, what: str, shape_name: str, shape: list[int], dtype: str,
-                    target: torch.Tensor) -> StateMismatchError:
-    """The error for a restore target that cannot receive the saved ``what`` (of ``shape``, named ``shape_name``,
-    and ``dtype``) in place: one of another shape or dtype, or one without plain strided memory to load into."""
+def check_target_fits(path: str, target: torch.Tensor, shape: list[int], dtype: str, what: str = "a tensor",
+                      shape_name: str = "shape") -> None:
+    """Raise ``StateMismatchError`` unless ``target`` has the saved ``what``'s ``shape`` (named ``shape_name``) and
+    ``dtype``, and plain strided memory to load it into (not meta, nested, sparse...)."""
+    try:
+        if target.shape == tuple(shape) and target.dtype is torch_dtype(dtype) and target.layout is torch.strided \
+                and not target.is_meta:
+            return
+    except RuntimeError:  # (a nested tensor of the strided layout has no shape)
+        pass
     head = f"{path}: the snapshot holds {what} of {shape_name} {list(shape)} and dtype {dtype}, but the restore target"
     problem = memory_problem(target)
     if problem is not None:
         hint = "materialize it first (e.g. with Module.to_empty(device=...))" if target.is_meta else \
             f"pass a dense tensor of that {shape_name} and dtype"
-        return StateMismatchError(f"{head} {problem}: a restore loads into the target's memory in place; {hint}")
+        raise StateMismatchError(f"{head} {problem}: a restore loads into the target's memory in place; {hint}")
     found = dtype_name(target.dtype) if can_store_raw(target) else str(target.dtype)
-    return StateMismatchError(f"{head} has {shape_name} {list(target.shape)} and dtype {found}")
+    raise StateMismatchError(f"{head} has {shape_name} {list(target.shape)} and dtype {found}")
