@@ -21,8 +21,7 @@ import torch
 
 from ppe_snapshot.engine._format import (
     PLAIN_TENSOR_TYPES, RAW_DTYPE_NAMES, Container, ContainerEntry, Entry, ObjectEntry, Raw, TensorEntry,
-    can_store_raw, decode_value, dtype_name, encode_value, is_raw_array, memory_problem, raw_storage_problem,
-    torch_dtype,
+    can_store_raw, decode_value, encode_value, is_raw_array, memory_problem, raw_storage_problem, torch_dtype,
 )
 from ppe_snapshot.engine._state.sharded import ShardedPayload, is_sharded, sharded_payload
 from ppe_snapshot.errors import CorruptSnapshotError, StateMismatchError, UnsupportedValueError
@@ -292,5 +291,5 @@ def check_target_fits(path: str, target: torch.Tensor, shape: list[int], dtype: 
         hint = "materialize it first (e.g. with Module.to_empty(device=...))" if target.is_meta else \
             f"pass a dense tensor of that {shape_name} and dtype"
         raise StateMismatchError(f"{head} {problem}: a restore loads into the target's memory in place; {hint}")
-    found = dtype_name(target.dtype) if can_store_raw(target) else str(target.dtype)
+    found = RAW_DTYPE_NAMES.get(target.dtype, str(target.dtype))  # (its memory was checked just above)
     raise StateMismatchError(f"{head} has {shape_name} {list(target.shape)} and dtype {found}")
