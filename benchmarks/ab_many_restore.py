@@ -49,7 +49,7 @@ def per_tensor(walk_only, slabs):
     bulk.in_host_memory = (lambda target: False) if slabs else in_host_memory
     try:
         times = []
-        for i in range(24):
+        for _ in range(24):
             start = time.perf_counter()
             ps.Snapshot(path).restore({"m": ps.StateDict(state)})
             times.append(time.perf_counter() - start)
