@@ -184,9 +184,11 @@ def test_crafted_top_level_manifest_is_refused(small, field, value, error):
         _reads(small)
 
 
-def test_index_of_a_world_larger_than_written_is_missing(small):
+@pytest.mark.parametrize("world_size", [2, 1 << 31])
+def test_index_of_a_world_larger_than_written_is_missing(small, world_size):
+    """Even a world size that no list could hold: the first missing index is named, nothing sized by it."""
     doc = json.loads((small / "manifest.json").read_text())
-    doc["world_size"] = 2
+    doc["world_size"] = world_size
     (small / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(CorruptSnapshotError, match="index/rank1.idx is missing"):
         Snapshot(str(small)).verify(deep=False)

@@ -13,6 +13,7 @@ import importlib.metadata
 import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Callable, NamedTuple, Union
 
 import torch
@@ -298,7 +299,8 @@ class Manifest:
 
     def check_entries(self) -> None:
         """Check every entry now: raises :class:`CorruptSnapshotError` for a malformed one."""
-        for table in (*self.ranks, self.replicated, self.sharded):
+        # (one at a time: a crafted world size must not size a list, and the first missing index raises)
+        for table in chain(self.ranks, (self.replicated, self.sharded)):
             check_all = getattr(table, "check_all", None)  # a parsed manifest's; a new one's are built by the take
             if check_all is not None:
                 check_all()
