@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import struct
 from pathlib import Path
@@ -21,7 +22,9 @@ import xxhash
 
 from _asserts import assert_same, written_as
 from _crafted import ARRAY, BIAS, BOTTOM, COLUMNS, RANK0, TOP, WEIGHT, craft, make_sharded, read_index, take_small
-from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedFormatError
+from ppe_snapshot import (
+    CorruptSnapshotError, RNGState, Snapshot, StateDict, UnsupportedFormatError,
+)
 from ppe_snapshot.engine import upgrade_snapshot
 from ppe_snapshot.storage import open_storage
 
@@ -192,6 +195,35 @@ def test_index_of_a_world_larger_than_written_is_missing(small, world_size):
     (small / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(CorruptSnapshotError, match="index/rank1.idx is missing"):
         Snapshot(str(small)).verify(deep=False)
+
+
+def _generators() -> tuple:
+    return torch.get_rng_state(), np.random.get_state()[1].tobytes(), random.getstate()
+
+
+@pytest.mark.parametrize("generator, mutate", [
+    ("python", lambda value: value["$tuple"].pop()),  # a state vector one word short
+    ("numpy", lambda value: None)])  # (set below: the position in the key, not an integer)
+def test_crafted_rng_state_is_refused_before_any_generator_is_set(tmp_path, generator, mutate):
+    """The saved RNG state of one generator is one its generator refuses: damage (CorruptSnapshotError, which
+    autoload skips for an older snapshot) naming it, and none of the generators is set (the torch one is set
+    first when all are good)."""
+    path = tmp_path / "s"
+    Snapshot.take(str(path), {"rng": RNGState()})
+    entry = "rng/python/1" if generator == "python" else "rng/numpy/2"
+
+    def craft_entry(header, cols):
+        if generator == "numpy":
+            header["entries"][entry]["value"] = "not a position"
+        else:
+            mutate(header["entries"][entry]["value"])
+    craft_index(path, craft_entry)
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    before = _generators()
+    with pytest.raises(CorruptSnapshotError, match=f"RNG state: the {generator} generator refuses the saved state"):
+        Snapshot(str(path)).restore({"rng": RNGState()})
+    after = _generators()
+    assert torch.equal(after[0], before[0]) and after[1:] == before[1:]
 
 
 # -- sharded tensors in version 2 ---------------------------------------------------------------------

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import base64
 import random
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
+
+from ppe_snapshot.errors import CorruptSnapshotError
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -57,13 +61,21 @@ class RNGState:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        torch.set_rng_state(state_dict["torch"])
-        np.random.set_state(tuple(state_dict["numpy"]))
-        version, internal, gauss = state_dict["python"]
-        random.setstate((version, tuple(internal), gauss))
-        cuda = state_dict.get("cuda")
-        if cuda is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(cuda)[: torch.cuda.device_count()])
+        """Set every generator to ``state_dict`` (as :meth:`state_dict` gives it, maybe read from a snapshot), or
+        none: a state a generator refuses (damaged or crafted) raises :class:`CorruptSnapshotError` naming it,
+        before any generator is set. CUDA states beyond this machine's devices are left out; without CUDA, all."""
+        # Each part is tried on a generator of its own first: the global ones are set once all are known good.
+        cpu = _checked("torch", lambda: _tried(torch.Generator().set_state, _byte_tensor(state_dict["torch"])))
+        numpy = _checked("numpy", lambda: _tried(np.random.RandomState().set_state, tuple(state_dict["numpy"])))
+        python = _checked("python", lambda: _tried(random.Random().setstate, _python_state(state_dict["python"])))
+        cuda = state_dict.get("cuda") if torch.cuda.is_available() else None
+        cuda = [] if cuda is None else _checked("cuda", lambda: [
+            _cuda_state(device, state) for device, state in enumerate(list(cuda)[: torch.cuda.device_count()])])
+        torch.set_rng_state(cpu)
+        np.random.set_state(numpy)
+        random.setstate(python)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
 
     @staticmethod
     def is_state(value: Any) -> bool:
@@ -98,6 +110,42 @@ class RNGState:
         if "cuda" in doc:
             state["cuda"] = [torch.frombuffer(bytearray(base64.b64decode(t)), dtype=torch.uint8) for t in doc["cuda"]]
         return state
+
+
+def _checked(name: str, part: Callable[[], T]) -> T:
+    """What ``part`` gives (generator ``name``'s saved state, tried on a generator of its own), or what the
+    generator refuses as a :class:`CorruptSnapshotError` naming it."""
+    try:
+        return part()
+    except KeyError:
+        raise CorruptSnapshotError(f"RNG state: the {name} generator's state is missing") from None
+    except (LookupError, TypeError, ValueError, RuntimeError, OverflowError) as e:  # (numpy: IndexError too)
+        raise CorruptSnapshotError(f"RNG state: the {name} generator refuses the saved state ({e})") from None
+
+
+def _tried(setter: Callable[[T], Any], state: T) -> T:
+    setter(state)
+    return state
+
+
+def _byte_tensor(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"a {type(value).__name__}, not a tensor")
+    if value.dtype != torch.uint8 or value.device.type != "cpu":
+        raise TypeError(f"a tensor of {value.dtype} on {value.device}, not of uint8 on the CPU")
+    return value
+
+
+def _python_state(value: Any) -> tuple[Any, ...]:
+    version, internal, gauss = value
+    return version, tuple(internal), gauss
+
+
+def _cuda_state(device: int, state: Any) -> torch.Tensor:
+    expected = torch.cuda.get_rng_state(device).numel()
+    if _byte_tensor(state).numel() != expected:
+        raise ValueError(f"cuda:{device}'s is {state.numel()} bytes where it holds {expected}")
+    return state
 
 
 def _b64(array: np.ndarray) -> str:
