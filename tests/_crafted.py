@@ -44,6 +44,26 @@ def read_index(file: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return header, cols
 
 
+def write_index(file: Path, header: dict[str, Any], cols: dict[str, np.ndarray], fix_counts: bool = True) -> None:
+    """Write an index file of ``header`` and ``cols`` with a checksum that matches (``fix_counts``: the header's
+    column counts made the columns' lengths), as a hostile writer would."""
+    if fix_counts:
+        header["columns"] = {name: len(cols[name]) for name, _ in COLUMNS}
+    head = json.dumps(header).encode()
+    body = struct.pack("<8sQ", b"PPESIDX2", len(head)) + head + bytes((-(16 + len(head))) % 8)
+    body += b"".join(np.asarray(cols[name], dtype=dtype).tobytes() for name, dtype in COLUMNS)
+    file.write_bytes(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))
+
+
+def craft_index(path: Path, mutate: Callable[[dict[str, Any], dict[str, np.ndarray]], Any], name: str = RANK0,
+                fix_counts: bool = True) -> Path:
+    """Rewrite index file ``name`` of the snapshot at ``path`` with ``mutate`` (which edits header and columns)."""
+    header, cols = read_index(path / name)
+    mutate(header, cols)
+    write_index(path / name, header, cols, fix_counts)
+    return path
+
+
 #: The values ``take_small`` saves under app state key ``"m"``.
 WEIGHT = torch.arange(12, dtype=torch.float32).reshape(3, 4)
 BIAS = torch.arange(4, dtype=torch.float64)

@@ -20,6 +20,7 @@ from ppe_snapshot import Snapshot, SnapshotError, SnapshotMode, snapshot, snapsh
 from ppe_snapshot.storage import join
 
 import _warm
+from _crafted import craft_index
 from _extension_workers import WRITERS, Crash, Run, assert_same, flip_byte, make_writer, snapshot_names
 
 ITERS = 10
@@ -244,6 +245,21 @@ def test_autoload_refuses_to_start_fresh_after_a_partial_restore(tmp_path):
     resumed = Run(out, ITERS, {"autoload": True})
     with pytest.raises(SnapshotError, match="partly overwritten"), pytest.warns(UserWarning, match="checksum"):
         resumed.manager.start_extensions()
+
+
+def test_autoload_falls_back_from_an_rng_state_the_generators_refuse(tmp_path, straight):
+    """A damaged RNG state (the Python generator's state vector one word short, index checksum intact) is damage,
+    not a changed model: the snapshot is skipped, the older one restored, and the run goes on as if straight."""
+    out = str(tmp_path)
+    Run(out, 4, {}).train()  # snapshots 2 and 4
+    craft_index(tmp_path / "snapshot_iter_4", lambda header, cols: (
+        header["entries"]["rng/0/python/1"]["value"]["$tuple"].pop()))
+    resumed = Run(out, ITERS, {"autoload": True}, seed=1)
+    with pytest.warns(UserWarning, match="snapshot_iter_4: CorruptSnapshotError: RNG state: the python generator"):
+        resumed.manager.start_extensions()
+    assert resumed.manager.iteration == 2
+    resumed.train()
+    assert_same(resumed.state(), straight)
 
 
 def test_autoload_reads_snapshots_written_by_ppe(tmp_path, straight):

@@ -19,8 +19,7 @@ import torch
 
 import _incremental_workers as workers
 from _asserts import written_as
-from _crafted import read_index
-from test_untrusted_index import write_index
+from _crafted import read_index, write_index
 from ppe_snapshot import CorruptSnapshotError, MissingBaseError, Snapshot, SnapshotExistsError, StateDict, retention
 from ppe_snapshot.cli import main as cli_main
 from ppe_snapshot.engine import RETIRED_NAME

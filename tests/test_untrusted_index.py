@@ -21,29 +21,14 @@ import torch
 import xxhash
 
 from _asserts import assert_same, written_as
-from _crafted import ARRAY, BIAS, BOTTOM, COLUMNS, RANK0, TOP, WEIGHT, craft, make_sharded, read_index, take_small
+from _crafted import (
+    ARRAY, BIAS, BOTTOM, RANK0, TOP, WEIGHT, craft, craft_index, make_sharded, read_index, take_small, write_index,
+)
 from ppe_snapshot import (
     CorruptSnapshotError, RNGState, Snapshot, StateDict, UnsupportedFormatError,
 )
 from ppe_snapshot.engine import upgrade_snapshot
 from ppe_snapshot.storage import open_storage
-
-def write_index(file: Path, header: dict[str, Any], cols: dict[str, np.ndarray], fix_counts: bool = True) -> None:
-    if fix_counts:
-        header["columns"] = {name: len(cols[name]) for name, _ in COLUMNS}
-    head = json.dumps(header).encode()
-    body = struct.pack("<8sQ", b"PPESIDX2", len(head)) + head + bytes((-(16 + len(head))) % 8)
-    body += b"".join(np.asarray(cols[name], dtype=dtype).tobytes() for name, dtype in COLUMNS)
-    file.write_bytes(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))
-
-
-def craft_index(path: Path, mutate: Callable[[dict[str, Any], dict[str, np.ndarray]], Any], name: str = RANK0,
-                fix_counts: bool = True) -> Path:
-    header, cols = read_index(path / name)
-    mutate(header, cols)
-    write_index(path / name, header, cols, fix_counts)
-    return path
-
 
 def row(header: dict[str, Any], tensor: str) -> int:
     return header["tensors"].index(tensor)
