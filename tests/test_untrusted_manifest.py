@@ -249,6 +249,10 @@ def test_malformed_tensor_entry(small, case):
 CONTAINER_DAMAGE = {
     "kind unknown": (_set("kind", "set"), "container kind 'set'"),
     "keys an object": (_set("keys", {"w": 1}), "keys is not a list"),
+    "a key a list": (_set("keys", ["w", [1]]), "a key is a list value, which cannot key a dict"),
+    "a key a tuple holding a list": (_set("keys", [{"$tuple": [1, [2]]}]), "a key is a tuple value"),
+    "a key a dict": (_set("keys", [{"$dict": [["a", 1]]}]), "a key is a dict value"),
+    "a key malformed": (_set("keys", [{"$nosuchtag": 1}]), "unknown value tag"),
     "length negative": (_set("length", -1), "length -1"),
     "length a string": (_set("length", "3"), "length '3'"),
     "not an object": (lambda e: e.clear(), "its type None"),
@@ -260,6 +264,12 @@ def test_malformed_container_entry(small, case):
     mutate, reason = CONTAINER_DAMAGE[case]
     craft(small, lambda doc: mutate(entry(doc, "m")))
     _refused_everywhere(small, "'m' is malformed", reason)
+
+
+def test_children_without_their_root_entry_are_damage_not_a_missing_key(small):
+    craft(small, lambda doc: doc["ranks"][0].pop("m"))
+    with pytest.raises(CorruptSnapshotError, match="entries under 'm' are listed, but no entry for 'm' itself"):
+        Snapshot(str(small)).restore({"m": StateDict()})
 
 
 def test_entry_that_is_not_an_object(small):

@@ -19,7 +19,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from ppe_snapshot.engine._format.names import FORMAT_VERSION, Container, EntryType, Raw
-from ppe_snapshot.engine._format.serialization import torch_dtype
+from ppe_snapshot.engine._format.serialization import decode_value, torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import is_safe_relative
 
@@ -305,10 +305,23 @@ def _check_object(data: dict[str, Any], files: dict[str, int]) -> None:
 def _check_container(data: dict[str, Any], files: dict[str, int]) -> None:
     if data["kind"] not in _CONTAINER_KINDS:
         raise CorruptSnapshotError(f"container kind {data['kind']!r:.60} is not one of {sorted(_CONTAINER_KINDS)}")
-    if type(data.get("keys", [])) is not list:
+    keys = data.get("keys", [])
+    if type(keys) is not list:
         raise CorruptSnapshotError("keys is not a list")
+    if not set(map(type, keys)) <= {str}:  # (a string is a key as it is; others are tagged values)
+        for key in keys:
+            if type(key) is not str:
+                _check_key(key)
     if not _is_count(data.get("length", 0)):
         raise CorruptSnapshotError(f"length {data.get('length')!r:.60} is not a non-negative integer")
+
+
+def _check_key(encoded: Any) -> None:
+    key = decode_value(encoded)
+    try:
+        hash(key)
+    except TypeError:
+        raise CorruptSnapshotError(f"a key is a {type(key).__name__} value, which cannot key a dict") from None
 
 
 _CHECKS: dict[str, Callable[[dict[str, Any], dict[str, int]], None]] = {
