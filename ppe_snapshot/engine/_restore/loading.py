@@ -83,6 +83,9 @@ def _check_present(storage: Storage, manifest: Manifest, rank: int, key: str, pa
             f"this process is rank {rank} and has no state there. Read another rank's state with "
             f"read_object('<rank>/{path}').")
     saved = sorted({p.split("/", 1)[0] for r in range(manifest.world_size) for p in manifest.paths_for(r)})
+    if path in saved:
+        raise CorruptSnapshotError(f"{storage.url}: entries under {path!r} are listed, but no entry for {path!r} "
+                                   "itself; the snapshot is damaged")
     raise StateMismatchError(f"app_state[{key!r}] is not in snapshot {storage.url}; it holds {saved}")
 
 
