@@ -1,6 +1,7 @@
 """The ppe-snapshot command: inspect, verify, convert."""
 import torch
 
+from _crafted import craft_index
 from ppe_snapshot import Snapshot, StateDict
 from ppe_snapshot.cli import main
 
@@ -42,6 +43,16 @@ def test_verify_reports_damage_with_exit_status(tmp_path, capsys):
     assert f"DAMAGED {tmp_path / 'bad'}" in out and "checksum mismatch" in out
     # --quick checks sizes only, so a flipped byte passes it
     assert main(["verify", "--quick", str(tmp_path / "bad")]) == 0
+
+
+def test_verify_reports_a_container_naming_a_child_without_an_entry(tmp_path, capsys):
+    """Each entry well formed, every checksum good, yet ``s`` names a child the index lists no entry for."""
+    Snapshot.take(str(tmp_path / "bad"), {"s": StateDict(x=torch.arange(100.0), n=5)})
+    craft_index(tmp_path / "bad", lambda header, cols: header["entries"]["s"]["keys"].__setitem__(1, "m"))
+    assert main(["verify", str(tmp_path / "bad")]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED {tmp_path / 'bad'}: 's' refers to 's/m', which the manifest lists no entry of" in out
+    assert main(["verify", "--quick", str(tmp_path / "bad")]) == 0  # (each entry alone)
 
 
 def test_inspect_lists_entries_and_missing_snapshot_is_an_error(tmp_path, capsys):

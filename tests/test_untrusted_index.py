@@ -172,6 +172,16 @@ def test_crafted_top_level_manifest_is_refused(small, field, value, error):
         _reads(small)
 
 
+def test_a_container_naming_a_child_without_an_entry_is_refused_by_verify(small):
+    craft_index(small, lambda h, c: h["entries"]["m"]["keys"].__setitem__(h["entries"]["m"]["keys"].index("w"),
+                                                                          "/etc/passwd"))
+    with pytest.raises(CorruptSnapshotError, match=r"'m' refers to 'm/%2Fetc%2Fpasswd', which the manifest lists "
+                                                   r"no entry of for rank\(s\) \[0\]; the snapshot is damaged"):
+        Snapshot(str(small)).verify()  # (the quick check, verify(deep=False), checks each entry alone)
+    with pytest.raises(CorruptSnapshotError, match="lists no entry for 'm/%2Fetc%2Fpasswd'"):
+        _reads(small)
+
+
 @pytest.mark.parametrize("world_size", [2, 1 << 31])
 def test_index_of_a_world_larger_than_written_is_missing(small, world_size):
     """Even a world size that no list could hold: the first missing index is named, nothing sized by it."""

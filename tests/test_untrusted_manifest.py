@@ -266,6 +266,32 @@ def test_malformed_container_entry(small, case):
     _refused_everywhere(small, "'m' is malformed", reason)
 
 
+@pytest.mark.parametrize("how", ["entry removed", "key renamed"])
+def test_a_child_entry_missing_is_refused_by_verify_too(small, how):
+    """A container naming a child the manifest has no entry for: the readers that rebuild it refuse it, and so
+    does verify (the quick one checks each entry alone, as before), which passed it."""
+    if how == "entry removed":
+        craft(small, lambda doc: doc["ranks"][0].pop("m/w"))
+    else:
+        craft(small, lambda doc: entry(doc, "m")["keys"].__setitem__(entry(doc, "m")["keys"].index("w"), "../w"))
+    child = "'m/w'" if how == "entry removed" else "'m/..%2Fw'"
+    for read in ("read_object", "restore", "verify"):
+        with pytest.raises(CorruptSnapshotError, match="lists no entry") as info:
+            READERS[read](str(small))
+        assert child in str(info.value), (read, str(info.value))
+
+
+@pytest.mark.parametrize("value, reason", [({"$nosuchtag": 1}, "unknown value tag '$nosuchtag'"),
+                                           ({"$tuple": [1], "$list": [2]}, "malformed value")])
+def test_a_value_that_does_not_decode_is_refused_by_verify_too(small, value, reason):
+    craft(small, lambda doc: entry(doc, "m/step").__setitem__("value", value))
+    for read in ("read_object", "verify"):
+        with pytest.raises(CorruptSnapshotError, match="'m/step'") as info:
+            READERS[read](str(small))
+        assert reason in str(info.value), (read, str(info.value))
+    Snapshot(str(small)).verify(deep=False)  # (the quick check: each entry's fields, not its value)
+
+
 def test_children_without_their_root_entry_are_damage_not_a_missing_key(small):
     craft(small, lambda doc: doc["ranks"][0].pop("m"))
     with pytest.raises(CorruptSnapshotError, match="entries under 'm' are listed, but no entry for 'm' itself"):

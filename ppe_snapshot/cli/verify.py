@@ -7,17 +7,23 @@ from typing import Any
 
 from ppe_snapshot.cli.common import Kind, Source, UsageError, is_retired, open_source, progress, read_state
 from ppe_snapshot.engine import read_manifest
-from ppe_snapshot.engine.codec import ShardedTensorEntry, read_into
+from ppe_snapshot.engine.codec import ShardedTensorEntry, check_structure, read_into
 from ppe_snapshot.errors import CorruptSnapshotError, SnapshotNotFoundError, UnsupportedFormatError
 from ppe_snapshot.storage import open_storage
 from ppe_snapshot.stored_snapshot import inspect
 
 
 def damaged_entries(source: Source) -> list[str]:
-    """Every entry of an engine snapshot whose bytes fail their checksum (or cannot be read), with why."""
+    """Every entry of an engine snapshot whose bytes fail their checksum (or cannot be read), with why; first, where
+    the manifest does not rebuild (:func:`~ppe_snapshot.engine.codec.check_structure`), why."""
     storage = open_storage(source.path, source.storage_options)
     try:
         manifest = read_manifest(storage)
+        problems = []
+        try:
+            check_structure(manifest)  # (a container naming a child without an entry, a value that does not decode)
+        except CorruptSnapshotError as e:
+            problems.append(str(e))
         seen: set[Any] = set()
         work = []
         for table in (*manifest.ranks, manifest.replicated, manifest.sharded):
@@ -30,7 +36,6 @@ def damaged_entries(source: Source) -> list[str]:
                 seen.update(fresh)
                 if fresh:
                     work.append((path, fresh))
-        problems = []
         buffer = bytearray(max((c.nbytes for _, chunks in work for c in chunks), default=0))
         with progress(sum(c.nbytes for _, chunks in work for c in chunks), f"verify {source.path}") as bar:
             for path, chunks in work:

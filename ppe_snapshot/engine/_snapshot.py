@@ -17,7 +17,7 @@ from ppe_snapshot.engine._take import (
     staging_estimate, take_staging_buffer,
 )
 from ppe_snapshot.engine._util import gc_paused
-from ppe_snapshot.engine._versions import read_manifest
+from ppe_snapshot.engine._versions import check_structure, read_manifest
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import Storage, open_storage
 
@@ -171,8 +171,9 @@ class Snapshot:
     def verify(self, deep: bool = True) -> None:
         """Raise unless the snapshot is committed and whole.
 
-        Checks the manifest and that every data file has its recorded size;
-        with ``deep``, also reads every chunk and checks its checksum.
+        Checks the manifest (every entry) and that every data file has its recorded size (the quick check, as
+        autoload and retention make of every snapshot they list); with ``deep``, also that every child a
+        container names has an entry and every value decodes, and reads every chunk and checks its checksum.
         """
         storage = self._storage()
         try:
@@ -188,6 +189,10 @@ class Snapshot:
                         f"{self.path}/{name} is {'missing' if stored is None else f'{stored} bytes'}, "
                         f"the manifest says {size} bytes: the snapshot is damaged")
             if deep:
+                try:
+                    check_structure(manifest)
+                except CorruptSnapshotError as e:
+                    raise CorruptSnapshotError(f"{self.path}: {e}; the snapshot is damaged") from None
                 verify_chunks(storage, manifest)
         finally:
             storage.close()

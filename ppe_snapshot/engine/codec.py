@@ -6,7 +6,9 @@ builds, its reader looks entries up and reads their chunks. The CLI's ``inspect`
 entries one by one. They import this module (and :mod:`ppe_snapshot.engine`) and nothing else of the engine.
 
 The manifest and its entries
-    :class:`Manifest` (as ``read_manifest`` returns it, or built by a writer), :class:`Entry` (any of):
+    :class:`Manifest` (as ``read_manifest`` returns it, or built by a writer; ``check_structure(manifest)``:
+    ``CorruptSnapshotError`` unless every child a container names has an entry and every value decodes, part of
+    ``Snapshot.verify``'s deep check), :class:`Entry` (any of):
     :class:`TensorEntry`, :class:`ShardedTensorEntry` (of :class:`Shard` objects), :class:`BytesEntry`,
     :class:`PickleEntry`, :class:`ObjectEntry`, :class:`ContainerEntry`; :class:`Chunk` (checksummed bytes of a
     data file); ``Raw`` (what a data file holds for a leaf), ``Container`` (a container entry's kinds).
@@ -39,12 +41,14 @@ from ppe_snapshot.engine._format import (
 from ppe_snapshot.engine._restore import leaf_loader
 from ppe_snapshot.engine._state import Payload, child_path, escape, inflate
 from ppe_snapshot.engine._take import block_size, write_pieces
-from ppe_snapshot.engine._versions import commit as commit_manifest, referenced_bytes, refuse_overwrite
+from ppe_snapshot.engine._versions import (
+    check_structure, commit as commit_manifest, referenced_bytes, refuse_overwrite,
+)
 
 __all__ = [
     # the manifest and its entries
     "BytesEntry", "Chunk", "Container", "ContainerEntry", "Entry", "Manifest", "ObjectEntry", "PickleEntry", "Raw",
-    "Shard", "ShardedTensorEntry", "TensorEntry",
+    "Shard", "ShardedTensorEntry", "TensorEntry", "check_structure",
     # paths and values
     "can_store_raw", "child_path", "decode_value", "dtype_name", "encode_value", "escape", "inflate", "leaf_loader",
     "torch_dtype",

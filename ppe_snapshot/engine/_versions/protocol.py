@@ -22,7 +22,7 @@ from ppe_snapshot.engine._format import (
     load_json, part_name,
 )
 from ppe_snapshot.engine._state import child_path, child_paths, merge_sharded
-from ppe_snapshot.errors import SnapshotError, SnapshotExistsError
+from ppe_snapshot.errors import CorruptSnapshotError, SnapshotError, SnapshotExistsError
 from ppe_snapshot.settings import SETTINGS
 from ppe_snapshot.storage import Storage
 
@@ -129,11 +129,14 @@ def _check_rows(columns: EntryColumns, files: dict[str, int]) -> None:
         _check_chunks(columns.paths[row], columns[columns.paths[row]].chunks, files)
 
 
-def check_restorable(manifest: Manifest) -> None:
+def check_restorable(manifest: Manifest, read: bool = False) -> None:
     """Raise :class:`SnapshotError` unless every rank can restore everything the manifest lists for it.
 
     Every child a container refers to must be an entry the same rank sees,
     and every chunk must lie inside a data file the manifest lists.
+    ``read``: the manifest is a committed snapshot's, its entries already checked (``Snapshot.verify``): every
+    value is decoded too, and a child missing or a value that does not decode is :class:`CorruptSnapshotError`,
+    the snapshot damaged, not a take's ranks disagreeing.
     """
     replicated, sharded, files = manifest.replicated, manifest.sharded, manifest.files
     tables = [(None, replicated), (None, sharded), *enumerate(manifest.ranks)]
@@ -156,6 +159,9 @@ def check_restorable(manifest: Manifest) -> None:
                         continue
                     ranks = [rank] if rank is not None else range(manifest.world_size)
                     missing = [r for r in ranks if manifest.lookup(r, child) is None]
+                    if missing and read:
+                        raise CorruptSnapshotError(f"{path!r} refers to {child!r}, which the manifest lists no "
+                                                   f"entry of for rank(s) {missing}")
                     if missing:
                         raise SnapshotError(
                             f"{path!r} refers to {child!r}, which no rank wrote for rank(s) {missing}; the ranks "
@@ -164,8 +170,24 @@ def check_restorable(manifest: Manifest) -> None:
             elif isinstance(entry, ShardedTensorEntry):
                 for shard in entry.shards:
                     _check_chunks(path, shard.chunks, files)
-            elif not isinstance(entry, ObjectEntry):
+            elif isinstance(entry, ObjectEntry):
+                if read:  # (a take's values were encoded by it; a read one's are decoded when first used)
+                    _check_value(path, entry)
+            else:
                 _check_chunks(path, entry.chunks, files)
+
+
+def check_structure(manifest: Manifest) -> None:
+    """Raise :class:`CorruptSnapshotError` unless a committed snapshot's manifest, its entries checked one by one
+    already, rebuilds: every child a container names has an entry, and every value decodes."""
+    check_restorable(manifest, read=True)
+
+
+def _check_value(path: str, entry: ObjectEntry) -> None:
+    try:
+        decode_value(entry.value)
+    except CorruptSnapshotError as e:
+        raise CorruptSnapshotError(f"entry {path!r}: {e}") from None
 
 
 def check_commit(storage: Storage, manifest: Manifest) -> None:
