@@ -21,7 +21,7 @@ from _asserts import written_as
 from _crafted import (
     BOTTOM, DATA, TOP, WEIGHT, append_payload, craft, entry, make_sharded, read_doc, take_small, write_deep_manifest,
 )
-from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedFormatError
+from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError, UnsupportedFormatError
 from ppe_snapshot.cli import main
 from ppe_snapshot.dcp import SnapshotStorageReader
 
@@ -290,6 +290,15 @@ def test_a_value_that_does_not_decode_is_refused_by_verify_too(small, value, rea
             READERS[read](str(small))
         assert reason in str(info.value), (read, str(info.value))
     Snapshot(str(small)).verify(deep=False)  # (the quick check: each entry's fields, not its value)
+
+
+def test_a_state_saved_as_another_kind_than_its_target_is_a_mismatch(small):
+    """The target's state_dict() is a dict, the snapshot's value under its key a string (a crafted root entry;
+    or a state object whose state_dict() was not a dict): named, not dict.update's ValueError."""
+    craft(small, lambda doc: doc["ranks"][0].__setitem__("m", {"type": "object", "value": "x"}))
+    with pytest.raises(StateMismatchError, match=r"app_state\['m'\]: the snapshot holds a str value there, where "
+                                                 r"the state_dict\(\) of the target is a dict"):
+        Snapshot(str(small)).restore({"m": StateDict()})
 
 
 def test_children_without_their_root_entry_are_damage_not_a_missing_key(small):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -47,7 +48,12 @@ def load_state(storage: Storage, manifest: Manifest, rank: int, key: str, obj: A
     """The saved state of app state entry ``key`` as ``rank`` sees it, loaded into ``obj``'s tensors in place."""
     path = escape(key)
     _check_present(storage, manifest, rank, key, path)
-    return read_value(storage, manifest, rank, path, state_of(key, obj), allow_pickle)
+    template = state_of(key, obj)
+    value = read_value(storage, manifest, rank, path, template, allow_pickle)
+    if isinstance(template, Mapping) and not isinstance(value, Mapping):  # (its load_state_dict would fail on it)
+        raise StateMismatchError(f"app_state[{key!r}]: the snapshot holds a {type(value).__name__} value there, "
+                                 f"where the state_dict() of the target is a {type(template).__name__}")
+    return value
 
 
 def read_value(storage: Storage, manifest: Manifest, rank: int, path: str, obj_out: Any, allow_pickle: bool,
