@@ -369,6 +369,20 @@ def test_crafted_references_in_the_manifest_are_refused(tmp_path, references):
         Snapshot(str(path)).restore({"m": StateDict(state())})
 
 
+@pytest.mark.parametrize("references", [["s1"], [{"not": "a name"}]])
+def test_references_in_a_version_2_manifest_count_for_nothing(tmp_path, references):
+    """An incremental snapshot relabelled version 2, its references left: version 2 is self-contained, so its
+    index files naming another snapshot's data file are refused (references used to be honoured, unchecked)."""
+    path = _incremental_pair(tmp_path)
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["version"], doc["references"] = 2, references
+    (path / "manifest.json").write_text(json.dumps(doc))
+    for read in (lambda s: s.restore({"m": StateDict(state())}), lambda s: s.verify()):
+        with pytest.raises(CorruptSnapshotError, match="data file name '../s1/data/rank0.bin' is not a normalised"):
+            read(Snapshot(str(path)))
+    assert Snapshot(str(path)).references == ()
+
+
 def test_retention_retires_referenced_snapshots_and_removes_them_later(tmp_path):
     run = tmp_path / "run"
     values = state()

@@ -289,7 +289,8 @@ class _AllFiles(Mapping[str, int]):
 
 def read(storage: Storage, doc: dict[str, Any], where: str) -> Manifest:
     """The manifest of a checked version-2 or -3 document; index files are read when first needed."""
-    references = tuple(doc.get("references", ()))
+    # (version 2 is self-contained: a ``references`` field there, which it does not have, counts for nothing)
+    references = tuple(doc["references"]) if doc["version"] == INCREMENTAL_VERSION else ()
     indexes = _Indexes(storage, where, doc["take_id"], doc["world_size"], references)
     shared = _LazyTable(lambda: IndexTable(indexes.shared(), f"{where} (replicated)", True))
     manifest = Manifest(
