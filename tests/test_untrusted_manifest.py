@@ -305,6 +305,8 @@ def test_children_without_their_root_entry_are_damage_not_a_missing_key(small):
     craft(small, lambda doc: doc["ranks"][0].pop("m"))
     with pytest.raises(CorruptSnapshotError, match="entries under 'm' are listed, but no entry for 'm' itself"):
         Snapshot(str(small)).restore({"m": StateDict()})
+    with pytest.raises(CorruptSnapshotError, match="is listed for rank 0, but not 'm', the container it would be in"):
+        Snapshot(str(small)).verify()
 
 
 def test_entry_that_is_not_an_object(small):

@@ -173,7 +173,8 @@ class Snapshot:
 
         Checks the manifest (every entry) and that every data file has its recorded size (the quick check, as
         autoload and retention make of every snapshot they list); with ``deep``, also that every child a
-        container names has an entry and every value decodes, and reads every chunk and checks its checksum.
+        container names has an entry, every entry below an app state key lies in one, every value decodes; and
+        reads every chunk and checks its checksum.
         """
         storage = self._storage()
         try:

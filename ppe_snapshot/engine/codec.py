@@ -7,7 +7,7 @@ entries one by one. They import this module (and :mod:`ppe_snapshot.engine`) and
 
 The manifest and its entries
     :class:`Manifest` (as ``read_manifest`` returns it, or built by a writer; ``check_structure(manifest)``:
-    ``CorruptSnapshotError`` unless every child a container names has an entry and every value decodes, part of
+    ``CorruptSnapshotError`` unless the entries make whole containers and every value decodes, part of
     ``Snapshot.verify``'s deep check), :class:`Entry` (any of):
     :class:`TensorEntry`, :class:`ShardedTensorEntry` (of :class:`Shard` objects), :class:`BytesEntry`,
     :class:`PickleEntry`, :class:`ObjectEntry`, :class:`ContainerEntry`; :class:`Chunk` (checksummed bytes of a

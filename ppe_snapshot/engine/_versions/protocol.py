@@ -179,8 +179,17 @@ def check_restorable(manifest: Manifest, read: bool = False) -> None:
 
 def check_structure(manifest: Manifest) -> None:
     """Raise :class:`CorruptSnapshotError` unless a committed snapshot's manifest, its entries checked one by one
-    already, rebuilds: every child a container names has an entry, and every value decodes."""
+    already, rebuilds: every child a container names has an entry, every value decodes, and every entry but an
+    app state key's lies in a container that each rank seeing it sees."""
     check_restorable(manifest, read=True)
+    shared = set(manifest.replicated) | set(manifest.sharded)
+    for rank, entries in enumerate(manifest.ranks):  # (what rank r sees: its own entries and the shared ones)
+        seen = shared.union(entries)
+        for path in seen:
+            parent = path.rpartition("/")[0]
+            if parent and parent not in seen:
+                raise CorruptSnapshotError(f"{path!r} is listed for rank {rank}, but not {parent!r}, the container "
+                                           "it would be in")
 
 
 def _check_value(path: str, entry: ObjectEntry) -> None:
