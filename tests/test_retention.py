@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import zipfile
 
 import fsspec
 import pytest
@@ -11,6 +12,7 @@ import torch
 from ppe_snapshot import Snapshot, StateDict
 from ppe_snapshot.engine._format.names import PARTS_DIR
 from ppe_snapshot.retention import Candidate, FilenameFormat, list_snapshots, prune, select_prunable
+from ppe_snapshot.run_dir import single_files
 from ppe_snapshot.storage import join
 
 FMT = "snapshot_iter_{.iteration}"
@@ -126,6 +128,30 @@ def test_reading_a_ppe_file_position_runs_no_code_from_it(tmp_path):
     (found,) = list_snapshots(str(tmp_path), FMT)
     assert found.iteration == 12
     assert not witness.exists()
+
+
+def _rezip(path, compress_type: int) -> None:
+    """Rewrite the zip archive at ``path`` with every member stored with ``compress_type``."""
+    with zipfile.ZipFile(path) as archive:
+        members = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", compression=compress_type) as archive:
+        for name, data in members:
+            archive.writestr(name, data)
+
+
+def test_a_ppe_file_position_is_read_from_a_stored_record_only(tmp_path, monkeypatch):
+    """A compressed pickle record (torch.save never writes one) could unpack to any size from a few bytes on disk:
+    not read, so the position comes from the file's name; nor is a record larger than the bound."""
+    torch.save({"_start_iteration": 12}, tmp_path / "snapshot_iter_1")
+    (found,) = list_snapshots(str(tmp_path), FMT)
+    assert found.iteration == 12
+    _rezip(tmp_path / "snapshot_iter_1", zipfile.ZIP_STORED)  # the rewrite alone keeps it readable
+    assert list_snapshots(str(tmp_path), FMT)[0].iteration == 12
+    monkeypatch.setattr(single_files, "MAX_PEEKED_RECORD", 8)
+    assert list_snapshots(str(tmp_path), FMT)[0].iteration == 1
+    monkeypatch.undo()
+    _rezip(tmp_path / "snapshot_iter_1", zipfile.ZIP_DEFLATED)
+    assert list_snapshots(str(tmp_path), FMT)[0].iteration == 1
 
 
 def test_missing_out_dir_lists_nothing(tmp_path):

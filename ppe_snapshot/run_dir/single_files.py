@@ -61,18 +61,28 @@ class _PeekUnpickler(pickle.Unpickler):
         return None
 
 
+#: The largest pickle record read for a training position (a manager's state pickles to kilobytes: its tensors
+#: are records of their own).
+MAX_PEEKED_RECORD = 64 << 20
+
+
 def recorded_iteration(tree: Tree, path: str) -> int | None:
     """``_start_iteration`` of a ``torch.save``'d manager state, reading only its small pickle record.
 
     No code from the file runs and no tensor data is read. None for other
-    targets, the legacy (non-zip) format or an unreadable file.
+    targets, the legacy (non-zip) format, an unreadable file, or a record compressed (torch.save never does)
+    or larger than ``MAX_PEEKED_RECORD`` (an allocation the file's bytes on disk would not bound).
     """
     try:
         with tree.open(path, "rb") as f, zipfile.ZipFile(f) as archive:
             records = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
             if not records:
                 return None
-            state = _PeekUnpickler(io.BytesIO(archive.read(min(records, key=len)))).load()
+            record = archive.getinfo(min(records, key=len))
+            # torch.save stores its records uncompressed: a compressed one could unpack to any size
+            if record.compress_type != zipfile.ZIP_STORED or record.file_size > MAX_PEEKED_RECORD:
+                return None
+            state = _PeekUnpickler(io.BytesIO(archive.read(record))).load()
     except Exception:  # noqa: BLE001 - the position then comes from the file name
         return None
     value = state.get("_start_iteration") if isinstance(state, dict) else None
