@@ -81,6 +81,8 @@ CRAFTED = {
                                               "other than the tensors'"),
     "ndim not matching the dims": (lambda h, c: _set(c, "tensor_ndim", 0, 3), "do not add up"),
     "a header that is not an object": (lambda h, c: h.clear(), "belongs to take None"),
+    "an entry that is JSON null": (lambda h, c: h["entries"].__setitem__("m/step", None),
+                                   "entry 'm/step' is malformed: it is a JSON null, not an object"),
 }
 
 

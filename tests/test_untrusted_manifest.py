@@ -313,7 +313,7 @@ def test_entry_that_is_not_an_object(small):
     craft(small, lambda doc: doc["ranks"][0].__setitem__("m/w", [1, 2]))
     _refused_everywhere(small, "'m/w' is malformed", "it is a JSON list")
     craft(small, lambda doc: doc["ranks"][0].__setitem__("m/w", None))
-    _refused_everywhere(small, "'m/w'")
+    _refused_everywhere(small, "'m/w' is malformed", "it is a JSON null")
 
 
 def test_object_entry_without_value(small):

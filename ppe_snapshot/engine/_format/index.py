@@ -242,6 +242,9 @@ def decode_index(data: bytes, where: str, take_id: str, section: str, rank: int 
     return Index(header, cols, files, itemsizes)
 
 
+_ABSENT = object()
+
+
 class IndexTable(LazyEntries):
     """The entries of one index file by path, built when looked up (the file was checked when decoded)."""
 
@@ -260,8 +263,8 @@ class IndexTable(LazyEntries):
         if row is not None:
             entry = self._tensor(row)
         else:
-            data = self._others.get(path)
-            if data is None:
+            data = self._others.get(path, _ABSENT)
+            if data is _ABSENT:  # (an entry that is JSON null is listed, and malformed)
                 return default
             try:
                 check_entry(data, self._index.files)

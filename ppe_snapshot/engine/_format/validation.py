@@ -175,9 +175,13 @@ def tensor_chunks(data: Any, files: dict[str, int], chunk_type: type[TupleT]) ->
     return out if missing == 0 else None
 
 
+#: What JSON calls the values Python parses it into.
+_JSON_KINDS = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
+
+
 def _check_thoroughly(data: Any, files: dict[str, int], only: str | None) -> None:
     if type(data) is not dict:
-        raise CorruptSnapshotError(f"it is a JSON {type(data).__name__}, not an object")
+        raise CorruptSnapshotError(f"it is a JSON {_JSON_KINDS.get(type(data), type(data).__name__)}, not an object")
     kind = data.get("type")
     fields = _FIELDS.get(kind) if type(kind) is str else None
     if fields is None or (only is not None and kind != only):
