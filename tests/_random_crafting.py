@@ -1,0 +1,216 @@
+"""Randomly crafted snapshots, for test_untrusted_random.py (run as a child process under a memory limit).
+
+    python _random_crafting.py KIND SEED COUNT
+
+takes one small snapshot of KIND (``v2``: the default format, ``v1``: one JSON manifest, ``sharded``: a sharded
+tensor in version 2's index files, ``incremental``: version 3, most bytes read from a base), then COUNT times
+copies it, damages the copy at random the way a buggy or hostile writer would (a manifest or index header field
+replaced, removed or copied from elsewhere; an index column's value changed, or a column cut or grown, the index
+checksum recomputed; a data file's byte flipped or the file cut) and reads it back every way a user does. It
+prints one JSON object: ``findings``, every read that raised something other than a ``SnapshotError`` (with the
+damage and the traceback's last lines), and ``outcomes``, how many reads ended each way.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+KIND, SEED, COUNT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if KIND in ("v1", "sharded"):  # (read when ppe_snapshot is imported; the sharded one is upgraded to version 2)
+    os.environ["PPE_SNAPSHOT_FORMAT_VERSION"] = "1"
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # an allocation sized by a crafted field fails here
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from _crafted import COLUMNS, craft, make_sharded, read_index, take_small, write_index  # noqa: E402
+from ppe_snapshot import RNGState, Snapshot, SnapshotError, StateDict  # noqa: E402
+from ppe_snapshot.engine import upgrade_snapshot  # noqa: E402
+from ppe_snapshot.storage import open_storage  # noqa: E402
+
+rng = random.Random(SEED)
+
+#: What a crafted field becomes: integers at the edges of every column type, and values of every JSON kind.
+NASTY_INTS = [0, -1, 1, 2, 3, 7, 64, 100_000, 1 << 31, 1 << 32, 1 << 40, (1 << 63) - 1, -(1 << 63)]
+NASTY = NASTY_INTS + [None, True, False, "", "../x", "/etc/passwd", "data/rank0.bin", 1.5, float("nan"), [], {},
+                      [0], [[0]], [1, 2], {"a": 1}, "float32", "<f4", "|O", "tensor", "ndarray", "object",
+                      "container", "sharded", "dict", "0" * 16]
+
+
+def full_state() -> dict[str, Any]:
+    """A bit of every kind of value; the restore target of ``v2`` and ``incremental``."""
+    return {"m": StateDict(w=torch.arange(12, dtype=torch.float32).reshape(3, 4), b=torch.arange(4.0).double(),
+                           big=torch.arange(70_000, dtype=torch.int32), h=torch.ones(5, dtype=torch.bfloat16),
+                           empty=torch.zeros(0), scalar=torch.tensor(3.5), c=torch.ones(3, dtype=torch.complex64),
+                           flag=torch.tensor([True, False]), n=np.arange(6, dtype=np.int32),
+                           nested={"a": [torch.ones(2), 3, "x"], "b": (1.5, None), 7: torch.zeros(2, 2)},
+                           step=3, name="run", lst=[1, 2, [3, 4]]),
+            "rng": RNGState()}
+
+
+def small_target() -> dict[str, Any]:
+    """The restore target of ``v1`` and ``sharded`` (``_crafted.take_small``, ``m/grid`` sharded)."""
+    target = StateDict(w=torch.zeros(3, 4), b=torch.zeros(4, dtype=torch.float64), n=None, step=0)
+    if KIND == "sharded":
+        target["grid"] = torch.zeros(4, 4)
+    else:
+        target.update(top=torch.zeros(2, 4), bottom=torch.zeros(2, 4))
+    return {"m": target}
+
+
+def build(root: Path) -> tuple[Path, Callable[[], dict[str, Any]]]:
+    """The snapshot every case copies, and a fresh restore target for it."""
+    base = root / "base"
+    if KIND == "v1":
+        return take_small(base), small_target
+    if KIND == "sharded":
+        craft(take_small(root / "v1"), make_sharded)
+        upgrade_snapshot(open_storage(str(root / "v1")), open_storage(str(base)))
+        return base, small_target
+    if KIND == "incremental":
+        state = full_state()
+        Snapshot.take(str(root / "first"), state)
+        state["m"]["w"] += 1  # one block changed: the rest is read from "first"
+        Snapshot.take(str(base), state, base=str(root / "first"))
+        return base, full_state
+    Snapshot.take(str(base), full_state())
+    return base, full_state
+
+
+def nodes(doc: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    yield path, doc
+    children = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in list(children):
+        yield from nodes(value, path + (key,))
+
+
+def damage_json(doc: Any) -> None:
+    """One to three fields of ``doc`` replaced by a nasty value or a neighbour, or removed."""
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        # (the 625 words of Python's generator state would take most picks)
+        where = [(p, v) for p, v in nodes(doc) if p and ("python" not in map(str, p) or rng.random() < 0.01)]
+        path, value = rng.choice(where)
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        pick = rng.random()
+        if pick < 0.6:
+            numeric = isinstance(value, int) and not isinstance(value, bool)
+            parent[path[-1]] = value + rng.choice([-1, 1, 8, -8, 64, 1 << 20]) if numeric and rng.random() < 0.5 \
+                else copy.deepcopy(rng.choice(NASTY))
+        elif pick < 0.9:
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = copy.deepcopy(rng.choice(where)[1])
+
+
+def damage(path: Path) -> str:
+    """Damage the snapshot at ``path`` once; what was damaged."""
+    pick = rng.random()
+    if KIND == "v1" or pick < 0.2:
+        doc = json.loads((path / "manifest.json").read_text())
+        damage_json(doc)
+        (path / "manifest.json").write_text(json.dumps(doc))
+        return "manifest"
+    if pick > 0.95:
+        data = rng.choice(sorted((path / "data").iterdir()))
+        size = data.stat().st_size
+        with open(data, "r+b") as f:
+            if rng.random() < 0.5:
+                f.truncate(rng.randrange(size))
+            else:
+                f.seek(at := rng.randrange(size))
+                byte = f.read(1)
+                f.seek(at)
+                f.write(bytes([byte[0] ^ 0x5A]))
+        return f"data file {data.name}"
+    index = rng.choice(sorted((path / "index").iterdir()))
+    header, cols = read_index(index)
+    filled = [n for n, _ in COLUMNS if len(cols[n])]  # (the shared index of a state saved per rank has none)
+    if pick < 0.55 or not filled:
+        damage_json(header)
+        what = f"{index.name} header"
+    else:
+        name = rng.choice(filled)
+        column, change = cols[name], rng.random()
+        if change < 0.7:
+            at = rng.randrange(len(column))
+            limits = np.iinfo(column.dtype)
+            value = rng.choice(NASTY_INTS + [int(column[at]) + d for d in (-1, 1, 4, -4, 64)])
+            column[at] = max(limits.min, min(limits.max, value))
+        else:
+            cols[name] = column[:-1] if change < 0.85 else np.append(column, column[-1:]).astype(column.dtype)
+        what = f"{index.name} column {name}"
+    write_index(index, header, cols, fix_counts=rng.random() < 0.85)
+    return what
+
+
+def reads(path: Path, target: Callable[[], dict[str, Any]]) -> dict[str, Callable[[], Any]]:
+    """Every way a user reads a snapshot."""
+    def every_entry() -> None:
+        snapshot = Snapshot(str(path))
+        for key in snapshot.get_manifest():
+            try:
+                snapshot.read_object(key)
+            except SnapshotError:
+                pass
+    return {"get_manifest": lambda: Snapshot(str(path)).get_manifest(),
+            "read_object": lambda: Snapshot(str(path)).read_object("0/m"),
+            "restore": lambda: Snapshot(str(path)).restore(target()),
+            "verify": lambda: Snapshot(str(path)).verify(),
+            "every entry": every_entry}
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise TimeoutError("a read took more than 30 s")
+
+
+def outcome(name: str, read: Callable[[], Any]) -> str:
+    """How ``read`` ended: "read", or the name of the SnapshotError it raised; anything else propagates."""
+    signal.alarm(30)
+    try:
+        read()
+        return "read"
+    except SnapshotError as e:
+        return type(e).__name__
+    except KeyError as e:  # read_object's answer for a key the manifest does not list (its root entry damaged)
+        if name != "read_object" or "is not in snapshot" not in str(e):
+            raise
+        return "KeyError"
+    finally:
+        signal.alarm(0)
+
+
+def main() -> None:
+    signal.signal(signal.SIGALRM, _alarm)
+    root = Path(tempfile.mkdtemp())
+    base, target = build(root)
+    findings, outcomes = [], collections.Counter()
+    for case in range(COUNT):
+        path = root / f"case{case}"  # (beside the base an incremental snapshot reads)
+        shutil.copytree(base, path)
+        what = damage(path)
+        for name, read in reads(path, target).items():
+            try:
+                outcomes[outcome(name, read)] += 1
+            except BaseException as e:  # noqa: BLE001 - what the test is for
+                findings.append({"case": case, "damage": what, "read": name,
+                                 "error": f"{type(e).__name__}: {e}"[:300], "where": traceback.format_exception(e)[-3:]})
+        shutil.rmtree(path)
+    shutil.rmtree(root)
+    print(json.dumps({"findings": findings, "outcomes": outcomes}))
+
+
+if __name__ == "__main__":
+    main()
