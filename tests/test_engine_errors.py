@@ -198,3 +198,25 @@ def test_metadata_that_is_not_json(tmp_path):
     with pytest.raises(TypeError, match="metadata must be a dict"):
         Snapshot.take(str(tmp_path / "s"), {"s": StateDict(x=torch.ones(2))}, metadata=[("step", 1)])
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("path, error", [("", ValueError), ("file://", ValueError), (None, TypeError),
+                                         (7, TypeError), (b"snap", TypeError)])
+def test_a_path_that_names_no_snapshot_is_refused(tmp_path, monkeypatch, path, error):
+    """An empty path used to name the current directory, where a take wrote its manifest; None became 'None'."""
+    monkeypatch.chdir(tmp_path)
+    match = "path is empty" if error is ValueError else "must be a str or os.PathLike"
+    with pytest.raises(error, match=match):
+        Snapshot(path)
+    for take in (Snapshot.take, Snapshot.async_take):
+        with pytest.raises(error, match=match):
+            take(path, {"s": StateDict(x=torch.ones(2))})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("budget, error", [(0, ValueError), (-1, ValueError), ("1 MiB", TypeError),
+                                           (1.5, TypeError), (True, TypeError)])
+def test_read_object_refuses_a_memory_budget_that_is_no_number_of_bytes(snap, budget, error):
+    path, _ = snap
+    with pytest.raises(error, match="memory_budget_bytes must be a"):
+        Snapshot(str(path)).read_object("0/model/weight", memory_budget_bytes=budget)

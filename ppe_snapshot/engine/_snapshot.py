@@ -1,6 +1,7 @@
 """``Snapshot``: take, restore and inspect a snapshot."""
 from __future__ import annotations
 
+import operator
 import threading
 from functools import partial
 from typing import Any, Callable, TypeVar
@@ -19,7 +20,7 @@ from ppe_snapshot.engine._take import (
 from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.engine._versions import check_structure, read_manifest
 from ppe_snapshot.errors import CorruptSnapshotError
-from ppe_snapshot.storage import Storage, open_storage
+from ppe_snapshot.storage import Storage, open_storage, snapshot_location
 
 T = TypeVar("T")
 #: Gives a host buffer of at least the requested number of bytes, for :meth:`Snapshot.async_take` to stage into.
@@ -33,7 +34,7 @@ class Snapshot:
                  allow_pickle: bool = False) -> None:
         """``path``: where the snapshot is, or a storage already open on it (a copy read over the network, say)."""
         self._opened = path if isinstance(path, Storage) else None
-        self.path = path.url if isinstance(path, Storage) else str(path)
+        self.path = path.url if isinstance(path, Storage) else snapshot_location(path)
         self.pg = pg
         self.storage_options = storage_options
         #: Whether restore / read_object may unpickle entries saved with pickle (runs code from the snapshot).
@@ -228,6 +229,7 @@ class Snapshot:
         for device or non-contiguous targets and then stays under
         ``memory_budget_bytes``. ``allow_pickle`` as for :meth:`restore`.
         """
+        memory_budget_bytes = _budget(memory_budget_bytes)
         allow_pickle = self.allow_pickle if allow_pickle is None else allow_pickle
         storage = self._storage()
         try:
@@ -244,6 +246,17 @@ class Snapshot:
         if head.isdigit() and rest and int(head) < manifest.world_size:
             return int(head), rest
         return group_rank(self.pg)[0], path
+
+
+def _budget(value: Any) -> int | None:
+    """``read_object``'s ``memory_budget_bytes``: None, or a positive integer (``TypeError`` / ``ValueError``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"memory_budget_bytes must be a number of bytes (or None), not {value!r}")
+    if operator.index(value) < 1:
+        raise ValueError(f"memory_budget_bytes must be a positive number of bytes, not {value!r}")
+    return operator.index(value)
 
 
 class PendingSnapshot:

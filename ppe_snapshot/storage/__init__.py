@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ppe_snapshot.storage.base import (
-    AfterRead, BlobWriter, Storage, is_safe_relative, split_reference,
+    AfterRead, BlobWriter, Storage, is_safe_relative, snapshot_location, split_reference,
 )
 from ppe_snapshot.storage.fsspec import FsspecStorage, fsspec_storage, open_url, url_to_fs
 from ppe_snapshot.storage.local import LocalStorage
@@ -29,7 +29,7 @@ from ppe_snapshot.storage.unchanged import UnchangedFiles, open_unchanged, recor
 
 def open_storage(path: str, storage_options: dict[str, Any] | None = None) -> Storage:
     """The storage rooted at snapshot location ``path`` (a local path or any fsspec URL)."""
-    path = str(path)
+    path = snapshot_location(path)
     local = local_path(path, storage_options)
     return LocalStorage(local, url=path) if local is not None else fsspec_storage(path, storage_options)
 
@@ -42,5 +42,5 @@ def join(base: str, name: str) -> str:
 __all__ = ["AfterRead", "BlobWriter", "FsspecStorage", "LocalStorage", "LocalTree", "Storage", "StoreProfile", "Tree",
            "Tuning", "UnchangedFiles", "absolute", "anchored", "in_one_process", "is_known_location",
            "is_safe_relative", "join", "mapped", "memory_backed_dir", "open_storage", "open_tree", "open_unchanged",
-           "open_url", "record_files", "register_store", "remove_local_shadow", "shared_pool", "split_reference",
-           "split_tuning", "url_to_fs"]
+           "open_url", "record_files", "register_store", "remove_local_shadow", "shared_pool", "snapshot_location",
+           "split_reference", "split_tuning", "url_to_fs"]

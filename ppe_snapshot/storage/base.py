@@ -8,11 +8,24 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
+import os
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from ppe_snapshot.errors import CorruptSnapshotError, MissingBaseError
+
+
+def snapshot_location(path: Any) -> str:
+    """``path``, a snapshot's location (a local path or an fsspec URL, as a str or ``os.PathLike``), as a string;
+    ``TypeError`` for anything else, ``ValueError`` for an empty one (which would name the current directory)."""
+    location = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(location, str):
+        raise TypeError(f"a snapshot's path must be a str or os.PathLike (a local path or an fsspec URL), not "
+                        f"{type(path).__name__}")
+    if location in ("", "file://"):
+        raise ValueError("a snapshot's path is empty: name the directory (or URL) the snapshot is, or goes, in")
+    return location
 
 
 def is_safe_relative(name: Any) -> bool:

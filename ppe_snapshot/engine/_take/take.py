@@ -29,7 +29,7 @@ from ppe_snapshot.engine._take.take_end import Watched, abandon, conclude, retry
 from ppe_snapshot.engine._take.writers import forget_quietly, record_writer
 from ppe_snapshot.engine._util import gc_paused
 from ppe_snapshot.errors import SnapshotAbortedError, SnapshotExistsError, UnsupportedValueError
-from ppe_snapshot.storage import Storage, open_storage
+from ppe_snapshot.storage import Storage, open_storage, snapshot_location
 
 #: ``(logical path, tensor, tracing) -> tensor to store``: the seed's ``_custom_tensor_prepare_func``.
 TensorPrepare = Callable[[str, torch.Tensor, bool], torch.Tensor]
@@ -242,18 +242,18 @@ class _Agreement:
     version: int
 
 
-def _agree(path: str, storage: Storage, rank: int, world_size: int, side: SideGroup | None, replicated: list[str],
-           version: int | None, local_error: BaseException | None) -> _Agreement:
+def _agree(path: str, storage: Storage | None, rank: int, world_size: int, side: SideGroup | None,
+           replicated: list[str], version: int | None, local_error: BaseException | None) -> _Agreement:
     """Every rank learns rank 0's path and take id, the common globs, and whether any rank cannot take part.
 
-    Rank 0 checks that no snapshot exists at the path. A rank whose flatten
-    failed still joins this exchange, so the others raise instead of waiting;
+    Rank 0 checks that no snapshot exists at the path (``storage``: None where this rank failed before opening
+    it). A rank whose flatten failed still joins this exchange, so the others raise instead of waiting;
     so does every survivor when a rank died (the exchange names it).
     """
     proposal: dict[str, Any] = {"path": path, "take_id": new_take_id(), "replicated": replicated,
                                 "error": repr(local_error) if local_error else None,
                                 "version": version}
-    if rank == 0 and local_error is None:
+    if rank == 0 and storage is not None:  # (opened: no local error)
         try:
             versions.refuse_overwrite(storage)
         except SnapshotExistsError as e:  # raised on every rank, after the exchange
@@ -362,7 +362,9 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     rank, world_size = group_rank(pg)
     side = side_group(pg) if world_size > 1 else None  # the first take on these ranks makes it: as early as can be
     items, plain, globs, version, error = {}, PlainTensors(), [], None, None
+    storage: Storage | None = None
     try:
+        path = snapshot_location(path)
         _check_metadata(metadata)
         version = versions.write_version()
         block_bytes = block_size(block_bytes)
@@ -374,8 +376,13 @@ def prepare_take(path: str, app_state: dict[str, Any], *, pg: Any = None, replic
     except Exception as e:  # every rank must still reach the agreement below
         error = e
     retry_marks()
-    storage = open_storage(str(path), storage_options)
+    if error is None:
+        try:
+            storage = open_storage(path, storage_options)
+        except Exception as e:  # (a file system not installed, say) as above
+            error = e
     agreed = _agree(str(path), storage, rank, world_size, side, globs, version, error)
+    assert storage is not None  # (the agreement raised this rank's error)
     if storage.url != agreed.path:
         storage = open_storage(agreed.path, storage_options)
     channel = TakeChannel(side.group, rank, world_size, agreed.take_id) if side is not None else None
