@@ -254,9 +254,10 @@ def _budget(value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"memory_budget_bytes must be a number of bytes (or None), not {value!r}")
-    if operator.index(value) < 1:
+    number = operator.index(value)
+    if number < 1:
         raise ValueError(f"memory_budget_bytes must be a positive number of bytes, not {value!r}")
-    return operator.index(value)
+    return number
 
 
 class PendingSnapshot:
