@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -183,11 +184,12 @@ def check_structure(manifest: Manifest) -> None:
     app state key's lies in a container that each rank seeing it sees."""
     check_restorable(manifest, read=True)
     shared = set(manifest.replicated) | set(manifest.sharded)
+    # (the shared entries whose container is not shared, found once: each rank must list it)
+    unhoused = [(path, parent) for path in shared if (parent := path.rpartition("/")[0]) and parent not in shared]
     for rank, entries in enumerate(manifest.ranks):  # (what rank r sees: its own entries and the shared ones)
-        seen = shared.union(entries)
-        for path in seen:
-            parent = path.rpartition("/")[0]
-            if parent and parent not in seen:
+        own = set(entries)
+        for path, parent in chain(unhoused, ((path, path.rpartition("/")[0]) for path in own)):
+            if parent and parent not in own and parent not in shared:
                 raise CorruptSnapshotError(f"{path!r} is listed for rank {rank}, but not {parent!r}, the container "
                                            "it would be in")
 
