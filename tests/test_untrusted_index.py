@@ -13,7 +13,7 @@ import random
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,12 +21,8 @@ import torch
 import xxhash
 
 from _asserts import assert_same, written_as
-from _crafted import (
-    ARRAY, BIAS, BOTTOM, RANK0, TOP, WEIGHT, craft, craft_index, make_sharded, read_index, take_small, write_index,
-)
-from ppe_snapshot import (
-    CorruptSnapshotError, RNGState, Snapshot, StateDict, UnsupportedFormatError,
-)
+from _crafted import ARRAY, BIAS, BOTTOM, RANK0, TOP, WEIGHT, craft, craft_index, make_sharded, read_index, take_small
+from ppe_snapshot import CorruptSnapshotError, RNGState, Snapshot, StateDict, UnsupportedFormatError
 from ppe_snapshot.engine import upgrade_snapshot
 from ppe_snapshot.storage import open_storage
 
@@ -198,23 +194,16 @@ def _generators() -> tuple:
     return torch.get_rng_state(), np.random.get_state()[1].tobytes(), random.getstate()
 
 
-@pytest.mark.parametrize("generator, mutate", [
-    ("python", lambda value: value["$tuple"].pop()),  # a state vector one word short
-    ("numpy", lambda value: None)])  # (set below: the position in the key, not an integer)
-def test_crafted_rng_state_is_refused_before_any_generator_is_set(tmp_path, generator, mutate):
+@pytest.mark.parametrize("generator, entry, mutate", [
+    ("python", "rng/python/1", lambda e: e["value"]["$tuple"].pop()),  # a state vector one word short
+    ("numpy", "rng/numpy/2", lambda e: e.__setitem__("value", "not a position"))])  # (an integer in the key)
+def test_crafted_rng_state_is_refused_before_any_generator_is_set(tmp_path, generator, entry, mutate):
     """The saved RNG state of one generator is one its generator refuses: damage (CorruptSnapshotError, which
     autoload skips for an older snapshot) naming it, and none of the generators is set (the torch one is set
     first when all are good)."""
     path = tmp_path / "s"
     Snapshot.take(str(path), {"rng": RNGState()})
-    entry = "rng/python/1" if generator == "python" else "rng/numpy/2"
-
-    def craft_entry(header, cols):
-        if generator == "numpy":
-            header["entries"][entry]["value"] = "not a position"
-        else:
-            mutate(header["entries"][entry]["value"])
-    craft_index(path, craft_entry)
+    craft_index(path, lambda header, cols: mutate(header["entries"][entry]))
     torch.manual_seed(5), np.random.seed(5), random.seed(5)
     before = _generators()
     with pytest.raises(CorruptSnapshotError, match=f"RNG state: the {generator} generator refuses the saved state"):
