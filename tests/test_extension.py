@@ -77,8 +77,6 @@ def test_argument_errors():
         snapshot(snapshot_mode="SHARDED")
     with pytest.raises(ValueError, match="autoload needs filename to be a format string"):
         snapshot(filename=lambda m: f"s{m.iteration}", autoload=True)
-    with pytest.raises(ValueError, match="n_retains and keep need filename to be a format string"):
-        snapshot(filename=lambda m: f"s{m.iteration}", n_retains=2)
     with pytest.raises(ValueError, match="not a valid format string"):
         snapshot(filename="snap_{.iteration")
 
@@ -96,6 +94,16 @@ def test_default_saves_engine_snapshots_with_position_metadata(tmp_path):
     weight = snap.read_object("0/state/models/main/fc1.weight")
     assert torch.equal(weight, run.model.fc1.weight)
     assert snap.read_object("0/state/_start_iteration") == 4
+
+
+@pytest.mark.parametrize("savefun", [None, torch.save])
+def test_n_retains_with_a_callable_name_keeps_every_snapshot_as_ppe_does(tmp_path, savefun):
+    # ppe documents that pruning "only works when the filename is string" and keeps a callable's every file.
+    with pytest.warns(UserWarning, match="n_retains=1 is ignored, filename is a callable"):
+        run = Run(str(tmp_path), 6, {"savefun": savefun, "filename": lambda m: f"c_{m.iteration}", "n_retains": 1})
+    assert run.snapshot.policy is None
+    run.train()
+    assert sorted(os.listdir(tmp_path)) == ["c_2", "c_4", "c_6", "log"]
 
 
 def test_savefun_keeps_ppe_single_files_and_callable_names(tmp_path):

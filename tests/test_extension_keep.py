@@ -74,7 +74,7 @@ def test_retention_runs_at_start_after_autoload(tmp_path, writer):
 def test_keep_must_be_a_policy_and_needs_a_format_filename():
     with pytest.raises(TypeError, match="keep must be a retention policy"):
         ppe_snapshot.snapshot(keep=3)
-    with pytest.raises(ValueError, match="n_retains and keep need filename to be a format string"):
+    with pytest.raises(ValueError, match="keep needs filename to be a format string"):
         ppe_snapshot.snapshot(filename=lambda m: "x", keep=KeepLatest(1))
     assert ppe_snapshot.snapshot_object(object(), "m_{.iteration}", keep=KeepLatest(2)).policy == KeepLatest(2)
 

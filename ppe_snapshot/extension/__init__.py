@@ -77,8 +77,9 @@ def snapshot(savefun: Any = None, filename: str | Callable[[Any], str] = "snapsh
             ``ppe_snapshot`` writer of the same kind on their ``out_dir``, so
             snapshots are engine snapshots unless ``savefun`` is given.
         snapshot_on_error: Save once when the training loop raises (the error propagates).
-        n_retains: Keep this many newest complete snapshots (an int; positive to enable);
-            needs a string ``filename``. The same as ``keep=KeepLatest(n_retains)``.
+        n_retains: Keep this many newest complete snapshots (an int; positive to enable).
+            The same as ``keep=KeepLatest(n_retains)``. As in ppe, it prunes only names of a string
+            ``filename``: with a callable one it is ignored (with a warning) and every snapshot kept.
         keep: Keyword-only, beyond ppe's signature: a retention policy of
             :mod:`ppe_snapshot.retention` (``KeepLatest(n)``, ``KeepEvery(n, unit)``,
             ``KeepBest(key, n, mode)``, ``a | b``); with ``n_retains``, their union. Retention runs

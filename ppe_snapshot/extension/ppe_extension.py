@@ -104,9 +104,15 @@ class SnapshotExtension(Resuming, extension.Extension):
         elif autoload:
             raise ValueError("autoload needs filename to be a format string (it is matched against the "
                              "names in the output directory); got a callable")
+        elif keep is not None:
+            raise ValueError("keep needs filename to be a format string (it is matched against the names in the "
+                             "output directory); got a callable")
         elif self.policy is not None:
-            raise ValueError("n_retains and keep need filename to be a format string (it is matched against the "
-                             "names in the output directory); got a callable")
+            # ppe prunes only names made by a format string and keeps a callable's every snapshot: so do we, aloud.
+            warnings.warn(f"ppe_snapshot: n_retains={n_retains} is ignored, filename is a callable (retention matches "
+                          "a format string against the names in the output directory); every snapshot is kept. "
+                          "Give a format string to prune.", UserWarning, stacklevel=3)
+            self.policy = None
         self._out_dir = ""
         self._storage_options: dict[str, Any] | None = None
         #: Where ``autoload`` restored from (a path or URL), or None.
