@@ -326,7 +326,7 @@ def test_callable_filename_outside_out_dir_is_refused_at_save(tmp_path):
     assert listing(tmp_path) == ["out"]
 
 
-def test_ppe_style_mock_writer_is_accepted():
+def test_ppe_style_mock_writer_is_accepted(tmp_path):
     class Recorder:
         def __init__(self):
             self.calls = []
@@ -337,7 +337,7 @@ def test_ppe_style_mock_writer_is_accepted():
         def finalize(self):
             pass
     recorder = Recorder()
-    manager, _ = make_manager("unused")
+    manager, _ = make_manager(str(tmp_path / "unused"))
     ext = snapshot(writer=recorder, filename="snap_{.iteration}")
     ext(manager)
     assert recorder.calls == ["snap_0"]
