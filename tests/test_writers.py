@@ -432,6 +432,40 @@ def test_savefun_writes_one_file_like_ppe(kind, make_writer, tmp_path):
     assert writer.last_stats["bytes"] == os.path.getsize(tmp_path / "snap.pt")
 
 
+def save_half_then_fail(obj, f):
+    """A savefun that writes part of a file, then fails (module level: a worker process imports it)."""
+    f.write(b"half a file")
+    raise KeyError("the savefun failed")
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_a_failing_savefun_leaves_the_old_file_and_no_temporary_one(kind, make_writer, tmp_path):
+    (tmp_path / "snap.pt").write_bytes(b"the previous snapshot")
+    writer = make_writer(kind)
+    with pytest.raises((KeyError, BackgroundSaveError)) as raised:
+        writer("snap.pt", str(tmp_path), {"x": torch.ones(3)}, savefun=save_half_then_fail)
+        settle(writer)
+    error = raised.value if kind == "simple" else raised.value.__cause__
+    assert isinstance(error, KeyError) and error.args == ("the savefun failed",)
+    assert sorted(os.listdir(tmp_path)) == ["snap.pt"]
+    assert (tmp_path / "snap.pt").read_bytes() == b"the previous snapshot"
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_a_failing_savefun_leaves_no_temporary_object(where, request):
+    if where == "s3":
+        bucket, options = request.getfixturevalue("s3_bucket")
+        root = f"{bucket}/{uuid.uuid4().hex}"
+    else:
+        root, options = f"memory://{uuid.uuid4().hex}/run", {}
+    fs, path = fsspec.core.url_to_fs(root, **options)
+    writer = SimpleWriter(out_dir=root, storage_options=options)
+    with pytest.raises(KeyError, match="the savefun failed"):
+        writer("sub/snap.pt", "", {"x": torch.ones(3)}, savefun=save_half_then_fail)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{path}/sub/tmp_snap.pt") and not fs.exists(f"{path}/sub/snap.pt")
+
+
 @pytest.mark.parametrize("kind", ALL)
 def test_a_target_that_is_not_a_dict_is_stored_as_it_is(kind, make_writer, tmp_path):
     """ppe's writers torch.save any target; ours store it as the snapshot's "state" entry."""

@@ -92,6 +92,21 @@ def _ignore_missing(action: Callable[[], Any]) -> None:
         pass
 
 
+def _write_or_remove(opener: Callable[[str, str], Any], path: str, write: Callable[[Any], int],
+                     remove: Callable[[str], Any]) -> int:
+    """``write`` into a new file at ``path``; when it raises, the file (whatever of it was written, or closed into
+    an object) is removed before the error goes on, so a failed save leaves no partial ``tmp_`` file."""
+    try:
+        with opener(path, "wb") as f:
+            return write(f)
+    except BaseException:
+        try:
+            remove(path)
+        except Exception:  # the save's own error is the one to raise
+            pass
+        raise
+
+
 class Tree:
     """Files and directories of one file system, reached from location :attr:`url` (its path there: :attr:`root`)."""
 
@@ -163,7 +178,8 @@ class Tree:
 
     def save_file(self, path: str, write: Callable[[Any], int], *, append: bool = False, via: Any = None) -> int:
         """Write one file with ``write(file)`` (its result returned): at ``tmp_<name>`` beside ``path``, then moved
-        over it, so ``path`` holds the old file or the new one, whole; ``append`` writes to ``path`` itself. ``via``:
+        over it, so ``path`` holds the old file or the new one, whole (a ``write`` that raises leaves the old file
+        and no ``tmp_<name>``); ``append`` writes to ``path`` itself. ``via``:
         a ppe file-system object to do it with (local paths only; None: this tree's own calls)."""
         directory, _, name = path.rpartition("/")
         if directory:
@@ -172,8 +188,7 @@ class Tree:
             with self.fs.open(path, "ab") as f:
                 return write(f)
         tmp = f"{directory}/tmp_{name}" if directory else f"tmp_{name}"
-        with self.fs.open(tmp, "wb") as f:
-            written = write(f)
+        written = _write_or_remove(self.fs.open, tmp, write, self.fs.rm_file)
         self.fs.mv(tmp, path)
         return written
 
@@ -246,11 +261,12 @@ class LocalTree(Tree):
         if directory:
             (via.makedirs if via is not None else os.makedirs)(directory, exist_ok=True)
         opener = via.open if via is not None else open
-        target = path if append else os.path.join(directory, f"tmp_{name}")
-        with opener(target, "ab" if append else "wb") as f:
-            written = write(f)
-        if not append:
-            (via.rename if via is not None else os.replace)(target, path)
+        if append:
+            with opener(path, "ab") as f:
+                return write(f)
+        tmp = os.path.join(directory, f"tmp_{name}")
+        written = _write_or_remove(opener, tmp, write, via.remove if via is not None else os.unlink)
+        (via.rename if via is not None else os.replace)(tmp, path)
         return written
 
     def make_directory(self, path: str, via: Any = None) -> None:
