@@ -281,6 +281,18 @@ def test_colliding_keys_are_rejected(tmp_path):
     assert not os.path.exists(tmp_path / "s" / "manifest.json")
 
 
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_a_key_no_tag_stores_is_refused_naming_its_dict(tmp_path, allow_pickle):
+    class Key:
+        pass
+    state = {"s": StateDict(opt={"groups": {0: torch.ones(1), Key(): torch.zeros(1)}})}
+    with pytest.raises(ppe_snapshot.UnsupportedValueError,
+                       match=r"^s/opt/groups: a key of type test_engine_values\..*Key cannot be stored: dict keys .* "
+                             r"never pickled, even with allow_pickle=True"):
+        Snapshot.take(str(tmp_path / "s"), state, allow_pickle=allow_pickle)
+    assert not os.path.exists(tmp_path / "s")
+
+
 def test_numpy_values(tmp_path):
     rng = np.random.default_rng(3)
     arrays = {

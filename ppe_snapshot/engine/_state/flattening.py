@@ -117,6 +117,21 @@ def _is_plain(value: Any) -> bool:
     return not isinstance(value, (torch.Tensor, np.ndarray, dict)) and type(value) not in (list, tuple)
 
 
+def _encoded_keys(path: str, value: dict[Any, Any]) -> list[Any]:
+    """The tagged JSON of a dict's keys that are not all strings; a key no tag stores is refused, naming the dict."""
+    keys = []
+    for key in value:
+        try:
+            keys.append(encode_value(key))
+        except UnsupportedValueError:
+            raise UnsupportedValueError(
+                f"{path or 'the state'}: a key of type {type(key).__module__}.{type(key).__qualname__} cannot be "
+                "stored: dict keys are stored as plain values (strings, numbers, tuples of them, ...) and never "
+                "pickled, even with allow_pickle=True; convert the key to one"
+            ) from None
+    return keys
+
+
 def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool, plain: PlainTensors | None
              ) -> None:
     if isinstance(value, torch.Tensor):
@@ -135,7 +150,7 @@ def _flatten(path: str, value: Any, out: dict[str, FlatItem], allow_pickle: bool
         kind = Container.ORDERED_DICT if isinstance(value, collections.OrderedDict) else Container.DICT
         # Distinct string keys make distinct paths (escaping is one-to-one); only other keys can collide ("1", 1).
         seen: dict[str, Any] | None = None if set(map(type, value)) <= {str} else {}
-        out[path] = ContainerEntry(kind, keys=list(value) if seen is None else [encode_value(k) for k in value])
+        out[path] = ContainerEntry(kind, keys=list(value) if seen is None else _encoded_keys(path, value))
         paths, values = child_paths(path, list(value)), list(value.values())
         if plain is not None and seen is None and len(values) >= PlainTensors.MANY and plain.add_all(paths, values):
             return
