@@ -17,6 +17,7 @@ rather than somewhere in a training loop.
 ``manager._model_available``   ppe's guard that marks the models unavailable when no extension needing them is due
 ``manager.extensions``         the manager's running order of extensions, once it started them
 ``manager._extensions``        the extensions registered with the manager, by name, before it started them
+``state_dict()["extensions"]`` the extensions' states in a manager's state, by the names they were registered under
 =============================  ===============================================================================
 """
 from __future__ import annotations
@@ -97,6 +98,13 @@ def running_extensions(manager: Any) -> list | None:
 def extension_entries(manager: Any) -> list:
     """The manager's ``(name, ExtensionEntry)`` pairs: its running order once started, else as registered."""
     return running_extensions(manager) or list(getattr(manager, "_extensions", {}).items())
+
+
+def extension_states(state: Any) -> dict | None:
+    """The extensions' states in a manager's ``state_dict()``, by name (what its ``load_state_dict`` looks each
+    registered extension up in), or None where ``state`` holds none."""
+    found = state.get("extensions") if isinstance(state, dict) else None
+    return found if isinstance(found, dict) else None
 
 
 def set_running_extensions(manager: Any, running: list) -> None:

@@ -10,6 +10,8 @@ Every other module asks here: the writers (where a replacement is written, what 
 * **The quick check.** :func:`inspect`: the manifest parses and every data file has its recorded size
   (``Snapshot.verify(deep=False)``). It returns an :class:`Inspection` holding the opened snapshot, so its
   manifest is read once however many times it is asked about.
+* **ppe's per-rank files.** SHARDED snapshots saved with a ``savefun`` keep ppe's layout: a directory of one
+  ``torch.save`` file per rank (:func:`rank_file`), whole once it holds :data:`RANK_FILES_MARK`.
 * **Removal.** :func:`remove_snapshot`: the manifest goes first, so a snapshot is never seen half-removed.
   :func:`retire_snapshot` removes a snapshot whose data files incremental snapshots beside it still read: it is
   marked retired (``RETIRED_NAME``), loses its manifest and index files, and keeps its data files.
@@ -27,6 +29,10 @@ from ppe_snapshot.storage import join, open_storage, open_tree
 #: Where a snapshot replacing ``<name>`` is written until it takes the name.
 SIDE_SUFFIX = ".ppe-snapshot-next"
 
+#: In ppe's layout of SHARDED snapshots saved with a ``savefun``: the file that marks directory ``<name>`` whole, its
+#: ranks' files ``<name>/<rank>`` written (by the saver rank, after every rank's own file; see :func:`rank_file`).
+RANK_FILES_MARK = "complete"
+
 #: The metadata key under which the extension records observed values for retention (``KeepBest``).
 METRICS_KEY = "ppe_snapshot_metrics"
 
@@ -39,6 +45,21 @@ def side_name(name: str) -> str:
 def replaced_name(name: str) -> str | None:
     """The name that a snapshot written at side name ``name`` is to take; None when ``name`` is no side name."""
     return name[:-len(SIDE_SUFFIX)] if name.endswith(SIDE_SUFFIX) else None
+
+
+def rank_file(name: str, rank: int) -> str:
+    """Where rank ``rank``'s state lies in ppe's layout of SHARDED snapshots with a ``savefun`` (a ``torch.save``
+    file per rank in directory ``name``, marked whole by :data:`RANK_FILES_MARK`)."""
+    return f"{name}/{rank}"
+
+
+def unmark_rank_files(location: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Take the mark off ppe's per-rank files at ``location`` (a path or URL) before they are saved again, so that
+    a save cut short never leaves them marked whole; no mark there: nothing to do."""
+    tree = open_tree(location, storage_options)
+    mark = f"{tree.root}/{RANK_FILES_MARK}"
+    if tree.exists(mark):
+        tree.remove(mark)
 
 
 def recorded(iteration: int, epoch: int, epoch_detail: float, metrics: Mapping[str, float] | None = None,
@@ -124,8 +145,8 @@ def retire_snapshot(location: str, storage_options: dict[str, Any] | None = None
 
 
 def remove_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Remove the snapshot at ``location`` (a path or URL): a directory loses its manifest first, so it is
-    never seen half-removed, then the rest; a file (a single-file snapshot) is removed. Nothing there: nothing
-    to do."""
+    """Remove the snapshot at ``location`` (a path or URL): a directory loses its manifest (or the mark of ppe's
+    per-rank files) first, so it is never seen half-removed, then the rest; a file (a single-file snapshot) is
+    removed. Nothing there: nothing to do."""
     tree = open_tree(location, storage_options)
-    tree.remove_tree(tree.root, first=MANIFEST_NAME)
+    tree.remove_tree(tree.root, first=(MANIFEST_NAME, RANK_FILES_MARK))

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -368,3 +369,92 @@ def dist_staging_ahead(out_dir: str, mode: str) -> dict[str, Any]:
     staged = writer.last_stats["bytes"] if writer.last_stats else None
     writer.finalize()
     return {"prepared": writer.prepared, "buffer": None if buffer is None else buffer.numel(), "staged": staged}
+
+
+def _rank_files_run(out_dir: str, iterations: int, crash_at: int | None, by: str, manager_writer: str | None,
+                    savefun: Any = torch.save) -> dict[str, Any]:
+    """SHARDED mode with a ``savefun`` (ppe's per-rank files), by our extension or ppe's (``by``): each rank its own
+    model (momentum: optimizer state), snapshots every 2 iterations, autoload; raises Crash after ``crash_at``."""
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    writer = make_writer(manager_writer, out_dir=out_dir) if manager_writer else ppe.writing.SimpleWriter(out_dir=out_dir)
+    manager = ppe.training.ExtensionsManager(model, optimizer, 100, iters_per_epoch=3, out_dir=out_dir,
+                                             stop_trigger=(iterations, "iteration"), writer=writer)
+    make = ppe_snapshot.snapshot if by == "ours" else extensions.snapshot
+    manager.extend(make(savefun=savefun, snapshot_mode=ppe_snapshot.SnapshotMode.SHARDED, saver_rank=0,
+                        autoload=True, n_retains=2), trigger=(2, "iteration"))
+    with contextlib.redirect_stdout(sys.stderr):  # ppe's SHARDED autoload prints the path it checks
+        manager.start_extensions()
+    resumed_at = manager.iteration
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            if manager.iteration == crash_at:
+                raise Crash(f"crash after {crash_at} iterations")
+            model(torch.full((2, 4), float(manager.iteration + rank))).pow(2).sum().backward()
+    writer.finalize()
+    return {"resumed_at": resumed_at, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def _tree(out_dir: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(root, f), out_dir) for root, _, files in os.walk(out_dir) for f in files)
+
+
+def dist_rank_files(out_dir: str, first: str, second: str, manager_writer: str | None,
+                    damage: str | None = None) -> dict[str, Any]:
+    """A straight run of 8 iterations, a run by ``first`` that crashes after 5, and one by ``second`` resuming;
+    ``damage`` (rank 0, before resuming): "unmarked" takes the newest snapshot's mark off, "ranks" adds a third
+    rank's file to it."""
+    rank = dist.get_rank()
+    straight = _rank_files_run(os.path.join(out_dir, f"straight{rank}"), 8, None, "ours", manager_writer)
+    shared = os.path.join(out_dir, "run")
+    try:
+        _rank_files_run(shared, 8, 5, first, manager_writer)
+    except Crash:
+        pass
+    dist.barrier()
+    at_crash = _tree(shared)
+    if rank == 0 and damage == "unmarked":
+        os.remove(os.path.join(shared, "snapshot_iter_4", "complete"))
+    if rank == 0 and damage == "ranks":
+        with open(os.path.join(shared, "snapshot_iter_4", "2"), "wb") as f:
+            torch.save({}, f)
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ppe_snapshot.AutoloadSkipWarning)
+        resumed = _rank_files_run(shared, 8, None, second, manager_writer)
+    dist.barrier()
+    return {"straight": straight, "resumed": resumed, "at_crash": at_crash, "at_end": _tree(shared),
+            "skipped": [str(w.message) for w in caught if issubclass(w.category, ppe_snapshot.AutoloadSkipWarning)]}
+
+
+def save_failing_on_rank_1(obj: Any, f: Any) -> None:
+    """A savefun that fails on rank 1 only (module level: importable where the save runs)."""
+    if dist.get_rank() == 1:
+        raise KeyError("rank 1's disk is gone")
+    torch.save(obj, f)
+
+
+def dist_rank_file_failing(out_dir: str) -> dict[str, Any]:
+    """SHARDED with a savefun that fails on rank 1 at the first snapshot: what each rank raised, what is left."""
+    raised = None
+    try:
+        _rank_files_run(out_dir, 4, None, "ours", None, savefun=save_failing_on_rank_1)
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        raised = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return {"raised": raised, "left": _tree(out_dir)}
+
+
+def dist_default_names() -> list[tuple[str, str]]:
+    """(ours, ppe's) ``default_name`` of the DISTRIBUTED and SHARDED extensions, and of a subclass of ours."""
+    names = []
+    for mode in ("DISTRIBUTED", "SHARDED"):
+        kwargs = {"snapshot_mode": getattr(ppe_snapshot.SnapshotMode, mode), "saver_rank": 0}
+        names.append((ppe_snapshot.snapshot(**kwargs).default_name, extensions.snapshot(**kwargs).default_name))
+
+    class Mine(ppe_snapshot.extension.ShardedSnapshot):
+        pass
+    names.append((Mine(saver_rank=0).default_name, "Mine"))
+    return names

@@ -232,6 +232,22 @@ def test_autoload_skips_damaged_snapshots_and_falls_back(tmp_path, straight, cap
         assert f"removed {join(out, f'snapshot_iter_{it}')}, which autoload skipped as damaged" in caplog.text
 
 
+@pytest.mark.parametrize("savefun", [None, torch.save])
+def test_autoload_in_one_process_skips_ppes_per_rank_files(tmp_path, savefun):
+    out = str(tmp_path)
+    Run(out, 4, {"savefun": savefun}).train()  # snapshots 2 and 4
+    newest = tmp_path / "snapshot_iter_6"  # what SHARDED mode with a savefun wrote, as ppe does
+    newest.mkdir()
+    for name in ("0", "1", "complete"):
+        torch.save({"_start_iteration": 6} if name != "complete" else {}, newest / name)
+    resumed = Run(out, ITERS, {"savefun": savefun, "autoload": True})
+    with pytest.warns(ppe_snapshot.AutoloadSkipWarning, match=r"snapshot_iter_6: it holds ppe's per-rank files of "
+                                                               r"a SHARDED run \(2 ranks\); resume it with "
+                                                               r"snapshot_mode=SnapshotMode.SHARDED"):
+        resumed.manager.start_extensions()
+    assert resumed.manager.iteration == 4
+
+
 def test_autoload_without_valid_snapshot_starts_fresh(tmp_path, straight, caplog):
     out = str(tmp_path)
     Run(out, 4, {}).train()

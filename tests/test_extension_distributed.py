@@ -10,8 +10,8 @@ import torch
 from ppe_snapshot import Snapshot
 
 from _extension_workers import (
-    assert_same, dist_crash_and_resume, dist_error_on_one_rank, dist_fixed_name_and_initialize,
-    dist_resume_from_error_snapshot, dist_saver_rank_out_of_range, dist_staging_ahead,
+    assert_same, dist_crash_and_resume, dist_default_names, dist_error_on_one_rank, dist_fixed_name_and_initialize, dist_rank_file_failing,
+    dist_rank_files, dist_resume_from_error_snapshot, dist_saver_rank_out_of_range, dist_staging_ahead,
 )
 
 ITERS = 10
@@ -166,3 +166,48 @@ def test_the_writing_ranks_staging_is_made_ready_before_their_first_save(dist_ru
             continue
         assert r["prepared"] == [weights, 3 * weights + 8], r  # Adam: exp_avg, exp_avg_sq and a 4-byte step each
         assert r["buffer"] >= r["staged"] > 3 * weights, r
+
+
+def test_the_modes_extensions_carry_ppes_names_in_the_managers_state(dist_run):
+    """The manager keys each extension's state by its name: ppe's snapshots and ours restore each other's managers."""
+    assert dist_run(dist_default_names, 1) == [[("_DistributedSnapshot", "_DistributedSnapshot"),
+                                                ("_ShardedSnapshot", "_ShardedSnapshot"), ("Mine", "Mine")]]
+
+
+# -- SHARDED with a savefun: ppe's per-rank files ------------------------------------------------------------------
+def _rank_files(*iterations: int) -> list[str]:
+    return [f"snapshot_iter_{i}/{f}" for i in iterations for f in ("0", "1", "complete")]
+
+
+@pytest.mark.parametrize("first, second, writer", [("ours", "ours", None), ("ours", "ours", "ThreadWriter"),
+                                                   ("ppe", "ours", None), ("ours", "ppe", None)])
+def test_sharded_savefun_keeps_ppes_per_rank_files(dist_run, tmp_path, first, second, writer):
+    """ppe's layout: <name>/<rank> per rank and <name>/complete; either extension resumes from the other's."""
+    results = dist_run(dist_rank_files, 2, str(tmp_path), first, second, writer)
+    for rank, r in enumerate(results):
+        assert r["at_crash"] == _rank_files(2, 4)  # n_retains=2
+        assert r["resumed"]["resumed_at"] == 4
+        assert r["at_end"] == _rank_files(6, 8)
+        assert_same(r["resumed"]["model"], r["straight"]["model"], f"rank {rank}")
+        assert_same(r["resumed"]["optimizer"], r["straight"]["optimizer"], f"rank {rank}")
+    assert not torch.equal(results[0]["resumed"]["model"]["weight"], results[1]["resumed"]["model"]["weight"])
+
+
+@pytest.mark.parametrize("damage", ["unmarked", "ranks"])
+def test_sharded_savefun_falls_back_past_unmarked_or_other_world_files(dist_run, tmp_path, damage):
+    results = dist_run(dist_rank_files, 2, str(tmp_path), "ours", "ours", None, damage)
+    why = {"unmarked": "it has no manifest.json", "ranks": "it holds ppe's per-rank files of 3 ranks and this run "
+                                                            "has 2; each rank's file restores only into the same rank"}
+    for r in results:
+        assert r["resumed"]["resumed_at"] == 2  # the older snapshot
+        assert len(r["skipped"]) == 1 and "snapshot_iter_4" in r["skipped"][0] and why[damage] in r["skipped"][0]
+        assert r["at_end"] == _rank_files(6, 8)  # the skipped one was pruned with the others
+
+
+def test_sharded_savefun_failing_on_one_rank_raises_on_every_rank_and_marks_nothing(dist_run, tmp_path):
+    results = dist_run(dist_rank_file_failing, 2, str(tmp_path))
+    assert results[1]["raised"] == "KeyError: \"rank 1's disk is gone\""
+    assert results[0]["raised"] == ("SnapshotAbortedError: snapshot snapshot_iter_2: rank 1: KeyError: "
+                                    "\"rank 1's disk is gone\"")
+    assert all("snapshot_iter_2/complete" not in r["left"] for r in results)
+    assert "snapshot_iter_2/0" in results[0]["left"]

@@ -18,6 +18,7 @@ import torch
 import ppe_snapshot
 from ppe_snapshot import Snapshot, SnapshotError, UnsupportedValueError, snapshot, snapshot_object
 from ppe_snapshot import writing
+from ppe_snapshot.extension import saved_state
 from ppe_snapshot.storage import join
 from ppe_snapshot.stored_snapshot import SIDE_SUFFIX
 from ppe_snapshot.writing import BackgroundSaveError
@@ -145,6 +146,19 @@ def test_the_manager_keys_the_default_snapshots_state_as_ppes(tmp_path):
     manager.extend(snapshot())
     assert snapshot().default_name == ppe.training.extensions.snapshot().default_name == "_Snapshot"
     assert "_Snapshot" in manager.state_dict()["extensions"]
+
+
+def test_manager_states_of_earlier_releases_restore_under_ppes_names():
+    """Earlier releases keyed the DISTRIBUTED and SHARDED extensions' states by their own class names."""
+    loaded = []
+
+    class Manager:
+        def load_state_dict(self, state):
+            loaded.append(state)
+    saved_state.load_into(Manager(), {"_start_iteration": 3, "extensions": {"ShardedSnapshot": {"a": 1},
+                                                                            "DistributedSnapshot": {"b": 2}}})
+    assert loaded[0]["extensions"] == {"ShardedSnapshot": {"a": 1}, "_ShardedSnapshot": {"a": 1},
+                                       "DistributedSnapshot": {"b": 2}, "_DistributedSnapshot": {"b": 2}}
 
 
 # -- initialize() returns the loaded name -------------------------------------------------------------------------

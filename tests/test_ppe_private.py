@@ -53,6 +53,7 @@ def test_the_manager_keeps_its_private_names(tmp_path):
     ppe_private.set_running_extensions(manager, [])
     assert ppe_private.running_extensions(manager) == []
     assert hasattr(manager, "_model_available")
+    assert list(ppe_private.extension_states(manager.state_dict())) == ["noop"]
     manager._model_available = False  # what ppe sets when no extension needing the models is due
     with ppe_private.models_available(manager):
         assert manager._model_available is True

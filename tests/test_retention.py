@@ -110,6 +110,43 @@ def test_classifies_incomplete_busy_damaged_and_ppe_files(tmp_path):
     assert found["snapshot_iter_8"].iteration == 8
 
 
+def _rank_files(out: str, name: str, iteration: int, ranks: int = 2, mark: bool = True, storage_options=None):
+    """ppe's SHARDED layout with a savefun: a torch.save'd manager state per rank, then the mark."""
+    fs, root = fsspec.core.url_to_fs(join(out, name), **(storage_options or {}))
+    fs.makedirs(root, exist_ok=True)
+    for rank in range(ranks):
+        with fs.open(f"{root}/{rank}", "wb") as f:
+            torch.save({"_start_iteration": iteration, "models": {"main": {"w": torch.full((2,), rank)}}}, f)
+    if mark:
+        with fs.open(f"{root}/complete", "wb") as f:
+            torch.save({}, f)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_ppes_per_rank_files_are_listed_whole_when_marked_and_pruned_whole(tmp_path, where):
+    out = str(tmp_path) if where == "local" else f"memory://rank-files-{uuid.uuid4().hex}/run"
+    for i in (2, 4, 6):
+        _rank_files(out, f"snapshot_iter_{i}", i)
+    _rank_files(out, "snapshot_iter_1", 1, mark=False)  # a save cut short before the mark
+    _rank_files(out, "snapshot_iter_3", 3, ranks=0)  # a mark and no file
+    _rank_files(out, "snapshot_iter_5", 5, ranks=3)
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.rm(f"{root}/snapshot_iter_5/1")  # ranks 0 and 2
+    _rank_files(out, "snapshot_iter_8", 8, mark=False)  # being written
+    found = {c.name: c for c in list_snapshots(out, FMT)}
+    assert {n: (c.kind, c.ranks) for n, c in found.items()} == {
+        "snapshot_iter_1": ("incomplete", 0), "snapshot_iter_2": ("rank files", 2), "snapshot_iter_3": ("damaged", 0),
+        "snapshot_iter_4": ("rank files", 2), "snapshot_iter_5": ("damaged", 0), "snapshot_iter_6": ("rank files", 2),
+        "snapshot_iter_8": ("incomplete", 0)}
+    assert "mark 'complete' of ppe's per-rank files but no file of rank 0" in found["snapshot_iter_3"].problem
+    assert "its per-rank files are not those of ranks 0 to 0 alone" in found["snapshot_iter_5"].problem
+    removed = prune(out, FMT, 2)
+    assert sorted(removed) == sorted(join(out, f"snapshot_iter_{i}") for i in (1, 2, 3, 5))
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)) == [
+        "snapshot_iter_4", "snapshot_iter_6", "snapshot_iter_8"]
+
+
 def _record_call(path: str) -> None:  # what a malicious pickle would run
     os.makedirs(path)
 

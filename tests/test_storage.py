@@ -402,8 +402,8 @@ def test_a_tree_removes_moves_and_saves_whole(tmp_path, where):
     assert sorted(i["name"].rsplit("/", 1)[1] for i in tree.list(f"{tree.root}/b")) == ["data", "manifest.json"]
     tree.save_file(f"{tree.root}/c/data", lambda f: f.write(b"y"))
     assert tree.swap(f"{tree.root}/b", f"{tree.root}/c") == (where == "local")
-    tree.remove_tree(f"{tree.root}/b", first="manifest.json")
-    tree.remove_tree(f"{tree.root}/one.bin", first="manifest.json")
-    tree.remove_tree(f"{tree.root}/nothing", first="manifest.json")
+    tree.remove_tree(f"{tree.root}/b", first=["manifest.json"])
+    tree.remove_tree(f"{tree.root}/one.bin", first=["manifest.json"])
+    tree.remove_tree(f"{tree.root}/nothing", first=["manifest.json"])
     assert not tree.exists(f"{tree.root}/b") and not tree.exists(f"{tree.root}/one.bin")
     assert tree.list(f"{tree.root}/nothing") == []

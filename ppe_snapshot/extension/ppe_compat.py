@@ -12,12 +12,14 @@ from __future__ import annotations
 import numbers
 import posixpath
 import re
+import warnings
 from typing import Any
 
 import torch
 from pytorch_pfn_extras import writing as ppe_writing
 
 from ppe_snapshot import ppe_private, writing
+from ppe_snapshot.run_dir import FilenameFormat, Policy, combine
 from ppe_snapshot.storage import remove_local_shadow
 from ppe_snapshot.writing import SnapshotWriter
 
@@ -46,6 +48,29 @@ def check_n_retains(n_retains: Any) -> None:
     if isinstance(n_retains, bool) or not isinstance(n_retains, numbers.Integral):
         raise TypeError(f"n_retains must be an int (the number of newest snapshots to keep; -1 keeps all), "
                         f"got {type(n_retains).__name__} {n_retains!r}")
+
+
+def naming_and_retention(filename: Any, *, autoload: bool, n_retains: Any, keep: Policy | None
+                         ) -> tuple[FilenameFormat | None, Policy | None]:
+    """The format of the names ``filename`` gives (None for a callable), and the retention policy: ``n_retains``
+    (KeepLatest) and ``keep`` together, or None. As in ppe, only a format string's names are pruned, so
+    ``n_retains`` with a callable is ignored (a warning); ``autoload`` and ``keep=`` refuse a callable."""
+    check_n_retains(n_retains)
+    policy = combine(n_retains, keep)
+    if isinstance(filename, str):
+        check_inside(filename)
+        return FilenameFormat(filename), policy
+    if not callable(filename):
+        raise TypeError(f"filename must be a format string or a callable, got {type(filename).__name__}")
+    for asked, what in ((autoload, "autoload needs"), (keep is not None, "keep needs")):
+        if asked:
+            raise ValueError(f"{what} filename to be a format string (it is matched against the names in the output "
+                             "directory); got a callable")
+    if policy is not None:
+        warnings.warn(f"ppe_snapshot: n_retains={n_retains} is ignored, filename is a callable (retention matches a "
+                      "format string against the names in the output directory); every snapshot is kept. Give a "
+                      "format string to prune.", UserWarning, stacklevel=4)
+    return None, None
 
 
 def check_inside(name: str, what: str = "filename") -> None:

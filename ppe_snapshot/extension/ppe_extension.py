@@ -29,7 +29,7 @@ from ppe_snapshot.extension.resuming import Resuming
 from ppe_snapshot.extension.saved_state import RNG_KEY, state_to_save
 from ppe_snapshot.extension.staging_ahead import prepare_staging_ahead
 from ppe_snapshot.local_tier import local_tier
-from ppe_snapshot.run_dir import Candidate, CandidateKind, FilenameFormat
+from ppe_snapshot.run_dir import Candidate, CandidateKind
 from ppe_snapshot.storage import join
 from ppe_snapshot.writing import ImageLoan, SnapshotWriter
 
@@ -47,11 +47,15 @@ class SnapshotExtension(Resuming, extension.Extension):
     priority = extension.PRIORITY_SNAPSHOT
     needs_model_state = True
 
+    #: ppe's name for its class of this mode: the manager keys each extension's state by it, so ppe's snapshots and
+    #: ours restore each other's managers.
+    _ppe_name = "_Snapshot"
+
     @property
     def default_name(self) -> str:
-        """ppe's name for its class of this mode, ``_Snapshot``: the manager keys each extension's state by it, so
-        ppe's snapshots and ours restore each other's managers. A subclass keeps its own class name."""
-        return "_Snapshot" if type(self) is SnapshotExtension else type(self).__name__
+        """ppe's name for its class of this mode (``_Snapshot``, ``_DistributedSnapshot``, ``_ShardedSnapshot``); a
+        subclass of ours keeps its own class name."""
+        return self._ppe_name if "_ppe_name" in type(self).__dict__ else type(self).__name__
 
     def __init__(self, target: Any = None, condition: Callable[[], bool] | None = None,
                  writer: Writer | None = None, filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
@@ -73,9 +77,6 @@ class SnapshotExtension(Resuming, extension.Extension):
                              "one; a savefun writes whole single files: give one or the other")
         #: Each save references the unchanged blocks of the previous complete snapshot (the writer's).
         self.incremental = incremental
-        ppe_compat.check_n_retains(n_retains)
-        #: Retention: ``n_retains`` (KeepLatest) and ``keep`` together, or None.
-        self.policy = run_dir.combine(n_retains, keep)
         self._missing_warned = False
         #: Preemption (``save_on_signals``): the signals watched and the agreement on the iteration to save.
         self.preemption = self._watch(save_on_signals, preempted_exit_code) if save_on_signals else None
@@ -95,24 +96,10 @@ class SnapshotExtension(Resuming, extension.Extension):
         self.autoload = autoload
         self._file_savefun = savefun
         self._allow_pickle = allow_pickle
-        self._format: FilenameFormat | None = None
-        if isinstance(filename, str):
-            ppe_compat.check_inside(filename)
-            self._format = FilenameFormat(filename)
-        elif not callable(filename):
-            raise TypeError(f"filename must be a format string or a callable, got {type(filename).__name__}")
-        elif autoload:
-            raise ValueError("autoload needs filename to be a format string (it is matched against the "
-                             "names in the output directory); got a callable")
-        elif keep is not None:
-            raise ValueError("keep needs filename to be a format string (it is matched against the names in the "
-                             "output directory); got a callable")
-        elif self.policy is not None:
-            # ppe prunes only names made by a format string and keeps a callable's every snapshot: so do we, aloud.
-            warnings.warn(f"ppe_snapshot: n_retains={n_retains} is ignored, filename is a callable (retention matches "
-                          "a format string against the names in the output directory); every snapshot is kept. "
-                          "Give a format string to prune.", UserWarning, stacklevel=3)
-            self.policy = None
+        #: Retention: ``n_retains`` (KeepLatest) and ``keep`` together, or None.
+        self.policy: run_dir.Policy | None
+        self._format, self.policy = ppe_compat.naming_and_retention(filename, autoload=autoload, n_retains=n_retains,
+                                                                    keep=keep)
         self._out_dir = ""
         self._storage_options: dict[str, Any] | None = None
         #: Where ``autoload`` restored from (a path or URL), or None.

@@ -22,9 +22,11 @@ from ppe_snapshot.extension.ppe_extension import SnapshotExtension
 from ppe_snapshot.extension.preemption import Preemption
 from ppe_snapshot.extension.resuming import DurableListing
 from ppe_snapshot.extension.save_outcomes import SaveOutcomes, summary
-from ppe_snapshot.extension.saved_state import state_to_save
+from ppe_snapshot.extension.saved_state import restore_rank_file, state_to_save
 from ppe_snapshot.extension.staging_ahead import local_tensors
 from ppe_snapshot.run_dir import Candidate, CandidateKind, attempt, cannot_start_fresh, target_changed
+from ppe_snapshot.storage import join
+from ppe_snapshot.stored_snapshot import RANK_FILES_MARK, rank_file, unmark_rank_files
 from ppe_snapshot.writing import BackgroundAbortError, BackgroundSaveError
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,8 @@ class _DistributedExtension:
 class DistributedSnapshot(_DistributedExtension, SnapshotExtension):
     """Every rank gives its state; ``saver_rank`` writes it; every rank can restore it."""
 
+    _ppe_name = "_DistributedSnapshot"
+
     def __init__(self, *, saver_rank: int, **options: Any) -> None:
         super().__init__(saver_rank=saver_rank, **options)
         self._outcomes = SaveOutcomes(self._rank, self._saver_rank, self._size)
@@ -209,8 +213,19 @@ class DistributedSnapshot(_DistributedExtension, SnapshotExtension):
         return listed, agreed[0]
 
 
+def _failures(docs: list[Any]) -> list[str]:
+    """The failures the ranks told of (each rank's doc: None, or what failed there)."""
+    return [doc for doc in docs if doc is not None]
+
+
+#: What SHARDED mode restores: engine snapshots, and ppe's per-rank files (of as many ranks).
+_RESTORABLE = (CandidateKind.SNAPSHOT, CandidateKind.RANK_FILES)
+
+
 class ShardedSnapshot(_DistributedExtension, SnapshotExtension):
     """Every rank writes its own state into one snapshot with one manifest."""
+
+    _ppe_name = "_ShardedSnapshot"
 
     _mode = "SHARDED"
     _restore_pg = None
@@ -220,7 +235,45 @@ class ShardedSnapshot(_DistributedExtension, SnapshotExtension):
         return True
 
     def _make_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
-        self._save(manager, self._format_name(manager), state_to_save(self._resolve_target(manager)), None)
+        name, state = self._format_name(manager), state_to_save(self._resolve_target(manager))
+        if self._file_savefun is None:
+            self._save(manager, name, state, None)
+        else:
+            self._save_rank_files(manager, name, state)
+
+    def _save_rank_files(self, manager: ExtensionsManagerProtocol, name: str, state: Any) -> None:
+        """ppe's layout for a ``savefun``: every rank saves its state as file ``<name>/<rank>``, and the saver rank
+        marks the directory whole (:data:`~ppe_snapshot.stored_snapshot.RANK_FILES_MARK`) once every rank's file is
+        written (a ppe_snapshot writer is waited for; ppe's own writers cannot be). The mark comes off first, before
+        any rank writes."""
+        location = join(self._out_dir, name)
+        self._together(name, lambda: unmark_rank_files(location, self._storage_options) if self._is_saver else None)
+        self._together(name, lambda: self._save_rank_file(manager, name, state))
+        if self._is_saver:
+            self.writer(f"{name}/{RANK_FILES_MARK}", manager.out, {}, savefun=self._file_savefun)
+
+    def _save_rank_file(self, manager: ExtensionsManagerProtocol, name: str, state: Any) -> None:
+        self._save(manager, rank_file(name, self._rank), state, LOCAL)
+        if self._engine_writer is not None:
+            self._engine_writer.wait()
+
+    def _together(self, name: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on every rank, then meet: when it failed on any rank, every rank raises (that rank its
+        own error, the others a ``SnapshotAbortedError`` naming it); a rank that died is named, not waited for."""
+        try:
+            action()
+        except Exception as e:
+            self._everyone(f"rank {self._rank}: {summary(e)}", _failures)
+            raise
+        problems = self._everyone(None, _failures)
+        if problems:
+            raise SnapshotAbortedError(f"snapshot {name}: {'; '.join(problems)}")
+
+    def _restore(self, candidate: Candidate, target: Any, pg: Any) -> None:
+        if candidate.kind == CandidateKind.RANK_FILES:
+            restore_rank_file(candidate, target, self._rank, self._size, self._storage_options)
+        else:
+            super()._restore(candidate, target, pg)
 
     def _error_snapshot(self, manager: ExtensionsManagerProtocol) -> None:
         # The other ranks are not taking part, so a snapshot of the whole group cannot commit:
@@ -238,9 +291,9 @@ class ShardedSnapshot(_DistributedExtension, SnapshotExtension):
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             problem = f"rank {self._rank}: {type(e).__name__}: {e}"
         for c in listed:
-            if c.kind != CandidateKind.SNAPSHOT:
+            if c.kind not in _RESTORABLE:
                 self._skip(c, c.problem or "a single-file snapshot cannot hold the state of every rank")
-        mine = [c for c in listed if c.kind == CandidateKind.SNAPSHOT]
+        mine = [c for c in listed if c.kind in _RESTORABLE]
         problems, names = self._everyone(problem or [c.name for c in mine], _listed_everywhere)
         if problems:
             raise SnapshotError(f"autoload: could not list {self._out_dir}: {'; '.join(problems)}")

@@ -12,10 +12,11 @@ import logging
 import math
 from typing import Any
 
+from ppe_snapshot import ppe_private
 from ppe_snapshot.engine import LOCAL, RNGState, Snapshot
 from ppe_snapshot.run_dir import Candidate, CandidateKind, Unusable, load_file
 from ppe_snapshot.storage import Storage
-from ppe_snapshot.stored_snapshot import recorded
+from ppe_snapshot.stored_snapshot import rank_file, recorded
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +33,28 @@ def state_to_save(target: Any) -> Any:
     return target.state_dict()
 
 
+#: The names earlier releases gave the DISTRIBUTED and SHARDED extensions in a manager's state, by the names of
+#: ppe's classes they use now (``SnapshotExtension.default_name``).
+_EARLIER_NAMES = {"_DistributedSnapshot": "DistributedSnapshot", "_ShardedSnapshot": "ShardedSnapshot"}
+
+
 def load_into(target: Any, state: Any) -> None:
     """Load ``state`` (as :func:`state_to_save` gave it) into ``target``."""
     if type(target) is dict:
         for k in target:
             target[k].load_state_dict(state[k])
     else:
-        target.load_state_dict(state)
+        target.load_state_dict(_with_ppe_names(state))
+
+
+def _with_ppe_names(state: Any) -> Any:
+    """A manager's state whose extensions' states an earlier release keyed by its own names, keyed by ppe's too."""
+    extensions = ppe_private.extension_states(state)
+    if extensions is not None:
+        for name, earlier in _EARLIER_NAMES.items():
+            if name not in extensions and earlier in extensions:
+                extensions[name] = extensions[earlier]
+    return state
 
 
 class TargetState:
@@ -91,17 +107,34 @@ def restore(candidate: Candidate, target: Any, kind: str, pg: Any, rng_rank: int
     """
     if not candidate.complete:
         raise Unusable(candidate.problem or f"it is {candidate.kind}")
+    if candidate.kind == CandidateKind.RANK_FILES:
+        raise Unusable(f"it holds ppe's per-rank files of a SHARDED run ({candidate.ranks} ranks); resume it with "
+                       "snapshot_mode=SnapshotMode.SHARDED and as many ranks")
     if candidate.kind == CandidateKind.FILE:
-        try:
-            state = load_file(candidate.url, storage_options)
-        except Exception as e:  # noqa: BLE001 - nothing was loaded yet
-            raise Unusable(f"cannot be read by torch.load: {type(e).__name__}: {e}") from e
-        load_into(target, state)
+        load_into(target, _loaded(candidate.url, storage_options))
         return
     snap = _opened(candidate, pg, storage_options, allow_pickle)
     if candidate.snapshot is None:
         _check_readable(snap)
     _restore_opened(snap, candidate.metadata, target, kind, pg, rng_rank)
+
+
+def restore_rank_file(candidate: Candidate, target: Any, rank: int, size: int,
+                      storage_options: dict[str, Any] | None) -> None:
+    """Restore rank ``rank``'s file of ``candidate`` (ppe's per-rank files of a SHARDED run, written by ``size``
+    ranks as this run has) into ``target``, as ppe does; :class:`~ppe_snapshot.run_dir.Unusable` when it cannot be
+    used and nothing was touched yet."""
+    if candidate.ranks != size:
+        raise Unusable(f"it holds ppe's per-rank files of {candidate.ranks} ranks and this run has {size}; each "
+                       "rank's file restores only into the same rank (engine snapshots, savefun=None, reshard)")
+    load_into(target, _loaded(rank_file(candidate.url, rank), storage_options))
+
+
+def _loaded(url: str, storage_options: dict[str, Any] | None) -> Any:
+    try:
+        return load_file(url, storage_options)
+    except Exception as e:  # noqa: BLE001 - nothing was loaded yet
+        raise Unusable(f"{url} cannot be read by torch.load: {type(e).__name__}: {e}") from e
 
 
 def restore_part(path: str | Storage, target: Any, kind: str, rng_rank: int, allow_pickle: bool) -> None:

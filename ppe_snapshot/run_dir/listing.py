@@ -7,6 +7,8 @@ matches (:mod:`.names`), and each match is classified:
 
 ``snapshot``    an engine snapshot (a directory) whose manifest parses and whose data files have their sizes
 ``file``        a single-file snapshot written with a ``savefun`` (ppe's ``torch.save`` format)
+``rank files``  a directory of ppe's SHARDED layout with a ``savefun``: a ``torch.save`` file per rank (``0``,
+                ``1``, ...) and the mark ``complete`` (:data:`ppe_snapshot.stored_snapshot.RANK_FILES_MARK`)
 ``incomplete``  a directory without manifest: a save in progress (``busy``), the leftover of a crashed one whose
                 writers are provably gone (``abandoned``: see :func:`ppe_snapshot.engine.judge_writers`), or
                 either (where that cannot be known here: another host, no writer recorded)
@@ -26,6 +28,7 @@ newest one's candidate carries the opened snapshot, manifest read, to restore fr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,18 +38,19 @@ from ppe_snapshot.engine import MANIFEST_NAME, PARTS_DIR, RETIRED_NAME, Snapshot
 from ppe_snapshot.run_dir.names import FilenameFormat, position_in_name
 from ppe_snapshot.run_dir.single_files import file_problem, recorded_iteration
 from ppe_snapshot.storage import Tree, join, open_tree, url_to_fs
-from ppe_snapshot.stored_snapshot import inspect, replaced_name
+from ppe_snapshot.stored_snapshot import RANK_FILES_MARK, inspect, rank_file, replaced_name
 
 class CandidateKind:
     """``Candidate.kind``: what a name under the output directory holds (see the module's docstring)."""
     SNAPSHOT = "snapshot"
     FILE = "file"
+    RANK_FILES = "rank files"
     INCOMPLETE = "incomplete"
     DAMAGED = "damaged"
     RETIRED = "retired"
 
 #: The kinds autoload can restore and retention keeps.
-COMPLETE_KINDS = (CandidateKind.SNAPSHOT, CandidateKind.FILE)
+COMPLETE_KINDS = (CandidateKind.SNAPSHOT, CandidateKind.FILE, CandidateKind.RANK_FILES)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class Candidate:
     snapshot: Snapshot | None = field(default=None, compare=False, hash=False, repr=False)
     #: An incremental snapshot's: the names of the snapshots it reads data files of, relative to ``out_dir``.
     references: tuple[str, ...] = field(default=(), compare=False, hash=False)
+    #: Rank files': how many ranks' files it holds (ranks 0 to ``ranks - 1``).
+    ranks: int = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "snapshot"}
@@ -179,7 +185,7 @@ def named_positions(out_dir: str, fmt: str | FilenameFormat,
         if iteration is None:
             return None
         named.append((iteration, path, is_dir))
-    complete = any(not is_dir or tree.exists(f"{path}/{MANIFEST_NAME}")
+    complete = any(not is_dir or tree.exists(f"{path}/{MANIFEST_NAME}") or tree.exists(f"{path}/{RANK_FILES_MARK}")
                    for _, path, is_dir in sorted(named, key=lambda n: n[0], reverse=True))
     return NamedPositions(max((n[0] for n in named), default=None), complete)
 
@@ -199,6 +205,8 @@ def _classify(tree: Tree, out_dir: str, rel: str, path: str, values: dict[str, s
             return Candidate(rel, url, CandidateKind.RETIRED, iteration, epoch_detail,
                              problem="retention removed its manifest; its data files stay while incremental "
                                      "snapshots beside it read them")
+        if tree.exists(f"{path}/{RANK_FILES_MARK}"):
+            return _rank_files(tree, rel, url, path, iteration, epoch_detail)
         writers = leftover(tree, path)
         return Candidate(rel, url, CandidateKind.INCOMPLETE, iteration, epoch_detail,
                          problem=f"it has no {MANIFEST_NAME} (still being written, or its save crashed): "
@@ -213,6 +221,26 @@ def _classify(tree: Tree, out_dir: str, rel: str, path: str, values: dict[str, s
                      epoch_detail if stored.epoch_detail is None else stored.epoch_detail,
                      metrics=stored.metrics, metadata=stored.metadata, snapshot=stored.snapshot,
                      references=tuple(posixpath.join(posixpath.dirname(rel), name) for name in stored.references))
+
+
+def _rank_files(tree: Tree, rel: str, url: str, path: str, iteration: int | None,
+                epoch_detail: float | None) -> Candidate:
+    """A directory marked whole in ppe's SHARDED layout: sound when it holds the files of ranks 0 to n - 1 and rank
+    0's is a ``torch.save`` file (the others are read by their own ranks), its position recorded there."""
+    names = {posixpath.basename(i["name"].rstrip("/")) for i in tree.list(path)}
+    ranks = sum(1 for _ in itertools.takewhile(lambda r: str(r) in names, itertools.count()))
+    problem = None
+    if not ranks:
+        problem = f"it holds the mark {RANK_FILES_MARK!r} of ppe's per-rank files but no file of rank 0"
+    elif any(n.isdigit() and n != "0" and (n.startswith("0") or int(n) >= ranks) for n in names):
+        problem = f"its per-rank files are not those of ranks 0 to {ranks - 1} alone: {sorted(names)}"
+    else:
+        problem = file_problem(tree, rank_file(path, 0))
+    if problem is not None:
+        return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=problem)
+    stored = recorded_iteration(tree, rank_file(path, 0))
+    return Candidate(rel, url, CandidateKind.RANK_FILES, stored if stored is not None else iteration, epoch_detail,
+                     ranks=ranks)
 
 
 def leftover(tree: Tree, path: str) -> Any:

@@ -15,6 +15,7 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import fsspec
@@ -201,15 +202,16 @@ class Tree:
         """Remove the file or directory at ``path`` (with everything below it)."""
         self.fs.rm(path, recursive=self.fs.isdir(path))
 
-    def remove_tree(self, path: str, first: str) -> None:
-        """Remove directory ``path``, its file ``first`` before anything else, or the file at ``path``; nothing
-        there: nothing to do."""
+    def remove_tree(self, path: str, first: Sequence[str]) -> None:
+        """Remove directory ``path``, its files ``first`` (in that order, those there) before anything else, or
+        the file at ``path``; nothing there: nothing to do."""
         if not self.fs.exists(path):
             return
         if not self.fs.isdir(path):
             self.fs.rm_file(path)
             return
-        _ignore_missing(lambda: self.fs.rm_file(f"{path}/{first}"))
+        for name in first:
+            _ignore_missing(lambda: self.fs.rm_file(f"{path}/{name}"))
         _ignore_missing(lambda: self.fs.rm(path, recursive=True))  # an object store drops it with its last object
 
     def move(self, source: str, dest: str) -> None:
@@ -272,9 +274,10 @@ class LocalTree(Tree):
     def make_directory(self, path: str, via: Any = None) -> None:
         (via.makedirs if via is not None else os.makedirs)(path, exist_ok=True)
 
-    def remove_tree(self, path: str, first: str) -> None:
+    def remove_tree(self, path: str, first: Sequence[str]) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
-            _ignore_missing(lambda: os.unlink(os.path.join(path, first)))
+            for name in first:
+                _ignore_missing(lambda: os.unlink(os.path.join(path, name)))
             shutil.rmtree(path, ignore_errors=False)
         elif os.path.lexists(path):
             os.unlink(path)
