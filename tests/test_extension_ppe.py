@@ -148,6 +148,38 @@ def test_the_manager_keys_the_default_snapshots_state_as_ppes(tmp_path):
     assert "_Snapshot" in manager.state_dict()["extensions"]
 
 
+class _PlainOptimizer:
+    """An optimizer of ppe's protocol only (state_dict / load_state_dict), no torch.optim.Optimizer: no step hooks."""
+
+    def __init__(self):
+        self.state = {"lr": 0.5}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+
+@pytest.mark.parametrize("writer", [None, "ThreadWriter"])
+def test_an_optimizer_that_is_no_torch_optimizer_saves_and_resumes(tmp_path, writer):
+    def manager():
+        model = torch.nn.Linear(2, 2)
+        return ppe.training.ExtensionsManager(model, _PlainOptimizer(), 100, iters_per_epoch=1,
+                                             out_dir=str(tmp_path), stop_trigger=(3, "iteration")), model
+    first, model = manager()
+    kwargs = {} if writer is None else {"writer": getattr(writing, writer)(out_dir=str(tmp_path))}
+    first.extend(snapshot(autoload=True, **kwargs), trigger=(1, "iteration"))
+    first.optimizers["main"].state["lr"] = 0.25
+    while not first.stop_trigger:
+        with first.run_iteration():
+            model(torch.ones(1, 2)).sum().backward()
+    again, _ = manager()
+    again.extend(snapshot(autoload=True), trigger=(1, "iteration"))
+    again.start_extensions()
+    assert again.iteration == 3 and again.optimizers["main"].state == {"lr": 0.25}
+
+
 def test_manager_states_of_earlier_releases_restore_under_ppes_names():
     """Earlier releases keyed the DISTRIBUTED and SHARDED extensions' states by their own class names."""
     loaded = []

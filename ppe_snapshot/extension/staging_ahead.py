@@ -37,7 +37,8 @@ def prepare_staging_ahead(prepares: list[Callable[[Any], None]], manager: Extens
         staged = state()
         for each in prepares:
             each(staged)
-    optimizers = getattr(manager, "optimizers", {}).values()
+    # An optimizer that is no torch.optim.Optimizer (a wrapper of ppe's protocol: state_dict() alone) has no hooks.
+    optimizers = [o for o in getattr(manager, "optimizers", {}).values() if isinstance(o, torch.optim.Optimizer)]
     deferred = restored and bool(optimizers)
     if not deferred:
         prepare()
@@ -68,8 +69,14 @@ def local_tensors(manager: ExtensionsManagerProtocol) -> dict[str, Any]:
     optimizers = getattr(manager, "optimizers", {})
     return {"models": {name: [_local(t) for t in itertools.chain(model.parameters(), model.buffers())]
                        for name, model in models.items()},
-            "optimizers": {name: [_local(t) for state in optimizer.state.values() for t in state.values()
+            "optimizers": {name: [_local(t) for state in _states(optimizer) for t in state.values()
                                   if isinstance(t, torch.Tensor)] for name, optimizer in optimizers.items()}}
+
+
+def _states(optimizer: Any) -> list[dict[Any, Any]]:
+    """The per-parameter states of ``optimizer`` (none where it keeps no ``state`` dict of dicts)."""
+    state = getattr(optimizer, "state", None)
+    return [s for s in state.values() if isinstance(s, dict)] if isinstance(state, dict) else []
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
