@@ -372,9 +372,9 @@ def dist_staging_ahead(out_dir: str, mode: str) -> dict[str, Any]:
 
 
 def _rank_files_run(out_dir: str, iterations: int, crash_at: int | None, by: str, manager_writer: str | None,
-                    savefun: Any = torch.save) -> dict[str, Any]:
-    """SHARDED mode with a ``savefun`` (ppe's per-rank files), by our extension or ppe's (``by``): each rank its own
-    model (momentum: optimizer state), snapshots every 2 iterations, autoload; raises Crash after ``crash_at``."""
+                    savefun: Any = torch.save, mode: str = "SHARDED") -> dict[str, Any]:
+    """SHARDED (or ``mode``) with a ``savefun`` (ppe's per-rank files), by our extension or ppe's (``by``): each rank
+    its own model (momentum: optimizer state), snapshots every 2 iterations, autoload; Crash after ``crash_at``."""
     rank = dist.get_rank()
     torch.manual_seed(rank)
     model = torch.nn.Linear(4, 3)
@@ -383,7 +383,7 @@ def _rank_files_run(out_dir: str, iterations: int, crash_at: int | None, by: str
     manager = ppe.training.ExtensionsManager(model, optimizer, 100, iters_per_epoch=3, out_dir=out_dir,
                                              stop_trigger=(iterations, "iteration"), writer=writer)
     make = ppe_snapshot.snapshot if by == "ours" else extensions.snapshot
-    manager.extend(make(savefun=savefun, snapshot_mode=ppe_snapshot.SnapshotMode.SHARDED, saver_rank=0,
+    manager.extend(make(savefun=savefun, snapshot_mode=getattr(ppe_snapshot.SnapshotMode, mode), saver_rank=0,
                         autoload=True, n_retains=2), trigger=(2, "iteration"))
     with contextlib.redirect_stdout(sys.stderr):  # ppe's SHARDED autoload prints the path it checks
         manager.start_extensions()
@@ -402,15 +402,15 @@ def _tree(out_dir: str) -> list[str]:
 
 
 def dist_rank_files(out_dir: str, first: str, second: str, manager_writer: str | None,
-                    damage: str | None = None) -> dict[str, Any]:
+                    damage: str | None = None, mode: str = "SHARDED") -> dict[str, Any]:
     """A straight run of 8 iterations, a run by ``first`` that crashes after 5, and one by ``second`` resuming;
     ``damage`` (rank 0, before resuming): "unmarked" takes the newest snapshot's mark off, "ranks" adds a third
     rank's file to it."""
     rank = dist.get_rank()
-    straight = _rank_files_run(os.path.join(out_dir, f"straight{rank}"), 8, None, "ours", manager_writer)
+    straight = _rank_files_run(os.path.join(out_dir, f"straight{rank}"), 8, None, "ours", manager_writer, mode=mode)
     shared = os.path.join(out_dir, "run")
     try:
-        _rank_files_run(shared, 8, 5, first, manager_writer)
+        _rank_files_run(shared, 8, 5, first, manager_writer, mode=mode)
     except Crash:
         pass
     dist.barrier()
@@ -423,7 +423,7 @@ def dist_rank_files(out_dir: str, first: str, second: str, manager_writer: str |
     dist.barrier()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ppe_snapshot.AutoloadSkipWarning)
-        resumed = _rank_files_run(shared, 8, None, second, manager_writer)
+        resumed = _rank_files_run(shared, 8, None, second, manager_writer, mode=mode)
     dist.barrier()
     return {"straight": straight, "resumed": resumed, "at_crash": at_crash, "at_end": _tree(shared),
             "skipped": [str(w.message) for w in caught if issubclass(w.category, ppe_snapshot.AutoloadSkipWarning)]}

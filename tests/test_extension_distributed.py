@@ -193,6 +193,16 @@ def test_sharded_savefun_keeps_ppes_per_rank_files(dist_run, tmp_path, first, se
     assert not torch.equal(results[0]["resumed"]["model"]["weight"], results[1]["resumed"]["model"]["weight"])
 
 
+@pytest.mark.parametrize("first, second", [("ppe", "ours"), ("ours", "ppe")])
+def test_distributed_savefun_files_resume_across_ppe_and_ours(dist_run, tmp_path, first, second):
+    """ppe's DISTRIBUTED single files restore our manager and ours restore ppe's (the extension's state is keyed by
+    ppe's name)."""
+    results = dist_run(dist_rank_files, 2, str(tmp_path), first, second, None, None, "DISTRIBUTED")
+    assert [r["at_crash"] for r in results] == [["snapshot_iter_2", "snapshot_iter_4"]] * 2
+    assert [r["resumed"]["resumed_at"] for r in results] == [4, 4]
+    assert_same(results[0]["resumed"]["model"], results[0]["straight"]["model"])  # the saver's state
+
+
 @pytest.mark.parametrize("damage", ["unmarked", "ranks"])
 def test_sharded_savefun_falls_back_past_unmarked_or_other_world_files(dist_run, tmp_path, damage):
     results = dist_run(dist_rank_files, 2, str(tmp_path), "ours", "ours", None, damage)
