@@ -133,15 +133,18 @@ def test_ppes_per_rank_files_are_listed_whole_when_marked_and_pruned_whole(tmp_p
     fs, root = fsspec.core.url_to_fs(out)
     fs.rm(f"{root}/snapshot_iter_5/1")  # ranks 0 and 2
     _rank_files(out, "snapshot_iter_8", 8, mark=False)  # being written
+    _rank_files(out, "snapshot_iter_0", 0)
+    fs.touch(f"{root}/snapshot_iter_0/{'9' * 250}")  # a crafted rank
     found = {c.name: c for c in list_snapshots(out, FMT)}
     assert {n: (c.kind, c.ranks) for n, c in found.items()} == {
         "snapshot_iter_1": ("incomplete", 0), "snapshot_iter_2": ("rank files", 2), "snapshot_iter_3": ("damaged", 0),
         "snapshot_iter_4": ("rank files", 2), "snapshot_iter_5": ("damaged", 0), "snapshot_iter_6": ("rank files", 2),
-        "snapshot_iter_8": ("incomplete", 0)}
+        "snapshot_iter_8": ("incomplete", 0), "snapshot_iter_0": ("damaged", 0)}
     assert "mark 'complete' of ppe's per-rank files but no file of rank 0" in found["snapshot_iter_3"].problem
     assert "its per-rank files are not those of ranks 0 to 0 alone" in found["snapshot_iter_5"].problem
     removed = prune(out, FMT, 2)
-    assert sorted(removed) == sorted(join(out, f"snapshot_iter_{i}") for i in (1, 2, 3, 5))
+    assert "not those of ranks 0 to 1 alone: ['99999" in found["snapshot_iter_0"].problem
+    assert sorted(removed) == sorted(join(out, f"snapshot_iter_{i}") for i in (0, 1, 2, 3, 5))
     fs.invalidate_cache()
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)) == [
         "snapshot_iter_4", "snapshot_iter_6", "snapshot_iter_8"]

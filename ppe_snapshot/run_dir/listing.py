@@ -229,11 +229,13 @@ def _rank_files(tree: Tree, rel: str, url: str, path: str, iteration: int | None
     0's is a ``torch.save`` file (the others are read by their own ranks), its position recorded there."""
     names = {posixpath.basename(i["name"].rstrip("/")) for i in tree.list(path)}
     ranks = sum(1 for _ in itertools.takewhile(lambda r: str(r) in names, itertools.count()))
+    own = {str(r) for r in range(ranks)}
+    strays = sorted(n for n in names if n.isascii() and n.isdigit() and n not in own)  # no int(): any length
     problem = None
     if not ranks:
         problem = f"it holds the mark {RANK_FILES_MARK!r} of ppe's per-rank files but no file of rank 0"
-    elif any(n.isdigit() and n != "0" and (n.startswith("0") or int(n) >= ranks) for n in names):
-        problem = f"its per-rank files are not those of ranks 0 to {ranks - 1} alone: {sorted(names)}"
+    elif strays:
+        problem = f"its per-rank files are not those of ranks 0 to {ranks - 1} alone: {strays[:5]}"
     else:
         problem = file_problem(tree, rank_file(path, 0))
     if problem is not None:
