@@ -388,6 +388,8 @@ def _rank_files_run(out_dir: str, iterations: int, crash_at: int | None, by: str
     with contextlib.redirect_stdout(sys.stderr):  # ppe's SHARDED autoload prints the path it checks
         manager.start_extensions()
     resumed_at = manager.iteration
+    # ppe's autoload has every rank list alone: no rank saves before all have resumed, or a slow one resumes from it
+    dist.barrier()
     while not manager.stop_trigger:
         with manager.run_iteration():
             if manager.iteration == crash_at:

@@ -244,16 +244,24 @@ class ShardedSnapshot(_DistributedExtension, SnapshotExtension):
     def _save_rank_files(self, manager: ExtensionsManagerProtocol, name: str, state: Any) -> None:
         """ppe's layout for a ``savefun``: every rank saves its state as file ``<name>/<rank>``, and the saver rank
         marks the directory whole (:data:`~ppe_snapshot.stored_snapshot.RANK_FILES_MARK`) once every rank's file is
-        written (a ppe_snapshot writer is waited for; ppe's own writers cannot be). The mark comes off first, before
-        any rank writes."""
+        written. The mark comes off first, before any rank writes. A ppe_snapshot writer is waited for at each step
+        (ppe's own writers cannot be, as in ppe), so no save of the mark is in flight when the next save begins."""
         location = join(self._out_dir, name)
-        self._together(name, lambda: unmark_rank_files(location, self._storage_options) if self._is_saver else None)
+        self._together(name, lambda: self._unmark(location) if self._is_saver else None)
         self._together(name, lambda: self._save_rank_file(manager, name, state))
         if self._is_saver:
             self.writer(f"{name}/{RANK_FILES_MARK}", manager.out, {}, savefun=self._file_savefun)
+            self._wait_for_writer()
+
+    def _unmark(self, location: str) -> None:
+        self._wait_for_writer()  # the previous save's mark, where the name is saved again
+        unmark_rank_files(location, self._storage_options)
 
     def _save_rank_file(self, manager: ExtensionsManagerProtocol, name: str, state: Any) -> None:
         self._save(manager, rank_file(name, self._rank), state, LOCAL)
+        self._wait_for_writer()
+
+    def _wait_for_writer(self) -> None:
         if self._engine_writer is not None:
             self._engine_writer.wait()
 
