@@ -112,6 +112,26 @@ def test_ls_of_one_snapshot_lists_it_and_says_what_it_is(tmp_path, capsys):
     assert capsys.readouterr().out == f"no snapshots in {tmp_path / 'empty'}\n"
 
 
+def test_ls_lists_ppes_per_rank_files_and_the_one_snapshot_commands_point_to_a_rank(tmp_path, capsys):
+    for i in (2, 4):  # what SHARDED mode with a savefun writes, as ppe does
+        (tmp_path / f"snapshot_iter_{i}").mkdir()
+        for rank in (0, 1):
+            torch.save({"_start_iteration": i, "models": {}}, tmp_path / f"snapshot_iter_{i}" / str(rank))
+        torch.save({}, tmp_path / f"snapshot_iter_{i}" / "complete")
+    assert main(["ls", str(tmp_path)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:3]]
+    assert [row[:3] for row in rows] == [["snapshot_iter_2", "ppe-rank-files", "2"],
+                                         ["*", "snapshot_iter_4", "ppe-rank-files"]]
+    assert rows[0][-1] == rows[1][-1] == "complete"
+    for command in ("inspect", "verify"):
+        assert main([command, str(tmp_path / "snapshot_iter_4")]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"ppe-snapshot: {tmp_path / 'snapshot_iter_4'}: holds ppe's per-rank files of a SHARDED run (a "
+            f"torch.save file per rank): give one rank's file, e.g. {tmp_path / 'snapshot_iter_4'}/0")
+    assert main(["inspect", str(tmp_path / "snapshot_iter_4" / "1")]) == 0
+    assert "0/state/_start_iteration: value 4" in capsys.readouterr().out
+
+
 def test_ls_of_a_bucket_without_credentials_names_the_url_and_what_to_do(monkeypatch, capsys):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)

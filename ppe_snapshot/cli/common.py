@@ -22,6 +22,7 @@ from ppe_snapshot.engine.codec import escape
 from ppe_snapshot.errors import SnapshotNotFoundError, UnsupportedFormatError, UnsupportedValueError
 from ppe_snapshot.run_dir import load_file
 from ppe_snapshot.storage import Tree, open_tree, open_url
+from ppe_snapshot.stored_snapshot import RANK_FILES_MARK
 
 #: The app state key under which the extension and the writers store a target's state dict.
 STATE_KEY = "state"
@@ -44,6 +45,7 @@ class Kind:
     TORCH_DCP = "torch-dcp"          # a torch.distributed.checkpoint directory in torch's own format
     PPE_FILE = "ppe-file"            # a torch.save file (ppe's single-file snapshots)
     SAFETENSORS = "safetensors"
+    PPE_RANK_FILES = "ppe-rank-files"  # ppe's SHARDED layout with a savefun: a torch.save file per rank, "complete"
     IN_PROGRESS = "in-progress"      # a snapshot directory without its manifest (being written, or crashed)
     RETIRED = "retired"              # a removed snapshot's data files, kept while incremental snapshots read them
 
@@ -104,6 +106,8 @@ def classify(tree: Tree, fs_path: str) -> tuple[str | None, str | None]:
         if tree.exists(f"{fs_path}/{RETIRED_NAME}"):
             return Kind.RETIRED, ("retention removed it; its data files stay while incremental snapshots beside it "
                                   "read them")
+        if tree.exists(f"{fs_path}/{RANK_FILES_MARK}"):
+            return Kind.PPE_RANK_FILES, None
         if tree.exists(f"{fs_path}/{PARTS_DIR}") or tree.exists(f"{fs_path}/data"):
             return Kind.IN_PROGRESS, f"it has no {MANIFEST_NAME} (still being written, or its save crashed)"
         if not tree.list(fs_path):
@@ -141,6 +145,9 @@ def open_source(path: str, storage_options: dict[str, Any] | None, *, allow_in_p
         raise UnsupportedFormatError(f"{path}: {problem}")
     if kind is None or kind == Kind.RETIRED or (kind == Kind.IN_PROGRESS and not allow_in_progress):
         raise SnapshotNotFoundError(f"{path}: {problem}")
+    if kind == Kind.PPE_RANK_FILES:
+        raise UnsupportedFormatError(f"{path}: holds ppe's per-rank files of a SHARDED run (a torch.save file per "
+                                     f"rank): give one rank's file, e.g. {path.rstrip('/')}/0")
     if kind == Kind.SNAPSHOT:
         try:
             metadata = Snapshot(path, pg=LOCAL, storage_options=storage_options).metadata

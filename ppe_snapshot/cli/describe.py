@@ -25,7 +25,7 @@ from ppe_snapshot.stored_snapshot import inspect
 
 DEFAULT_FILENAME = "snapshot_iter_{.iteration}"
 #: What ``ls`` given one snapshot lists alone (anything else is taken for a run directory).
-LONE_KINDS = (Kind.SNAPSHOT, Kind.TORCH_DCP, Kind.PPE_FILE, Kind.SAFETENSORS)
+LONE_KINDS = (Kind.SNAPSHOT, Kind.TORCH_DCP, Kind.PPE_FILE, Kind.SAFETENSORS, Kind.PPE_RANK_FILES)
 
 
 # -- ls ---------------------------------------------------------------------------------------------------
