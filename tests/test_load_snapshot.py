@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import pytest
 import pytorch_pfn_extras as ppe
@@ -95,6 +96,22 @@ def test_a_crafted_dcp_metadata_is_refused_without_running_it(trained, tmp_path,
         ppe_snapshot.load_snapshot(str(tmp_path / "dcp"))
     assert main(["inspect", str(tmp_path / "dcp")]) == 2
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_a_dcp_metadata_names_its_paths_as_any_python_does(tmp_path, module):
+    """torch's own DCP checkpoint keeps its directory as a pathlib path, which Python 3.13 pickles as
+    ``pathlib._local.PosixPath`` and earlier versions as ``pathlib.PosixPath``: both load on this Python."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    metadata_file = tmp_path / "dcp" / ".metadata"
+    data = pickle.dumps(pickle.loads(metadata_file.read_bytes()), protocol=2)  # (globals as text lines)
+    spelled = re.sub(rb"cpathlib(?:\._local)?\n", b"c" + module.encode() + b"\n", data)
+    assert spelled.count(b"c" + module.encode() + b"\nPosixPath\n") >= 1
+    metadata_file.write_bytes(spelled)
+    assert_same(ppe_snapshot.load_snapshot(str(tmp_path / "dcp")), saved)
 
 
 def test_take_onto_a_file_is_snapshot_exists(tmp_path):

@@ -202,14 +202,18 @@ def failure(error: CheckpointException) -> BaseException:
     return cause[0] if isinstance(cause, tuple) else cause
 
 
-#: The globals a torch DCP ``.metadata`` pickle may name, beyond DCP's metadata classes and torch's dtypes,
-#: layouts and memory formats.
+#: The globals a torch DCP ``.metadata`` pickle may name, beyond DCP's metadata classes, torch's dtypes,
+#: layouts and memory formats, and pathlib's paths (``_PATHS``).
 _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
-    ("builtins", "frozenset"), *(("pathlib", kind.__name__) for kind in (
-        pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path)),
+    ("builtins", "frozenset"),
 }
+#: pathlib's path classes (a checkpoint id saved as a path), by the module a pickle names them in: ``pathlib``
+#: up to Python 3.12, ``pathlib._local`` from 3.13 on. Either name loads on any Python.
+_PATH_MODULES = ("pathlib", "pathlib._local")
+_PATHS = {kind.__name__: kind for kind in (
+    pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path)}
 
 
 def _metadata_global(module: str, name: str) -> bool:
@@ -224,6 +228,8 @@ def _metadata_global(module: str, name: str) -> bool:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module in _PATH_MODULES and name in _PATHS:
+            return _PATHS[name]
         if not _metadata_global(module, name):
             raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata is not made of")
         return super().find_class(module, name)
