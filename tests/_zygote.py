@@ -36,6 +36,7 @@ import importlib  # noqa: E402
 import importlib.machinery  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
+import linecache  # noqa: E402
 import runpy  # noqa: E402
 import selectors  # noqa: E402
 import socket  # noqa: E402
@@ -203,6 +204,16 @@ def _answer_getppid(caller: int) -> None:
     os.getppid = lambda: caller if real() == zygote else real()
 
 
+def _show_code_lines(code: object, source: str) -> None:
+    """What the interpreter does with ``-c`` code before it runs (3.13 on): its lines go to ``linecache``, by name
+    (3.13) and by code object (later versions), so that a traceback shows them."""
+    lines = (len(source), None, [line + "\n" for line in source.splitlines()], "<string>")
+    linecache.cache["<string>"] = lines
+    register = getattr(linecache, "_register_code", None)
+    if register is not None:
+        register(code, source, "<string>")
+
+
 def run_main() -> int:
     """Runs the script, module or code of ``sys.orig_argv`` as ``__main__``; returns the exit status the interpreter
     would give."""
@@ -215,7 +226,10 @@ def run_main() -> int:
             runpy._run_module_as_main(sys.orig_argv[2])  # what ``python -m`` calls
         elif how == "-c":
             main.__loader__ = importlib.machinery.BuiltinImporter
-            exec(compile(sys.orig_argv[2], "<string>", "exec"), main.__dict__)
+            code = compile(sys.orig_argv[2], "<string>", "exec")
+            if sys.version_info >= (3, 13):  # (from 3.13 on, a traceback shows the lines of ``-c`` code)
+                _show_code_lines(code, sys.orig_argv[2])
+            exec(code, main.__dict__)
         else:
             script = os.path.abspath(sys.argv[0])
             main.__file__, main.__cached__ = script, None
