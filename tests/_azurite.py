@@ -1,6 +1,6 @@
 """Azurite, Azure's blob storage emulator (from npm), on 127.0.0.1 for the tests: started and stopped by them.
 
-``make venv`` installs it under ``.venv/node`` when npm is there; tests that need it are skipped, saying why,
+``make venv`` installs it under ``<venv>/node`` when npm is there; tests that need it are skipped, saying why,
 where it is not installed.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -21,10 +22,14 @@ KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr
 
 
 def binary() -> str | None:
-    """The azurite-blob executable: the one ``make venv`` installed, else one on PATH; None when there is none."""
-    local = os.path.join(os.environ.get("VIRTUAL_ENV") or os.path.join(REPO, ".venv"), "node", "node_modules",
-                         ".bin", "azurite-blob")
-    return local if os.path.exists(local) else shutil.which("azurite-blob")
+    """The azurite-blob executable: the one ``make venv`` installed (in the virtualenv running the tests, which
+    ``make test VENV=...`` need not activate, an active one, or the checkout's ``.venv``), else one on PATH; None
+    when there is none."""
+    for venv in (sys.prefix, os.environ.get("VIRTUAL_ENV"), os.path.join(REPO, ".venv")):
+        local = os.path.join(venv or "", "node", "node_modules", ".bin", "azurite-blob")
+        if venv and os.path.exists(local):
+            return local
+    return shutil.which("azurite-blob")
 
 
 class Azurite:
