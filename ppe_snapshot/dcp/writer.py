@@ -43,7 +43,10 @@ def _resolve(item: WriteItem, planner: SavePlanner) -> Payload:
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         if isinstance(data, io.BytesIO):
-            return Payload(Raw.BYTES, data.getbuffer())
+            # Its bytes, not a getbuffer() view: a view pins the planner's buffer (no write may resize it), and
+            # one that ends up in a reference cycle crashes the garbage collector of Python 3.12.0-3.12.1 (the
+            # collector clears the BytesIO before the view that exports it; CPython gh-111049).
+            data = data.getvalue()
         if isinstance(data, (bytes, bytearray, memoryview)):
             return Payload(Raw.BYTES, memoryview(data).cast("B"))
         raise TypeError(f"{fqn}: the save planner resolved a BYTE_IO item to a {type(data).__name__}; "
