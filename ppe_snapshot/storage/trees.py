@@ -282,6 +282,9 @@ class LocalTree(Tree):
         elif os.path.lexists(path):
             os.unlink(path)
 
+    def move(self, source: str, dest: str) -> None:
+        os.rename(source, dest)  # (one entry renamed, the same file: fsspec before 2024.9 copied a file moved)
+
     def move_tree(self, source: str, dest: str, last: str) -> None:
         os.rename(source, dest)
         sync_directory(os.path.dirname(os.path.abspath(dest)))
