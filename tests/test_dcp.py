@@ -207,7 +207,10 @@ def test_dcp_save_refuses_existing_snapshot_and_load_needs_one(tmp_path):
     assert torch.equal(Snapshot(path).read_object("a"), torch.ones(2))  # untouched
     with pytest.raises(CheckpointException) as excinfo:
         dcp.load({"a": torch.zeros(2)}, storage_reader=SnapshotStorageReader(str(tmp_path / "none")))
-    assert "no snapshot at" in str(_failure(excinfo)) and "manifest.json is missing" in str(_failure(excinfo))
+    if torch.__version__ < "2.12":  # (DCP before torch 2.12 drops the reader's error, then asserts it has metadata)
+        assert type(_failure(excinfo)) is AssertionError
+    else:
+        assert "no snapshot at" in str(_failure(excinfo)) and "manifest.json is missing" in str(_failure(excinfo))
     with pytest.raises(SnapshotNotFoundError, match="manifest.json is missing"):
         SnapshotStorageReader(str(tmp_path / "none")).read_metadata()
     assert not os.path.exists(tmp_path / "none")
