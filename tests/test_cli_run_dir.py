@@ -133,6 +133,7 @@ def test_ls_lists_ppes_per_rank_files_and_the_one_snapshot_commands_point_to_a_r
 
 
 def test_ls_of_a_bucket_without_credentials_names_the_url_and_what_to_do(monkeypatch, capsys):
+    pytest.importorskip("s3fs", reason="s3fs is not installed (make venv installs it)")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
