@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ppe-snapshot-dev.stamp
 RUN_STAMP := $(VENV)/.ppe-snapshot-run.stamp
 
 .DEFAULT_GOAL := test
-.PHONY: venv test demo bench gpu-check gpu-native gpu-tests gpu-bench gpu-example gpu-staging gpu-many gpu-wheels \
+.PHONY: venv test demo floors bench gpu-check gpu-native gpu-tests gpu-bench gpu-example gpu-staging gpu-many gpu-wheels \
 	clean distclean
 
 venv: $(STAMP)
@@ -37,6 +37,13 @@ test: venv
 
 demo: $(RUN_STAMP)
 	$(PY) examples/demo.py
+
+# The suite on the lowest releases setup.cfg allows (requirements-floors.txt), in a virtualenv of its own.
+FLOORS_VENV ?= .venv-floors
+floors:
+	test -x $(FLOORS_VENV)/bin/python || python3 -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install -r requirements-floors.txt
+	$(FLOORS_VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
 
 bench: venv
 	$(PY) benchmarks/bench_engine.py
@@ -107,7 +114,7 @@ gpu-many: $(GPU_VENV)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache benchmarks/out
-	find . -path ./.venv -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . \( -path ./.venv -o -path ./.venv-floors \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf .venv ppe_snapshot/engine/_files/libhash_many.so ppe_snapshot/storage/libpreadv_all.so
+	rm -rf .venv .venv-floors ppe_snapshot/engine/_files/libhash_many.so ppe_snapshot/storage/libpreadv_all.so
