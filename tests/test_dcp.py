@@ -415,25 +415,29 @@ def _dist_read_rank0_state(path: str) -> None:
     assert torch.equal(out["mine"]["w"], _per_rank(0)) and out["mine"]["tag"] == "rank0"
 
 
-_CYCLE_OF_A_BYTE_ITEM = """
+_A_BYTE_ITEM_OF_A_PLANNERS_BUFFER = """
 import gc, io, sys
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from ppe_snapshot.dcp.writer import _resolve
 
+buffer = io.BytesIO()
+torch.save(3, buffer)
+value = buffer.getvalue()
+
 class Planner:
     def resolve_data(self, item):
-        buffer = io.BytesIO()
-        torch.save(3, buffer)
         return buffer
 
 unraisable = []
 sys.unraisablehook = unraisable.append
 payload = _resolve(WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO), Planner())
+buffer.write(b"more")  # (a BufferError while a view of it is exported)
+assert bytes(payload.data) == value
 cycle = [payload]
 cycle.append(cycle)
-del payload, cycle
+del payload, cycle, buffer
 gc.collect()
 assert not unraisable, [u.exc_value for u in unraisable]
 """
@@ -442,19 +446,7 @@ assert not unraisable, [u.exc_value for u in unraisable]
 def test_a_byte_item_is_written_from_its_bytes_not_from_a_view_pinning_the_planners_buffer():
     """A BYTE_IO item's payload holds the BytesIO's bytes, not a getbuffer() view of it: the planner's buffer stays
     resizable, and a payload caught in a reference cycle is collected (on Python 3.12.0-3.12.1 the collector
-    crashed the process on such a view: CPython gh-111049)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-    from ppe_snapshot.dcp.writer import _resolve
-
-    buffer = io.BytesIO(b"pickled value")
-
-    class Planner:
-        def resolve_data(self, item):
-            return buffer
-
-    payload = _resolve(WriteItem(index=MetadataIndex("v"), type=WriteItemType.BYTE_IO), Planner())
-    buffer.write(b" and more")  # (a BufferError while a view of it is exported)
-    assert bytes(payload.data) == b"pickled value"
-    done = subprocess.run([sys.executable, "-c", _CYCLE_OF_A_BYTE_ITEM], capture_output=True, text=True, timeout=120)
+    crashed the process on such a view: CPython gh-111049; hence a process of its own)."""
+    done = subprocess.run([sys.executable, "-c", _A_BYTE_ITEM_OF_A_PLANNERS_BUFFER], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
