@@ -32,8 +32,9 @@ $(STAMP): requirements-dev.txt requirements.txt setup.cfg setup.py $(NATIVE_SRC)
 
 # Two pytest-xdist workers, a test file to each at a time (its module fixtures made once); the suite is mostly
 # processes starting and waiting on each other, which two workers overlap on CI's 2 cores.
+SUITE := -m pytest -q -n 2 --dist loadfile tests
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) $(SUITE)
 
 demo: $(RUN_STAMP)
 	$(PY) examples/demo.py
@@ -43,7 +44,7 @@ FLOORS_VENV ?= .venv-floors
 floors:
 	test -x $(FLOORS_VENV)/bin/python || python3 -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install -r requirements-floors.txt
-	$(FLOORS_VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
+	$(FLOORS_VENV)/bin/python $(SUITE)
 
 bench: venv
 	$(PY) benchmarks/bench_engine.py
