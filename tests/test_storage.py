@@ -13,12 +13,33 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 from torch import nn
 
 from ppe_snapshot import Snapshot, SnapshotNotFoundError, StateDict
 from ppe_snapshot.storage import AfterRead, FsspecStorage, LocalStorage, Storage, open_storage
 from ppe_snapshot.storage import local_reads
 from ppe_snapshot.settings import SETTINGS
+
+
+class NoRmFileFileSystem(MemoryFileSystem):
+    """``normfile://``: adlfs before 2026.2 in miniature, a file system with a removal of its own (``rm``) and no
+    ``rm_file`` (fsspec's, which raises NotImplementedError), its data in a store of its own."""
+    protocol = ("normfile",)
+    store: dict = {}
+    pseudo_dirs = [""]
+
+    def rm_file(self, path):
+        raise NotImplementedError
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        for p in self.expand_path(path, recursive=recursive, maxdepth=maxdepth):  # a missing path raises
+            self.store.pop(p, None)
+            if p in self.pseudo_dirs:
+                self.pseudo_dirs.remove(p)
+
+
+fsspec.register_implementation("normfile", NoRmFileFileSystem, clobber=True)
 
 
 def _aligned(data: bytes) -> memoryview:
@@ -28,7 +49,7 @@ def _aligned(data: bytes) -> memoryview:
     return memoryview(buf)
 
 
-@pytest.fixture(params=["local-direct", "local-buffered", "memory", "s3"])
+@pytest.fixture(params=["local-direct", "local-buffered", "memory", "no-rm-file", "s3"])
 def storage(request, tmp_path, monkeypatch) -> Iterator[Storage]:
     """An empty snapshot directory on each backend."""
     kind = request.param
@@ -38,12 +59,13 @@ def storage(request, tmp_path, monkeypatch) -> Iterator[Storage]:
         assert isinstance(store, LocalStorage)
         yield store
         store.close()
-    elif kind == "memory":
-        root = f"memory://ppe-snapshot-storage-{uuid.uuid4().hex}"
+    elif kind in ("memory", "no-rm-file"):
+        protocol = "memory" if kind == "memory" else "normfile"
+        root = f"{protocol}://ppe-snapshot-storage-{uuid.uuid4().hex}"
         store = open_storage(f"{root}/snap")
         assert isinstance(store, FsspecStorage)
         yield store
-        fs = fsspec.filesystem("memory")
+        fs = fsspec.filesystem(protocol)
         if fs.exists(root):
             fs.rm(root, recursive=True)
     else:
@@ -385,12 +407,12 @@ def test_s3_take_into_missing_bucket_fails_instead_of_creating_it(s3_bucket):
     assert not fsspec.filesystem("s3", **options).exists(missing.removeprefix("s3://"))
 
 
-@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("where", ["local", "memory", "normfile"])
 def test_a_tree_removes_moves_and_saves_whole(tmp_path, where):
     """The run-directory operations: a file saved whole, a directory moved with its manifest, removed with its
-    manifest first, a swap only where the file system can."""
+    manifest first, a swap only where the file system can (``normfile``: one without ``rm_file``)."""
     from ppe_snapshot.storage import open_tree
-    base = str(tmp_path) if where == "local" else f"memory://tree-{tmp_path.name}"
+    base = str(tmp_path) if where == "local" else f"{where}://tree-{tmp_path.name}"
     tree = open_tree(base)
     written = tree.save_file(f"{tree.root}/one.bin", lambda f: f.write(b"abc"))
     assert written == 3 and tree.read(f"{tree.root}/one.bin") == b"abc" and tree.size(f"{tree.root}/one.bin") == 3
@@ -407,3 +429,30 @@ def test_a_tree_removes_moves_and_saves_whole(tmp_path, where):
     tree.remove_tree(f"{tree.root}/nothing", first=["manifest.json"])
     assert not tree.exists(f"{tree.root}/b") and not tree.exists(f"{tree.root}/one.bin")
     assert tree.list(f"{tree.root}/nothing") == []
+
+    def fail(f):
+        f.write(b"half")
+        raise OSError(errno.EIO, "the write failed")
+    tree.save_file(f"{tree.root}/d/data", lambda f: f.write(b"z"))
+    with pytest.raises(OSError, match="the write failed"):
+        tree.save_file(f"{tree.root}/d/data", fail)
+    assert tree.read(f"{tree.root}/d/data") == b"z" and not tree.exists(f"{tree.root}/d/tmp_data")
+
+
+def test_a_file_system_without_rm_file_takes_and_prunes_there(capsys):
+    """adlfs before 2026.2 has no ``rm_file``: a take still clears its parts away, pruning still removes."""
+    from ppe_snapshot.cli import main
+    url = f"normfile://run-{uuid.uuid4().hex}"
+    for iteration in (1, 2, 3):
+        Snapshot.take(f"{url}/snapshot_iter_{iteration}", {"s": StateDict(x=torch.ones(4) * iteration)},
+                      metadata={"iteration": iteration})
+    fs = fsspec.filesystem("normfile")
+    stored = [p.removeprefix(f"{url}/") for p in fs.find(url)]
+    assert sorted(p for p in stored if p.startswith("snapshot_iter_3/")) == [
+        "snapshot_iter_3/data/rank0.bin", "snapshot_iter_3/index/rank0.idx", "snapshot_iter_3/index/shared.idx",
+        "snapshot_iter_3/manifest.json"]  # no .parts/ left
+    assert main(["prune", url, "--keep-latest", "1"]) == 0
+    assert sorted({p.removeprefix(f"{url}/").split("/")[0] for p in fs.find(url)}) == ["snapshot_iter_3"]
+    out = StateDict(x=torch.zeros(4))
+    Snapshot(f"{url}/snapshot_iter_3").restore({"s": out})
+    assert torch.equal(out["x"], torch.full((4,), 3.0))

@@ -132,9 +132,18 @@ class FsspecStorage(Storage):
 
     def remove(self, rel: str) -> None:
         try:
-            self.fs.rm_file(self._abs(rel))
+            remove_file(self.fs, self._abs(rel))
         except FileNotFoundError:
             pass
+
+
+def remove_file(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Remove the file at ``path``: ``fs.rm_file``, else ``fs.rm`` where the file system has no ``rm_file`` of its
+    own (adlfs before 2026.2 has none, and fsspec's raises NotImplementedError)."""
+    try:
+        fs.rm_file(path)
+    except NotImplementedError:
+        fs.rm(path)
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -22,7 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ppe_snapshot.storage.base import forget_listings
-from ppe_snapshot.storage.fsspec import url_to_fs
+from ppe_snapshot.storage.fsspec import remove_file, url_to_fs
 from ppe_snapshot.storage.stores import profile_of_url
 from ppe_snapshot.storage.swap import swap_entries, sync_directory
 from ppe_snapshot.storage.tuning import split_tuning
@@ -189,9 +189,12 @@ class Tree:
             with self.fs.open(path, "ab") as f:
                 return write(f)
         tmp = f"{directory}/tmp_{name}" if directory else f"tmp_{name}"
-        written = _write_or_remove(self.fs.open, tmp, write, self.fs.rm_file)
+        written = _write_or_remove(self.fs.open, tmp, write, self._remove_file)
         self.fs.mv(tmp, path)
         return written
+
+    def _remove_file(self, path: str) -> None:
+        remove_file(self.fs, path)
 
     # -- directories ----------------------------------------------------------------------------------
     def make_directory(self, path: str, via: Any = None) -> None:
@@ -208,10 +211,10 @@ class Tree:
         if not self.fs.exists(path):
             return
         if not self.fs.isdir(path):
-            self.fs.rm_file(path)
+            self._remove_file(path)
             return
         for name in first:
-            _ignore_missing(lambda: self.fs.rm_file(f"{path}/{name}"))
+            _ignore_missing(lambda: self._remove_file(f"{path}/{name}"))
         _ignore_missing(lambda: self.fs.rm(path, recursive=True))  # an object store drops it with its last object
 
     def move(self, source: str, dest: str) -> None:
@@ -228,7 +231,7 @@ class Tree:
         files = sorted(self.fs.find(source), key=lambda p: p.endswith(f"/{last}"))
         for path in files:
             self.fs.copy(path, dest + path[len(source):])
-        self.fs.rm_file(f"{source}/{last}")
+        self._remove_file(f"{source}/{last}")
         self.fs.rm(source, recursive=True)
 
     def swap(self, first: str, second: str) -> bool:
