@@ -82,6 +82,17 @@ class S3Parts(PartStore):
         await self.fs._call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=data)
 
 
+async def _read_some(body: Any, target: memoryview) -> int:
+    """Read what the response ``body`` has next into ``target`` (at most its size); the bytes read. Its
+    ``readinto``, or, in aiobotocore before 2.23, which has none, a ``read`` copied into place."""
+    readinto = getattr(body, "readinto", None)
+    if readinto is not None:
+        return await readinto(target)
+    chunk = await body.read(target.nbytes)
+    target[:len(chunk)] = chunk
+    return len(chunk)
+
+
 def _part_store(fs: Any) -> type[PartStore] | None:
     return S3Parts if callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None)) else None
 
@@ -107,7 +118,7 @@ async def stream_into(fs: Any, path: str, start: int, targets: list[memoryview])
             for target in targets:
                 filled = 0
                 while filled < target.nbytes:
-                    n = await body.readinto(target[filled:])
+                    n = await _read_some(body, target[filled:])
                     if not n:
                         raise short_read(path, start, got, wanted)
                     filled += n
