@@ -26,8 +26,7 @@ $(RUN_STAMP): requirements.txt setup.cfg setup.py $(NATIVE_SRC)
 $(STAMP): requirements-dev.txt requirements.txt setup.cfg setup.py $(NATIVE_SRC)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -r requirements-dev.txt
-	@# Azurite, Azure's blob storage emulator, for the az:// tests (skipped where npm is missing)
-	-command -v npm >/dev/null && npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3
+	$(call azurite,$(VENV))
 	touch $@ $(RUN_STAMP)
 
 # Two pytest-xdist workers, a test file to each at a time (its module fixtures made once); the suite is mostly
@@ -39,12 +38,24 @@ test: venv
 demo: $(RUN_STAMP)
 	$(PY) examples/demo.py
 
-# The suite on the lowest releases setup.cfg allows (requirements-floors.txt), in a virtualenv of its own.
-FLOORS_VENV ?= .venv-floors
+# The suite on the lowest releases setup.cfg allows, in two virtualenvs of their own: requirements-floors.txt (every
+# requirement and s3fs), then requirements-floors-stores.txt (gcsfs and adlfs, which need a newer fsspec).
 floors:
-	test -x $(FLOORS_VENV)/bin/python || python3 -m venv $(FLOORS_VENV)
-	$(FLOORS_VENV)/bin/python -m pip install -r requirements-floors.txt
-	$(FLOORS_VENV)/bin/python $(SUITE)
+	$(call suite_on,.venv-floors,requirements-floors.txt)
+	$(call azurite,.venv-floors-stores)
+	$(call suite_on,.venv-floors-stores,requirements-floors-stores.txt)
+
+# Azurite, Azure's blob storage emulator, into virtualenv $(1) for the az:// tests (skipped where npm is missing).
+define azurite
+-command -v npm >/dev/null && npm install --prefix $(1)/node --no-audit --no-fund --silent azurite@3
+endef
+
+# The suite in virtualenv $(1), created where missing, with requirements file $(2) installed.
+define suite_on
+test -x $(1)/bin/python || python3 -m venv $(1)
+$(1)/bin/python -m pip install -r $(2)
+$(1)/bin/python $(SUITE)
+endef
 
 bench: venv
 	$(PY) benchmarks/bench_engine.py
@@ -115,7 +126,7 @@ gpu-many: $(GPU_VENV)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache benchmarks/out
-	find . \( -path ./.venv -o -path ./.venv-floors \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . \( -path ./.venv -o -path ./.venv-floors -o -path ./.venv-floors-stores \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf .venv .venv-floors ppe_snapshot/engine/_files/libhash_many.so ppe_snapshot/storage/libpreadv_all.so
+	rm -rf .venv .venv-floors .venv-floors-stores ppe_snapshot/engine/_files/libhash_many.so ppe_snapshot/storage/libpreadv_all.so
