@@ -49,7 +49,7 @@ def _aligned(data: bytes) -> memoryview:
     return memoryview(buf)
 
 
-@pytest.fixture(params=["local-direct", "local-buffered", "memory", "no-rm-file", "s3"])
+@pytest.fixture(params=["local-direct", "local-buffered", "memory", "normfile", "s3"])
 def storage(request, tmp_path, monkeypatch) -> Iterator[Storage]:
     """An empty snapshot directory on each backend."""
     kind = request.param
@@ -59,13 +59,12 @@ def storage(request, tmp_path, monkeypatch) -> Iterator[Storage]:
         assert isinstance(store, LocalStorage)
         yield store
         store.close()
-    elif kind in ("memory", "no-rm-file"):
-        protocol = "memory" if kind == "memory" else "normfile"
-        root = f"{protocol}://ppe-snapshot-storage-{uuid.uuid4().hex}"
+    elif kind in ("memory", "normfile"):
+        root = f"{kind}://ppe-snapshot-storage-{uuid.uuid4().hex}"
         store = open_storage(f"{root}/snap")
         assert isinstance(store, FsspecStorage)
         yield store
-        fs = fsspec.filesystem(protocol)
+        fs = fsspec.filesystem(kind)
         if fs.exists(root):
             fs.rm(root, recursive=True)
     else:
@@ -439,7 +438,7 @@ def test_a_tree_removes_moves_and_saves_whole(tmp_path, where):
     assert tree.read(f"{tree.root}/d/data") == b"z" and not tree.exists(f"{tree.root}/d/tmp_data")
 
 
-def test_a_file_system_without_rm_file_takes_and_prunes_there(capsys):
+def test_a_file_system_without_rm_file_takes_and_prunes_there():
     """adlfs before 2026.2 has no ``rm_file``: a take still clears its parts away, pruning still removes."""
     from ppe_snapshot.cli import main
     url = f"normfile://run-{uuid.uuid4().hex}"
