@@ -6,7 +6,7 @@ import asyncio
 import io
 import os
 from functools import partial
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from ppe_snapshot.storage.part_stores import PartStore
 from ppe_snapshot.storage.ranged import STREAM_ATTEMPTS, short_read
@@ -82,15 +82,18 @@ class S3Parts(PartStore):
         await self.fs._call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=data)
 
 
-async def _read_some(body: Any, target: memoryview) -> int:
-    """Read what the response ``body`` has next into ``target`` (at most its size); the bytes read. Its
+def _readinto_of(body: Any) -> Callable[[memoryview], Awaitable[int]]:
+    """How to read what the response ``body`` has next into a view (at most its size; the bytes read): its
     ``readinto``, or, in aiobotocore before 2.23, which has none, a ``read`` copied into place."""
     readinto = getattr(body, "readinto", None)
     if readinto is not None:
-        return await readinto(target)
-    chunk = await body.read(target.nbytes)
-    target[:len(chunk)] = chunk
-    return len(chunk)
+        return readinto
+
+    async def read_copied(target: memoryview) -> int:
+        chunk = await body.read(target.nbytes)
+        target[:len(chunk)] = chunk
+        return len(chunk)
+    return read_copied
 
 
 def _part_store(fs: Any) -> type[PartStore] | None:
@@ -114,11 +117,12 @@ async def stream_into(fs: Any, path: str, start: int, targets: list[memoryview])
         response = await fs._call_s3("get_object", Bucket=bucket, Key=key,
                                             Range=f"bytes={start}-{start + wanted - 1}", **extra)
         body, got = response["Body"], 0
+        readinto = _readinto_of(body)
         try:
             for target in targets:
                 filled = 0
                 while filled < target.nbytes:
-                    n = await _read_some(body, target[filled:])
+                    n = await readinto(target[filled:])
                     if not n:
                         raise short_read(path, start, got, wanted)
                     filled += n
