@@ -3,9 +3,12 @@
 Spawning a torch process costs seconds on a small machine, so a session keeps
 one pool of spawned workers and reuses it across tests.  Each call to
 :meth:`DistPool.run` sends ``(fn, rank, world_size, port, args)`` to
-``world_size`` workers; every worker joins a fresh gloo process group on
-``tcp://127.0.0.1:<port>``, runs ``fn(*args)``, and always destroys the group
-afterwards, so a worker whose ``fn`` raised is clean for the next call.
+``world_size`` workers; every worker joins a fresh gloo process group, runs
+``fn(*args)``, and always destroys the group afterwards, so a worker whose
+``fn`` raised is clean for the next call.  Rank 0 starts the group's store on
+a port the kernel picks and reports it before the other ranks get their task:
+no two groups, of this suite or of another on the same machine, can meet on
+one port.
 
 ``fn`` is pickled by reference: it must be a module-level function in a module
 the workers can import (a test module, a helper under ``tests/``, or the
@@ -51,7 +54,8 @@ WORKER_ENV = {
 _STARTUP_TIMEOUT = 120.0
 
 
-#: The ports the tests' servers and process groups listen on: below Linux's ephemeral range (32768-60999), from
+#: The ports the tests' servers and the groups of the processes they start themselves listen on (the pool's
+#: groups take a port from the kernel instead): below Linux's ephemeral range (32768-60999), from
 #: which outgoing connections take theirs (a port picked there may be taken by one before its server binds it),
 #: and a block of their own for each pytest-xdist worker (``gw<N>``), so that two workers never pick the same.
 _FIRST_PORT, _PORT_BLOCK, _BLOCKS = 20000, 3000, 4
@@ -103,13 +107,11 @@ def _worker_main(conn, env: dict, paths: list) -> None:
             fn, rank, world_size, port, args, timeout = task
             _clear_caches()
             with redirect_stdout(out), redirect_stderr(err):
+                store = _join_store(conn, rank, world_size, port, timedelta(seconds=timeout))
                 dist.init_process_group(
-                    "gloo",
-                    init_method=f"tcp://127.0.0.1:{port}",
-                    rank=rank,
-                    world_size=world_size,
-                    timeout=timedelta(seconds=timeout),
+                    "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
                 )
+                del store  # the group holds it; rank 0's server closes with the group
                 try:
                     result = fn(*args)
                 finally:
@@ -129,6 +131,17 @@ def _worker_main(conn, env: dict, paths: list) -> None:
             conn.send_bytes(payload)
         except (EOFError, OSError):
             return
+
+
+def _join_store(conn, rank: int, world_size: int, port: int | None, timeout: timedelta):
+    """The group's store: rank 0 serves it on a port the kernel picks and sends that port to the parent."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
+        conn.send_bytes(pickle.dumps(("port", store.port)))
+        return store
+    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
 
 
 def _clear_caches() -> None:
@@ -257,9 +270,8 @@ class DistPool:
                 raise
 
     def _run(self, fn, world_size, args, timeout):
-        port = free_port()
         try:
-            tasks = [pickle.dumps((fn, rank, world_size, port, args, timeout)) for rank in range(world_size)]
+            first = pickle.dumps((fn, 0, world_size, None, args, timeout))
         except Exception as e:
             raise DistRunError(
                 f"dist_run: cannot pickle the task ({e!r}); fn must be a module-level function "
@@ -267,11 +279,13 @@ class DistPool:
             ) from e
         self._ensure(world_size)
         workers = self._workers[:world_size]
-        for w, t in zip(workers, tasks):
-            w.conn.send_bytes(t)
-
         fname = getattr(fn, "__qualname__", repr(fn))
         deadline = time.monotonic() + timeout
+        workers[0].conn.send_bytes(first)
+        port = self._store_port(workers[0], fname, world_size, timeout, deadline)
+        for rank, w in enumerate(workers[1:], 1):
+            w.conn.send_bytes(pickle.dumps((fn, rank, world_size, port, args, timeout)))
+
         rank_of = {w.conn: r for r, w in enumerate(workers)}
         replies: dict[int, tuple] = {}
         died: list[int] = []
@@ -311,6 +325,25 @@ class DistPool:
             nfail = sum(1 for rep in replies.values() if rep[0] != "ok")
             raise DistRunError(f"dist_run({fname}, world_size={world_size}): {nfail} rank(s) failed" + failures)
         return [replies[r][1] for r in range(world_size)]
+
+    def _store_port(self, worker: _Worker, fname: str, world_size: int, timeout: float, deadline: float) -> int:
+        """The port rank 0's store listens on, as its worker reports it before anything else."""
+        what = f"dist_run({fname}, world_size={world_size})"
+        if not _wait_conns([worker.conn], timeout=max(deadline - time.monotonic(), 0)):
+            self.shutdown(kill=True)
+            raise DistRunError(
+                f"{what} timed out after {timeout}s: rank 0 started no store (pool killed and will restart)"
+            )
+        try:
+            message = pickle.loads(worker.conn.recv_bytes())
+        except (EOFError, OSError):
+            code = worker.proc.exitcode
+            self.shutdown(kill=True)
+            raise DistRunError(f"{what}: rank 0 died (exit code {code}) (pool killed and will restart)") from None
+        if message[0] != "port":  # rank 0 failed before its store listened; the other workers got nothing
+            self._replay_output({0: message})
+            raise DistRunError(f"{what}: rank 0 failed" + self._format_failures({0: message}))
+        return message[1]
 
     @staticmethod
     def _format_failures(replies: dict) -> str:

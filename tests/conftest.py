@@ -80,7 +80,7 @@ def dist_run():
     """``dist_run(fn, world_size, *args, timeout=120) -> list`` (one result per rank).
 
     Runs module-level ``fn(*args)`` on ``world_size`` (1..4) ranks of a fresh
-    gloo process group (``tcp://127.0.0.1:<free port>``), on workers from a
+    gloo process group (its store on a port the kernel picks), on workers from a
     session-wide pool that is started lazily and reused across tests.  Raises
     ``AssertionError`` with every failing rank's traceback if any rank raised;
     on timeout the pool is killed (restarted on next use) and the call fails.

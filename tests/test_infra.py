@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _dist
+
 
 # Functions run by dist_run must be module-level so workers can import them.
 
@@ -35,6 +37,10 @@ def _fail_on_rank_1():
 def _print_and_return_pid():
     print(f"hello from rank {dist.get_rank()}")
     return os.getpid()
+
+
+def _store_port():
+    return dist.distributed_c10d._get_default_store().underlying_store.port
 
 
 def _sleep(seconds):
@@ -83,6 +89,13 @@ def test_dist_run_reuses_workers_and_replays_output(dist_run, capsys):
     assert pids1 == pids2 and len(set(pids1)) == 2 and os.getpid() not in pids1
     out = capsys.readouterr().out
     assert "[rank 0] hello from rank 0" in out and "[rank 1] hello from rank 1" in out
+
+
+def test_dist_run_groups_take_their_port_from_the_kernel(dist_run):
+    """Not from the tests' port blocks, where another suite's group on the same machine may pick the same port."""
+    ports = dist_run(_store_port, 3)
+    blocks = range(_dist._FIRST_PORT, _dist._FIRST_PORT + _dist._PORT_BLOCK * _dist._BLOCKS)
+    assert len(set(ports)) == 1 and ports[0] not in blocks
 
 
 def test_dist_run_timeout_kills_pool_and_restarts(dist_run):
