@@ -27,10 +27,13 @@ def _state() -> dict[str, StateDict]:
 
 
 def _ready(pin: bool = False) -> torch.Tensor:
-    """The buffer made ready, once its thread ended."""
+    """The buffer made ready, once its thread gave it to the pool."""
     preparing = staging_pool._preparing.get(pin)
     if preparing is not None:
-        preparing[0].join()
+        preparing[0].ready.result()
+    deadline = time.monotonic() + 30
+    while pin not in staging_pool._idle and time.monotonic() < deadline:
+        time.sleep(0.01)
     return staging_pool._idle[pin]
 
 

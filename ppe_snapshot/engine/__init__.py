@@ -47,12 +47,13 @@ from ppe_snapshot.engine._state import OptimizerState, RNGState, Stateful, State
 from ppe_snapshot.engine._take import (
     StagedImage, TakeJob, check_base, judge_writers, new_staging_buffer, prepare_take, staging_estimate,
 )
-from ppe_snapshot.engine._util import fault_in, gc_paused, new_shared_buffer
+from ppe_snapshot.engine._util import ReadyAhead, gc_paused, new_shared_buffer
 from ppe_snapshot.engine._versions import read_manifest, upgrade as upgrade_snapshot
 
 __all__ = [
     # taking and restoring
-    "LOCAL", "PendingSnapshot", "Snapshot", "StagedImage", "TakeJob", "align", "fault_in", "gc_paused", "group_rank", "new_shared_buffer",
+    "LOCAL", "PendingSnapshot", "ReadyAhead", "Snapshot", "StagedImage", "TakeJob", "align", "gc_paused", "group_rank",
+    "new_shared_buffer",
     "new_staging_buffer", "prepare_take", "staging_estimate",
     # between ranks
     "agree_max", "exchange", "side_group",

@@ -11,7 +11,8 @@ After autoload restored a snapshot, the buffers are made ready only when the fir
 optimizers' restored state included): at a restart every rank waits for the slowest to restore, and faulting the
 buffers in beside it, even at the lowest CPU priority, made the 4-rank restart from the local tier slower on this
 project's VM (0.150 s against 0.133 s, medians of 6 alternated restarts). A save at the first iteration after a
-restart may then wait for the rest of its buffer, as every first save waited for all of it before.
+restart then faults in the rest of its buffer itself (``engine.ReadyAhead``), as every first save faulted in all of
+it before.
 
 In DEFAULT mode the state is the one a save takes (``state_dict()``). In the other modes ``state_dict()`` may be a
 collective (sharded models), which must not run outside a save: the size comes from the tensors a rank's save of

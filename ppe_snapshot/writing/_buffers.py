@@ -6,12 +6,11 @@ buffer in this process's memory; the worker process keeps its own kind (``_proce
 """
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 
 import torch
 
-from ppe_snapshot.engine import fault_in, new_staging_buffer
+from ppe_snapshot.engine import ReadyAhead, new_staging_buffer
 
 _MiB = 1 << 20
 
@@ -30,7 +29,7 @@ class StagingBuffers:
         self._buffers: list[torch.Tensor | None] = [None] * depth
         self._pinned = [False] * depth
         #: A buffer being made ready in the background for slot 0 (see :meth:`reserve`), its size and pinning.
-        self._reserved: tuple[Future[torch.Tensor], int, bool] | None = None
+        self._reserved: tuple[ReadyAhead, int, bool] | None = None
 
     @property
     def all(self) -> tuple[torch.Tensor | None, ...]:
@@ -44,21 +43,10 @@ class StagingBuffers:
         if self._fits(0, nbytes, pin) or self._reserving(nbytes, pin):
             return
         if self._reserved is not None:  # too small: dropped once made
-            self._reserved[0].add_done_callback(self._drop_made)
+            self._reserved[0].ready.add_done_callback(self._drop_made)
         current = self._buffers[0]
         size = grown_size(0 if current is None else current.numel(), nbytes)
-        pending: Future[torch.Tensor] = Future()
-        self._reserved = (pending, size, pin)
-        threading.Thread(target=self._make_ready, args=(pending, size, pin), name="ppe-snapshot-reserve",
-                         daemon=True).start()
-
-    def _make_ready(self, pending: "Future[torch.Tensor]", nbytes: int, pin: bool) -> None:
-        try:
-            buffer = self.allocate(nbytes, pin)
-            fault_in(buffer)  # each page faulted in here, not in the first staging copy
-            pending.set_result(buffer)
-        except BaseException as e:  # noqa: BLE001 - the save allocates as it did without a reservation
-            pending.set_exception(e)
+        self._reserved = (ReadyAhead(lambda: self.allocate(size, pin), "ppe-snapshot-reserve"), size, pin)
 
     def _drop_made(self, made: "Future[torch.Tensor]") -> None:
         if made.exception() is None:
@@ -68,8 +56,8 @@ class StagingBuffers:
         """Whether the buffer being made for slot 0 will fit ``nbytes`` (and has not failed)."""
         if self._reserved is None:
             return False
-        pending, size, pinned = self._reserved
-        failed = pending.done() and pending.exception() is not None
+        ahead, size, pinned = self._reserved
+        failed = ahead.ready.done() and ahead.ready.exception() is not None
         return size >= nbytes and pinned >= pin and not failed
 
     def _fits(self, slot: int, nbytes: int, pin: bool) -> bool:
@@ -92,15 +80,16 @@ class StagingBuffers:
         return old
 
     def _take_reserved(self, nbytes: int, pin: bool) -> None:
-        """Put the reserved buffer in slot 0 (waiting for it if it is still being made) unless the one there fits
-        this save or the reserved one does not."""
-        pending, _, pinned = self._reserved
+        """Put the reserved buffer in slot 0 (made ready by this thread too if it is still being made) unless the
+        one there fits this save or the reserved one does not."""
+        ahead, _, pinned = self._reserved
         self._reserved = None
-        if pending.exception() is not None:
+        try:
+            buffer = ahead.result()
+        except Exception:  # noqa: BLE001 - the save allocates as it did without a reservation
             return
-        buffer = pending.result()
         if self._fits(0, nbytes, pin) or buffer.numel() < nbytes or pinned < pin:
-            self._drop_made(pending)
+            self.drop(buffer)
             return
         old, self._buffers[0] = self._buffers[0], buffer
         if old is not None:

@@ -11,9 +11,9 @@ image per kind (the largest recent state), beside the buffers of writes still in
 :func:`release_staging_buffers` drops the idle ones (``Snapshot.release_staging()``).
 
 The first ``async_take`` has no buffer to reuse: :func:`prepare_staging_buffer` (``Snapshot.prepare_staging``)
-makes one ready ahead, in a background thread (allocated, every page faulted in, page-locked for state on a GPU),
-and gives it back here as if a write had ended; an ``async_take`` that comes while it is being made waits for it
-rather than allocate another.
+makes one ready ahead, in a background thread (allocated, every page faulted in, page-locked for state on a GPU:
+``ReadyAhead``), and gives it back here as if a write had ended; an ``async_take`` that comes while it is being
+made takes it, faulting in itself what the thread has not reached yet, rather than allocate another.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 
 from ppe_snapshot.engine._files import align
 from ppe_snapshot.engine._take.staging import new_staging_buffer
-from ppe_snapshot.engine._util import fault_in
+from ppe_snapshot.engine._util import ReadyAhead
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ STAGING_SLACK = 1 << 20
 _lock = threading.Lock()
 #: The idle buffer of each kind, by whether it is page-locked.
 _idle: dict[bool, torch.Tensor] = {}
-#: The buffer of each kind being made ready (:func:`prepare_staging_buffer`): its thread and size.
-_preparing: dict[bool, tuple[threading.Thread, int]] = {}
+#: The buffer of each kind being made ready (:func:`prepare_staging_buffer`), and its size.
+_preparing: dict[bool, tuple[ReadyAhead, int]] = {}
 
 
 def staging_estimate(state: Any) -> tuple[int, bool]:
@@ -69,34 +69,40 @@ def prepare_staging_buffer(nbytes: int, pin: bool) -> None:
         idle, preparing = _idle.get(pin), _preparing.get(pin)
         if (idle is not None and idle.numel() >= nbytes) or (preparing is not None and preparing[1] >= nbytes):
             return
-        thread = threading.Thread(target=_make_ready, args=(nbytes, pin), name="ppe-snapshot-prepare-staging",
-                                  daemon=True)
-        _preparing[pin] = (thread, nbytes)
-    thread.start()
+        ahead = ReadyAhead(lambda: new_staging_buffer(nbytes, pin), "ppe-snapshot-prepare-staging")
+        _preparing[pin] = (ahead, nbytes)
+    ahead.ready.add_done_callback(lambda ready: _made(ahead, nbytes, pin))
 
 
-def _make_ready(nbytes: int, pin: bool) -> None:
-    try:
-        buffer = new_staging_buffer(nbytes, pin)
-        fault_in(buffer)  # each page faulted in here, not by the first staging copy
-        give_back(buffer, pin)
-    except Exception as e:  # noqa: BLE001 - the take allocates as before
+def _made(ahead: ReadyAhead, nbytes: int, pin: bool) -> None:
+    """The preparation's thread is done: its buffer kept for the next take, unless a take has it already."""
+    with _lock:
+        mine = _preparing.get(pin, (None,))[0] is ahead
+        if mine:
+            del _preparing[pin]
+    error = ahead.ready.exception()
+    if error is not None:
         logger.warning("making a staging buffer of %d bytes ready failed (%s: %s); the next async_take allocates "
-                       "its own", nbytes, type(e).__name__, e)
-    finally:
-        with _lock:
-            if _preparing.get(pin, (None,))[0] is threading.current_thread():
-                del _preparing[pin]
+                       "its own", nbytes, type(error).__name__, error)
+    elif mine:
+        give_back(ahead.ready.result(), pin)
 
 
 def take_staging_buffer(nbytes: int, pin: bool) -> torch.Tensor | None:
-    """The idle buffer of its kind (page-locked if ``pin``) if it holds ``nbytes`` (waiting for one being made
-    ready that will), else None (stage into a new one). It holds an older image, whose padding the staging copy
-    clears."""
+    """The idle buffer of its kind (page-locked if ``pin``) if it holds ``nbytes`` (or the one being made ready, if
+    it will: made ready by this thread too), else None (stage into a new one). It holds an older image, whose
+    padding the staging copy clears."""
     with _lock:
         preparing = _preparing.get(pin)
-    if preparing is not None and preparing[1] >= nbytes:
-        preparing[0].join()
+        if preparing is not None and preparing[1] >= nbytes:
+            del _preparing[pin]  # this take's: not given back when its thread is done
+        else:
+            preparing = None
+    if preparing is not None:
+        try:
+            return preparing[0].result()
+        except Exception:  # noqa: BLE001 - warned of by its thread; the take allocates as it would have
+            pass
     with _lock:
         idle = _idle.get(pin)
         if idle is None or idle.numel() < nbytes:

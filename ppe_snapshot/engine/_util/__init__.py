@@ -3,8 +3,8 @@
 The face of this subpackage: what the rest of the engine uses of it (modules here import each other directly).
 """
 from ppe_snapshot.engine._util.gcpause import gc_paused
-from ppe_snapshot.engine._util.hostmem import MEMORY, fault_in, new_private_buffer, new_shared_buffer
+from ppe_snapshot.engine._util.hostmem import MEMORY, ReadyAhead, new_private_buffer, new_shared_buffer
 
 __all__ = [
-    "fault_in", "gc_paused", "MEMORY", "new_private_buffer", "new_shared_buffer",
+    "gc_paused", "MEMORY", "ReadyAhead", "new_private_buffer", "new_shared_buffer",
 ]
