@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import struct
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,24 @@ def test_a_container_naming_a_child_without_an_entry_is_refused_by_verify(small)
                                                    r"no entry of for rank\(s\) \[0\]; the snapshot is damaged"):
         Snapshot(str(small)).verify()  # (the quick check, verify(deep=False), checks each entry alone)
     with pytest.raises(CorruptSnapshotError, match="lists no entry for 'm/%2Fetc%2Fpasswd'"):
+        _reads(small)
+
+
+def test_a_list_of_a_crafted_length_sizes_nothing(small):
+    """A list said to hold 2^22 children, none of them listed: refused as a missing child, without a path made
+    for each of the children it claims (on the code before, verify made 4M paths, about 300 MB, first)."""
+    craft_index(small, lambda h, c: h["entries"].__setitem__(
+        "m/step", {"type": "container", "kind": "list", "keys": [], "length": 1 << 22}))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptSnapshotError, match=r"'m/step' refers to 'm/step/0', which the manifest lists "
+                                                       r"no entry of"):
+            Snapshot(str(small)).verify()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    with pytest.raises(CorruptSnapshotError, match="lists no entry for 'm/step/0'"):
         _reads(small)
 
 

@@ -105,13 +105,15 @@ def merge(parts: list[RankPart], take_id: str, metadata: dict) -> Manifest:
                     sharded=merge_sharded([p.sharded for p in parts]))
 
 
-def _children(path: str, entry: ContainerEntry) -> list[str]:
+def _children(path: str, entry: ContainerEntry, entries: int) -> list[str]:
+    """The paths of the container's children; of a list or tuple's, at most one more than the manifest's
+    ``entries`` (a crafted length sizes nothing: the child past them is missing, and refused as such)."""
     if entry.kind in Container.KEYED:  # string keys are stored as they are; others encoded
         keys = entry.keys
         if not set(map(type, keys)) <= {str}:
             keys = [key if type(key) is str else decode_value(key) for key in keys]
         return child_paths(path, keys)
-    return [child_path(path, i) for i in range(entry.length)]
+    return [child_path(path, i) for i in range(min(entry.length, entries + 1))]
 
 
 def _check_chunks(path: str, chunks: list[Chunk], files: dict[str, int]) -> None:
@@ -141,6 +143,7 @@ def check_restorable(manifest: Manifest, read: bool = False) -> None:
     """
     replicated, sharded, files = manifest.replicated, manifest.sharded, manifest.files
     tables = [(None, replicated), (None, sharded), *enumerate(manifest.ranks)]
+    entries = sum(len(table) for _, table in tables)
     for rank, table in tables:
         own = table if rank is not None else {}
         if isinstance(table, EntryColumns):
@@ -152,7 +155,7 @@ def check_restorable(manifest: Manifest, read: bool = False) -> None:
                     if chunk.offset + chunk.nbytes > files.get(chunk.file, -1):
                         _check_chunks(path, entry.chunks, files)
             elif isinstance(entry, ContainerEntry):
-                children = _children(path, entry)
+                children = _children(path, entry, entries)
                 if type(own) is set and own.issuperset(children):  # most containers: one C-level pass
                     continue
                 for child in children:
