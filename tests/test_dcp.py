@@ -166,6 +166,23 @@ def test_dcp_snapshot_is_an_engine_snapshot(tmp_path):
     assert doc["ranks"] == [{}] and doc["files"] == {"data/rank0.bin": os.path.getsize(f"{path}/data/rank0.bin")}
 
 
+def test_an_empty_fqn_is_an_item_like_any_other(tmp_path):
+    """DCP takes ``""`` as a key: its item round-trips through DCP, and the engine reads it by the key
+    get_manifest() lists for it (``"0/"``), as every other."""
+    path = str(tmp_path / "snap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (DCP: no process group, one process assumed)
+        dcp.save({"": torch.arange(3.0), "a": {"": torch.ones(2)}}, storage_writer=SnapshotStorageWriter(path))
+        loaded = {"": torch.zeros(3), "a": {"": torch.zeros(2)}}
+        dcp.load(loaded, storage_reader=SnapshotStorageReader(path))
+    assert torch.equal(loaded[""], torch.arange(3.0)) and torch.equal(loaded["a"][""], torch.ones(2))
+    snap = Snapshot(path)
+    snap.verify()
+    assert sorted(snap.get_manifest()) == ["0/", "0/a."]
+    assert torch.equal(snap.read_object("0/"), torch.arange(3.0))
+    assert torch.equal(snap.read_object("0/a."), torch.ones(2))
+
+
 def test_dcp_metadata_round_trips(tmp_path):
     path = str(tmp_path / "snap")
     state = {"w": torch.ones(2, 3, requires_grad=True), "v": {"n": 1}, "a/b%c": torch.arange(2)}

@@ -242,8 +242,8 @@ class Snapshot:
             storage.close()
 
     def _split(self, manifest: Manifest, path: str) -> tuple[int, str]:
-        head, _, rest = path.partition("/")
-        if head.isdigit() and rest and int(head) < manifest.world_size:
+        head, slash, rest = path.partition("/")
+        if head.isdigit() and slash and int(head) < manifest.world_size:  # ("0/": a DCP item of the empty FQN)
             return int(head), rest
         return group_rank(self.pg)[0], path
 
