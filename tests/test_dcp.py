@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -231,6 +232,20 @@ def test_dcp_save_refuses_existing_snapshot_and_load_needs_one(tmp_path):
     with pytest.raises(SnapshotNotFoundError, match="manifest.json is missing"):
         SnapshotStorageReader(str(tmp_path / "none")).read_metadata()
     assert not os.path.exists(tmp_path / "none")
+
+
+def test_a_damaged_manifest_is_named_through_dcp_load(tmp_path):
+    path = tmp_path / "snap"
+    dcp.save({"a": torch.ones(2)}, storage_writer=SnapshotStorageWriter(str(path)))
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["world_size"] = "x"
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointException) as excinfo:
+        dcp.load({"a": torch.zeros(2)}, storage_reader=SnapshotStorageReader(str(path)))
+    if torch.__version__ >= "2.12":  # (DCP's loader raises its own AssertionError, with the reader's message)
+        assert "manifest.json is malformed: world_size 'x' is not a positive integer" in str(_failure(excinfo))
+    with pytest.raises(CorruptSnapshotError, match="world_size 'x' is not a positive integer"):
+        SnapshotStorageReader(str(path)).read_metadata()
 
 
 def test_checkpoint_id_selects_the_path(tmp_path):
