@@ -26,7 +26,7 @@ def damaged_entries(source: Source) -> list[str]:
             problems.append(str(e))
         seen: set[Any] = set()
         work = []
-        for table in (*manifest.ranks, manifest.replicated, manifest.sharded):
+        for table in manifest.tables():
             for path, entry in table.items():
                 if isinstance(entry, ShardedTensorEntry):
                     chunks = [c for shard in entry.shards for c in shard.chunks]

@@ -350,7 +350,7 @@ def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTE
     buffer = bytearray(budget)
     seen: set[Chunk] = set()  # entries may share chunks
     # Each section once, not each rank's view of them: a manifest of many ranks would make that quadratic.
-    for table in (*manifest.ranks, manifest.replicated, manifest.sharded):
+    for table in manifest.tables():
         for path, entry in table.items():
             chunks = [chunk for chunk in _chunks_of(entry) if chunk not in seen]
             seen.update(chunks)

@@ -297,10 +297,14 @@ class Manifest:
             return sharded.for_rank(rank, path)
         return sharded.get(path)
 
+    def tables(self) -> Iterator[Mapping[str, Entry]]:
+        """Each section once: every rank's own entries, then the replicated and the sharded ones. One table at a
+        time: a crafted world size sizes no list, and the first index file missing raises."""
+        return chain(self.ranks, (self.replicated, self.sharded))
+
     def check_entries(self) -> None:
         """Check every entry now: raises :class:`CorruptSnapshotError` for a malformed one."""
-        # (one at a time: a crafted world size must not size a list, and the first missing index raises)
-        for table in chain(self.ranks, (self.replicated, self.sharded)):
+        for table in self.tables():
             check_all = getattr(table, "check_all", None)  # a parsed manifest's; a new one's are built by the take
             if check_all is not None:
                 check_all()

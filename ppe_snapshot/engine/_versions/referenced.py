@@ -6,6 +6,7 @@ A referenced file is kept whole on disk, but a snapshot reads only its chunks in
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ def referenced_spans(manifest: Manifest) -> dict[str, Spans]:
     if not manifest.references:
         return {}
     found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for table in (*manifest.ranks, manifest.replicated):
+    for table in chain(manifest.ranks, (manifest.replicated,)):  # (one at a time; shards' chunks are in the columns)
         for name, offsets, sizes in _table_spans(table):
             found.setdefault(name, []).append((offsets, sizes))
     spans = {}
