@@ -142,8 +142,9 @@ def check_restorable(manifest: Manifest, read: bool = False) -> None:
     the snapshot damaged, not a take's ranks disagreeing.
     """
     replicated, sharded, files = manifest.replicated, manifest.sharded, manifest.files
-    tables = [(None, replicated), (None, sharded), *enumerate(manifest.ranks)]
-    entries = sum(len(table) for _, table in tables)
+    # (the ranks' tables one at a time: a crafted world size sizes no list, and the first missing index raises)
+    entries = len(replicated) + len(sharded) + sum(map(len, manifest.ranks))
+    tables = chain([(None, replicated), (None, sharded)], enumerate(manifest.ranks))
     for rank, table in tables:
         own = table if rank is not None else {}
         if isinstance(table, EntryColumns):
