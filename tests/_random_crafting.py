@@ -1,6 +1,6 @@
 """Randomly crafted snapshots, for test_untrusted_random.py (run as a child process under a memory limit).
 
-    python _random_crafting.py KIND SEED COUNT
+    python _random_crafting.py KIND SEED COUNT [READERS]
 
 takes one small snapshot of KIND (``v2``: the default format, ``v1``: one JSON manifest, ``sharded``: a sharded
 tensor in version 2's index files, ``incremental``: version 3, most bytes read from a base), then COUNT times
@@ -8,12 +8,16 @@ copies it, damages the copy at random the way a buggy or hostile writer would (a
 replaced, removed or copied from elsewhere; an index column's value changed, or a column cut or grown, the index
 checksum recomputed; a data file's byte flipped or the file cut) and reads it back every way a user does. It
 prints one JSON object: ``findings``, every read that raised something other than a ``SnapshotError`` (with the
-damage and the traceback's last lines), and ``outcomes``, how many reads ended each way.
+damage and the traceback's last lines), and ``outcomes``, how many reads ended each way. READERS ``cli`` reads
+it with the ``ppe-snapshot`` commands instead (their one-line failure raised here, to be seen by its type), and
+finds too a failed ``convert`` that leaves its destination behind.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import io
 import json
 import os
 import random
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 KIND, SEED, COUNT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+READERS = sys.argv[4] if len(sys.argv) > 4 else "api"
 if KIND in ("v1", "sharded"):  # (read when ppe_snapshot is imported; the sharded one is upgraded to version 2)
     os.environ["PPE_SNAPSHOT_FORMAT_VERSION"] = "1"
 resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # an allocation sized by a crafted field fails here
@@ -35,6 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _crafted import COLUMNS, craft, make_sharded, read_index, take_small, write_index  # noqa: E402
+import ppe_snapshot.cli  # noqa: E402
 from ppe_snapshot import RNGState, Snapshot, SnapshotError, StateDict  # noqa: E402
 from ppe_snapshot.engine import upgrade_snapshot  # noqa: E402
 from ppe_snapshot.storage import open_storage  # noqa: E402
@@ -172,6 +178,37 @@ def reads(path: Path, target: Callable[[], dict[str, Any]]) -> dict[str, Callabl
             "every entry": every_entry}
 
 
+def _raise(error: BaseException, *_: Any) -> int:
+    raise error
+
+
+def _command(*argv: str) -> None:
+    """Run ``ppe-snapshot argv``; its output dropped, whatever failed raised (not printed as one line)."""
+    ppe_snapshot.cli.fail = _raise  # type: ignore[attr-defined]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        status = ppe_snapshot.cli.main(list(argv))
+    if status not in (0, 1):  # (1: verify found damage, diff a difference)
+        raise RuntimeError(f"ppe-snapshot {argv[0]} exited {status} without raising")
+
+
+def cli_reads(path: Path) -> dict[str, Callable[[], Any]]:
+    """Every command that reads a snapshot."""
+    def convert(to: str) -> None:
+        out = path.parent / f"out-{to}"
+        try:
+            _command("convert", str(path), str(out), "--to", to)
+        except BaseException:
+            if out.exists():
+                raise RuntimeError(f"the failed convert --to {to} left {out.name} behind") from None
+            raise
+        finally:
+            shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
+    return {"inspect": lambda: _command("inspect", str(path)), "verify": lambda: _command("verify", str(path)),
+            "diff": lambda: _command("diff", str(path.parent / "base"), str(path)),
+            "ls": lambda: _command("ls", str(path.parent)),
+            **{f"convert {to}": lambda to=to: convert(to) for to in ("torch", "dcp", "safetensors")}}
+
+
 def _alarm(signum: int, frame: Any) -> None:
     raise TimeoutError("a read took more than 30 s")
 
@@ -201,7 +238,7 @@ def main() -> None:
         path = root / f"case{case}"  # (beside the base an incremental snapshot reads)
         shutil.copytree(base, path)
         what = damage(path)
-        for name, read in reads(path, target).items():
+        for name, read in (cli_reads(path) if READERS == "cli" else reads(path, target)).items():
             try:
                 outcomes[outcome(name, read)] += 1
             except BaseException as e:  # noqa: BLE001 - what the test is for
