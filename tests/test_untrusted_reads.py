@@ -8,6 +8,7 @@ a test sees whether it ran.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -18,12 +19,14 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from _asserts import written_as
 from _crafted import DATA, WEIGHT, append_payload, craft, entry, take_small
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedValueError
 from ppe_snapshot.cli import main
-from ppe_snapshot.dcp import SnapshotStorageReader
+from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
 from ppe_snapshot.storage import LocalStorage
 
 
@@ -86,6 +89,29 @@ def _dcp_bytes(path: Path, fqn: str) -> bytes:
     reader.read_metadata()
     source = reader._sources[(fqn, None)]
     return source.load(LocalStorage(str(path)))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
+def test_dcp_load_runs_no_code_of_a_crafted_dcp_value_without_allow_pickle(tmp_path):
+    """A value DCP saved is a torch.save stream that DCP's load planner unpickles whole: one crafted to run code
+    is refused before the planner sees it, unless the reader allows pickle; plain values still load."""
+    marker, path = tmp_path / "code-ran", tmp_path / "s"
+    state = {"w": WEIGHT.clone(), "extra": {"name": "run-1", "hook": 0}}
+    dcp.save(state, storage_writer=SnapshotStorageWriter(str(path)))
+    hostile = io.BytesIO()
+    torch.save(_MakesDirectory(marker), hostile)
+    craft(path, lambda doc: entry(doc, "extra.hook")["chunks"].__setitem__(
+        0, append_payload(path, doc, hostile.getvalue())))
+    Snapshot(str(path)).verify()  # (a crafted snapshot, whole: nothing but its content is wrong)
+    target = {"w": torch.zeros(3, 4), "extra": {"name": "", "hook": 0}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=SnapshotStorageReader(str(path)))
+    ((error, _trace),) = info.value.failures.values()
+    assert isinstance(error, UnsupportedValueError) and "'extra.hook'" in str(error)
+    assert "allow_pickle=True" in str(error) and "unsupported GLOBAL" in str(error)
+    assert not marker.exists()
+    dcp.load(target, storage_reader=SnapshotStorageReader(str(path), allow_pickle=True))
+    assert marker.is_dir() and target["extra"]["name"] == "run-1" and torch.equal(target["w"], WEIGHT)
 
 
 def test_cli_convert_unpickles_only_with_allow_pickle(tmp_path, capsys):

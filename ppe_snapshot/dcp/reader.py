@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -29,7 +30,7 @@ from ppe_snapshot.engine.codec import (
     BytesEntry, Chunk, DeviceReads, Manifest, ReadBatch, ShardedTensorEntry, TensorEntry, decode_value, inflate,
     is_direct, leaf_loader, new_take_id, read_into, tensor_bytes, torch_dtype,
 )
-from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
+from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError, UnsupportedValueError
 from ppe_snapshot.storage import Storage, open_storage
 
 
@@ -94,8 +95,8 @@ def _dcp_view(manifest: Manifest, dcp_meta: dict[str, Any], where: str, allow_pi
     for path, entry in manifest.paths_for(0).items():
         fqn = unescape(path)
         if isinstance(entry, BytesEntry):
-            view.add_bytes(fqn, lambda storage, fqn=fqn, entry=entry: leaf_loader(storage, allow_pickle)(
-                fqn, entry, None))
+            view.add_bytes(fqn, lambda storage, fqn=fqn, entry=entry: _dcp_value(
+                fqn, leaf_loader(storage, allow_pickle)(fqn, entry, None), allow_pickle, where))
         elif is_tensor(entry):
             view.add_tensor(fqn, entry, properties_from_json(properties.get(fqn, {}), torch_dtype(entry.dtype), fqn))
         else:
@@ -103,6 +104,33 @@ def _dcp_view(manifest: Manifest, dcp_meta: dict[str, Any], where: str, allow_pi
                                        "written through DCP never holds")
     view.planner_data = decode_value(dcp_meta.get("planner_data"))
     return view
+
+
+def _dcp_value(fqn: str, data: bytes, allow_pickle: bool, where: str) -> bytes:
+    """A value DCP saved (``torch.save`` bytes), for DCP's load planner, which unpickles it whole
+    (``weights_only=False``): without ``allow_pickle``, only once torch's restricted unpickler has read it, so
+    that no code a crafted snapshot names runs."""
+    if allow_pickle:
+        return data
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsupportedValueError(
+            f"{where}: the DCP value {fqn!r} can only be read by unpickling it, which runs code chosen by whoever "
+            f"wrote the snapshot ({_refusal(e):.200}); pass SnapshotStorageReader(..., allow_pickle=True) to read "
+            "it if you trust the snapshot") from None
+    except Exception as e:  # noqa: BLE001 - whatever torch.load makes of bytes that are not its stream
+        raise CorruptSnapshotError(f"{where}: the DCP value {fqn!r} is not a torch.save stream "
+                                   f"({type(e).__name__}: {str(e):.200}); the snapshot is damaged") from None
+    return data
+
+
+def _refusal(error: pickle.UnpicklingError) -> str:
+    """What torch's restricted unpickler refused, from its message (its paragraphs but the general ones)."""
+    general = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    paragraphs = (" ".join(p.split()) for p in str(error).split("\n\n"))
+    found = [p for p in paragraphs if p and not p.startswith(general)]
+    return "; ".join(found) or " ".join(str(error).split())
 
 
 def _engine_view(manifest: Manifest, rank: int, where: str, allow_pickle: bool) -> _View:
@@ -178,7 +206,8 @@ class SnapshotStorageReader(StorageReader):
     Works on snapshots written through :class:`~ppe_snapshot.dcp.SnapshotStorageWriter` and on snapshots
     taken by ``Snapshot.take``. Reads go straight into the tensors DCP's planner resolves, checksums
     verified (:class:`~ppe_snapshot.errors.CorruptSnapshotError` on a mismatch). Entries an
-    engine snapshot saved with pickle are read only with ``allow_pickle=True``.
+    engine snapshot saved with pickle are read only with ``allow_pickle=True``, and so are values saved through
+    DCP that torch's restricted unpickler (``weights_only=True``) refuses: DCP's planner unpickles them whole.
     """
 
     def __init__(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
