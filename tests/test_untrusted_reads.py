@@ -92,7 +92,7 @@ def _dcp_bytes(path: Path, fqn: str) -> bytes:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
-def test_dcp_load_runs_no_code_of_a_crafted_dcp_value_without_allow_pickle(tmp_path):
+def test_dcp_load_runs_no_code_of_a_crafted_dcp_value_without_allow_pickle(tmp_path, capsys):
     """A value DCP saved is a torch.save stream that DCP's load planner unpickles whole: one crafted to run code
     is refused before the planner sees it, unless the reader allows pickle; plain values still load."""
     marker, path = tmp_path / "code-ran", tmp_path / "s"
@@ -110,6 +110,12 @@ def test_dcp_load_runs_no_code_of_a_crafted_dcp_value_without_allow_pickle(tmp_p
     assert isinstance(error, UnsupportedValueError) and "'extra.hook'" in str(error)
     assert "allow_pickle=True" in str(error) and "unsupported GLOBAL" in str(error)
     assert not marker.exists()
+    out = tmp_path / "out.pt"  # the command line reads it through the same reader
+    assert main(["convert", str(path), str(out)]) == 2
+    assert "'extra.hook'" in capsys.readouterr().err and not marker.exists() and not out.exists()
+    assert main(["convert", "--allow-pickle", str(path), str(out)]) == 0
+    assert marker.is_dir()
+    marker.rmdir()
     dcp.load(target, storage_reader=SnapshotStorageReader(str(path), allow_pickle=True))
     assert marker.is_dir() and target["extra"]["name"] == "run-1" and torch.equal(target["w"], WEIGHT)
 

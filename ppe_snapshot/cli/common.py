@@ -244,7 +244,7 @@ def _read_other(source: Source, allow_pickle: bool) -> Any:
 def _dcp_reader(source: Source, allow_pickle: bool) -> Any:
     if source.kind == Kind.DCP_ADAPTER:
         from ppe_snapshot.dcp import SnapshotStorageReader
-        return SnapshotStorageReader(source.path, storage_options=source.storage_options)
+        return SnapshotStorageReader(source.path, storage_options=source.storage_options, allow_pickle=allow_pickle)
     local = open_tree(source.path, source.storage_options).local_dir
     if local is None:
         raise UnsupportedFormatError(f"{source.path}: torch DCP directories are read from local paths only")
