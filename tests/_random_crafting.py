@@ -3,7 +3,8 @@
     python _random_crafting.py KIND SEED COUNT [READERS]
 
 takes one small snapshot of KIND (``v2``: the default format, ``v1``: one JSON manifest, ``sharded``: a sharded
-tensor in version 2's index files, ``incremental``: version 3, most bytes read from a base), then COUNT times
+tensor in version 2's index files, ``incremental``: version 3, most bytes read from a base, ``dcp``: a model's and
+its optimizer's state written by ``dcp.save`` through ``SnapshotStorageWriter``, read by ``dcp.load``), then COUNT times
 copies it, damages the copy at random the way a buggy or hostile writer would (a manifest or index header field
 replaced, removed or copied from elsewhere; an index column's value changed, or a column cut or grown, the index
 checksum recomputed; a data file's byte flipped or the file cut) and reads it back every way a user does. It
@@ -38,10 +39,13 @@ resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # an allocation size
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from _crafted import COLUMNS, craft, make_sharded, read_index, take_small, write_index  # noqa: E402
 import ppe_snapshot.cli  # noqa: E402
 from ppe_snapshot import RNGState, Snapshot, SnapshotError, StateDict  # noqa: E402
+from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter  # noqa: E402
 from ppe_snapshot.engine import upgrade_snapshot  # noqa: E402
 from ppe_snapshot.storage import open_storage  # noqa: E402
 
@@ -75,6 +79,17 @@ def small_target() -> dict[str, Any]:
     return {"m": target}
 
 
+def dcp_state() -> dict[str, Any]:
+    """The state of ``dcp``, and its load target: a model's, an optimizer's after one step, and plain values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(),
+            "extra": {"step": 5, "name": "run", "t": torch.arange(6.0)}}
+
+
 def build(root: Path) -> tuple[Path, Callable[[], dict[str, Any]]]:
     """The snapshot every case copies, and a fresh restore target for it."""
     base = root / "base"
@@ -90,6 +105,9 @@ def build(root: Path) -> tuple[Path, Callable[[], dict[str, Any]]]:
         state["m"]["w"] += 1  # one block changed: the rest is read from "first"
         Snapshot.take(str(base), state, base=str(root / "first"))
         return base, full_state
+    if KIND == "dcp":
+        dcp.save(dcp_state(), storage_writer=SnapshotStorageWriter(str(base)))
+        return base, dcp_state
     Snapshot.take(str(base), full_state())
     return base, full_state
 
@@ -171,11 +189,36 @@ def reads(path: Path, target: Callable[[], dict[str, Any]]) -> dict[str, Callabl
                 snapshot.read_object(key)
             except SnapshotError:
                 pass
+    if KIND == "dcp":
+        return {"read_metadata": lambda: SnapshotStorageReader(str(path)).read_metadata(),
+                "dcp.load": lambda: dcp_load(path, target()), "verify": lambda: Snapshot(str(path)).verify(),
+                "every entry": every_entry}
     return {"get_manifest": lambda: Snapshot(str(path)).get_manifest(),
             "read_object": lambda: Snapshot(str(path)).read_object("0/m"),
             "restore": lambda: Snapshot(str(path)).restore(target()),
             "verify": lambda: Snapshot(str(path)).verify(),
             "every entry": every_entry}
+
+
+class RefusedByDcp(Exception):
+    """``dcp.load`` failed in DCP's own code, for a reason a damaged snapshot gives (``outcome``: which)."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+def dcp_load(path: Path, target: dict[str, Any]) -> None:
+    """``dcp.load``: what failed in the reader raised as it is; DCP's own refusals as :class:`RefusedByDcp`."""
+    try:
+        dcp.load(target, storage_reader=SnapshotStorageReader(str(path)))
+    except CheckpointException as e:  # (a BaseException)
+        ((error, _trace),) = e.failures.values()
+        if type(error) is AssertionError and "global metadata read failed: " in str(error):
+            raise RefusedByDcp("DCP: the reader's metadata error") from None  # (its message carries ours)
+        if type(error) is RuntimeError and str(error).startswith("Missing key in checkpoint state_dict"):
+            raise RefusedByDcp("DCP: a key missing") from None  # (a crafted index without one of the entries)
+        raise error from None
 
 
 def _raise(error: BaseException, *_: Any) -> int:
@@ -221,6 +264,8 @@ def outcome(name: str, read: Callable[[], Any]) -> str:
         return "read"
     except SnapshotError as e:
         return type(e).__name__
+    except RefusedByDcp as e:
+        return e.outcome
     except KeyError as e:  # read_object's answer for a key the manifest does not list (its root entry damaged)
         if name != "read_object" or "is not in snapshot" not in str(e):
             raise
