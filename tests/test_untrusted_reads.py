@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from _asserts import written_as
 from _crafted import DATA, WEIGHT, append_payload, craft, entry, take_small
-from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedValueError
+from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, UnsupportedValueError, load_snapshot
 from ppe_snapshot.cli import main
 from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
 from ppe_snapshot.storage import LocalStorage
@@ -118,6 +118,21 @@ def test_dcp_load_runs_no_code_of_a_crafted_dcp_value_without_allow_pickle(tmp_p
     marker.rmdir()
     dcp.load(target, storage_reader=SnapshotStorageReader(str(path), allow_pickle=True))
     assert marker.is_dir() and target["extra"]["name"] == "run-1" and torch.equal(target["w"], WEIGHT)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
+def test_a_torch_dcp_directory_is_unpickled_only_with_allow_pickle(tmp_path, capsys):
+    """torch's own DCP checkpoint of an object that runs code when unpickled: load_snapshot and convert read its
+    values with torch's restricted unpickler, and run it only when allowed."""
+    marker, path = tmp_path / "code-ran", tmp_path / "dcp"
+    dcp.save({"w": WEIGHT.clone(), "hook": _MakesDirectory(marker)}, storage_writer=dcp.FileSystemWriter(path),
+             no_dist=True)
+    with pytest.raises(UnsupportedValueError, match="'hook' needs pickle"):
+        load_snapshot(str(path))
+    assert main(["convert", str(path), str(tmp_path / "out.pt")]) == 2
+    assert "allow-pickle" in capsys.readouterr().err and not marker.exists()
+    assert torch.equal(load_snapshot(str(path), allow_pickle=True)["w"], WEIGHT)
+    assert marker.is_dir()
 
 
 def test_cli_convert_unpickles_only_with_allow_pickle(tmp_path, capsys):
