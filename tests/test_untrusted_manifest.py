@@ -23,7 +23,7 @@ from _crafted import (
 )
 from ppe_snapshot import CorruptSnapshotError, Snapshot, StateDict, StateMismatchError, UnsupportedFormatError
 from ppe_snapshot.cli import main
-from ppe_snapshot.dcp import SnapshotStorageReader
+from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter
 
 
 @pytest.fixture(autouse=True)
@@ -362,6 +362,49 @@ def test_values_nested_within_the_parser_limits(small, capsys):
     write_deep_manifest(other, "metadata", 1000, long_integer=False)
     assert main(["inspect", str(other)]) == 0
     assert "metadata <nested too deeply to show>" in capsys.readouterr().out
+
+
+def _dcp_list(path: Path) -> Path:
+    """A snapshot written through DCP of a list of two tensors (items ``a.0`` and ``a.1``)."""
+    dcp.save({"a": [torch.ones(2), torch.zeros(2)]}, storage_writer=SnapshotStorageWriter(str(path)))
+    return path
+
+
+def _move_item(doc: dict[str, Any], old: str, new: str, obj_path: list) -> None:
+    """Rename DCP item ``old`` to ``new`` and map it to ``obj_path`` in the planner data (tagged JSON)."""
+    for section in (doc["ranks"][0], doc["replicated"]):
+        if old in section:
+            section[new] = section.pop(old)
+    pairs = doc["metadata"]["dcp"]["planner_data"]["$dict"]
+    doc["metadata"]["dcp"]["planner_data"]["$dict"] = [
+        [new, {"$tuple": obj_path}] if key == old else [key, value] for key, value in pairs]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
+@pytest.mark.parametrize("new, obj_path, message", [
+    ("a.1", ["a", 10 ** 9], "maps 'a.1' to ('a', 1000000000), not to the object path"),
+    ("a.1000000000", ["a", 10 ** 9], "in lists of 1000000001 slots in all"),
+    ("a.x", ["a", "x"], "do not make one state"),  # (a list at "a" given a key)
+])
+def test_convert_rebuilds_no_state_from_crafted_dcp_object_paths(tmp_path, capsys, new, obj_path, message):
+    """The command line rebuilds a DCP checkpoint's state by the object paths in its planner data; crafted ones
+    are refused before the rebuild pads a list to a crafted position (on the code before: 8 GB of None)."""
+    path = craft(_dcp_list(tmp_path / "s"), lambda doc: _move_item(doc, "a.1", new, obj_path))
+    assert main(["convert", str(path), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "CorruptSnapshotError" in err and message in err, err
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable)")
+def test_convert_of_a_dcp_dict_keyed_by_large_integers(tmp_path):
+    """A dict keyed by integers (steps) is rebuilt as a list as long as its highest key: within the bound, read
+    (its keys as strings: what plain DCP keeps of them)."""
+    dcp.save({"loss": {5000: torch.ones(1), 90_000: torch.zeros(1)}},
+             storage_writer=SnapshotStorageWriter(str(tmp_path / "s")))
+    assert main(["convert", str(tmp_path / "s"), str(tmp_path / "out.pt")]) == 0
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sorted(loaded["loss"], key=int) == ["5000", "90000"] and torch.equal(loaded["loss"]["90000"], torch.zeros(1))
 
 
 def test_newer_version_stays_unsupported_format(small):

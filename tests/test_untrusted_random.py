@@ -26,8 +26,9 @@ def test_randomly_damaged_snapshots_raise_snapshot_errors_only(kind):
     _crafted_without_findings(kind, "api", seed=35, count=200)
 
 
-# (seed 6 of incremental crafts a world size of 2^31 at case 60, which inspect once ran out of memory on)
-@pytest.mark.parametrize("kind, seed", [("v2", 35), ("incremental", 6)])
+# (seed 6 of incremental crafts a world size of 2^31 at case 60, which inspect once ran out of memory on; seed 1
+# of dcp planner data whose object paths rebuild no state DCP's planner can load, at case 0)
+@pytest.mark.parametrize("kind, seed", [("v2", 35), ("incremental", 6), ("dcp", 1)])
 def test_the_commands_refuse_randomly_damaged_snapshots_with_snapshot_errors_only(kind, seed):
     """The ``ppe-snapshot`` commands (inspect, verify, diff, ls, convert to each format): a damaged snapshot is
     refused by a SnapshotError, and a convert that fails leaves no destination behind."""

@@ -34,6 +34,9 @@ from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedValueError
 EXTRAS_KEY = "__ppe_snapshot__"
 
 Path = tuple[str | int, ...]
+#: The most list slots a checkpoint's object paths may make DCP's rebuild pad out (8 bytes each), beyond one per
+#: item: a dict keyed by integers (steps, ids) is rebuilt as a list as long as its highest key.
+MAX_LIST_SLOTS = 1 << 24
 
 
 def _children(value: Any) -> list[tuple[str | int, Any]]:
@@ -156,7 +159,12 @@ class _RecordedLoadPlanner(_EmptyStateDictLoadPlanner):
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         data = getattr(metadata, "planner_data", None)
         self.extras = data.get(EXTRAS_KEY, {}) if isinstance(data, Mapping) else {}
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        _check_object_paths(metadata)
+        try:
+            super().set_up_planner(state_dict, metadata, is_coordinator)  # (rebuilds the state by those paths)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+            raise CorruptSnapshotError(f"the checkpoint's object paths (planner_data) do not make one state: "
+                                       f"{type(e).__name__}: {e}; the checkpoint is damaged") from None
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -167,6 +175,37 @@ class _RecordedLoadPlanner(_EmptyStateDictLoadPlanner):
                 f"the value {fqn!r} needs pickle to read, and unpickling runs code chosen by whoever wrote the "
                 "checkpoint; allow pickle (--allow-pickle, allow_pickle=True) to read it if you trust it") from e
         _set(self.original_state_dict, list(self.mappings[fqn]), loaded)
+
+
+def _check_object_paths(metadata: Any) -> None:
+    """Raise :class:`CorruptSnapshotError` unless every item's object path in ``planner_data`` is one DCP's
+    flattening gives (its parts, strings and integers, joined by ``.`` are the item's key), and the lists the
+    rebuild makes of them (padded up to each integer part, a dict's integer key too) stay within
+    :data:`MAX_LIST_SLOTS` slots in all, or the number of items."""
+    items, data = metadata.state_dict_metadata, metadata.planner_data
+    if data is None:
+        return
+    if not isinstance(data, Mapping):
+        raise CorruptSnapshotError(f"the checkpoint's planner_data is a {type(data).__name__}, not a mapping; "
+                                   "the checkpoint is damaged")
+    longest: dict[tuple, int] = {}  # (each list the rebuild makes, by the path to it: its highest position)
+    for fqn in items:
+        path = data.get(fqn)
+        if path is None:
+            continue
+        if not isinstance(path, (tuple, list)) or not path or not all(
+                type(part) is str or (type(part) is int and part >= 0) for part in path) \
+                or ".".join(map(str, path)) != fqn:
+            raise CorruptSnapshotError(f"the checkpoint's planner_data maps {fqn!r:.100} to {path!r:.100}, not to "
+                                       "the object path DCP's flattening gives that key; the checkpoint is damaged")
+        for i, part in enumerate(path):
+            if type(part) is int:
+                longest[tuple(path[:i])] = max(longest.get(tuple(path[:i]), 0), part + 1)
+    slots = sum(longest.values())
+    if slots > max(MAX_LIST_SLOTS, len(items)):
+        raise CorruptSnapshotError(f"the checkpoint's planner_data places its {len(items)} items in lists of "
+                                   f"{slots} slots in all, more than {MAX_LIST_SLOTS} (positions far beyond its "
+                                   "items); the checkpoint is damaged")
 
 
 def save_dcp(state: dict[str, Any], writer: Any, metadata: Mapping[str, Any] | None = None) -> None:
@@ -185,6 +224,7 @@ def load_dcp(reader: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], d
 
     state: dict[str, Any] = {}
     planner = _RecordedLoadPlanner(allow_pickle)
+    reader.read_metadata()  # (what is wrong with it raised as it is: DCP's loader raises an AssertionError instead)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # as above
         try:
