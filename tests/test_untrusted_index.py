@@ -211,6 +211,18 @@ def test_index_of_a_world_larger_than_written_is_missing(small, world_size):
         Snapshot(str(small)).verify(deep=False)
 
 
+@pytest.mark.parametrize("world_size", [1 << 56, 1 << 63, 1 << 80])
+def test_a_world_size_no_length_can_hold_is_refused(small, world_size):
+    """From 2^56 up (2^63: more than Python's len() returns) a world size is refused as such, by every reader."""
+    doc = json.loads((small / "manifest.json").read_text())
+    doc["world_size"] = world_size
+    (small / "manifest.json").write_text(json.dumps(doc))
+    for read in (lambda: Snapshot(str(small)).get_manifest(), lambda: _reads(small),
+                 lambda: Snapshot(str(small)).verify()):
+        with pytest.raises(CorruptSnapshotError, match=f"world_size {world_size} is not a positive integer below"):
+            read()
+
+
 def test_the_structure_check_walks_a_crafted_world_one_rank_at_a_time(small):
     """The check of containers' children against the entries (deep verify, the CLI's verify) names the first
     missing index, with no table made for each rank first (on the code before, 2^20 of them: 566 MB traced)."""

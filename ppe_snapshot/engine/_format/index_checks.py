@@ -10,12 +10,10 @@ from typing import Any, Collection
 import numpy as np
 
 from ppe_snapshot.engine._format.names import Raw
-from ppe_snapshot.engine._format.validation import dtype_itemsize
+from ppe_snapshot.engine._format.validation import MAX_VALUE, dtype_itemsize
 from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.storage import is_safe_relative, split_reference
 
-#: Offsets, sizes and dimensions from this up are refused (their sums must not overflow 64 bits).
-MAX_VALUE = 1 << 56
 #: The columns of an index file, in file order, with their little-endian numpy types.
 COLUMNS: dict[str, str] = {
     "tensor_dtype": "<u4", "tensor_ndim": "<u4", "tensor_chunk_end": "<i8", "dims": "<i8",

@@ -23,6 +23,9 @@ from ppe_snapshot.engine._format.serialization import decode_value, torch_dtype
 from ppe_snapshot.errors import CorruptSnapshotError, UnsupportedFormatError
 from ppe_snapshot.storage import is_safe_relative
 
+#: Offsets, sizes, dimensions and world sizes from this up are refused (their sums must not overflow 64 bits).
+MAX_VALUE = 1 << 56
+
 FORMAT_NAME = "ppe-snapshot"
 CHECKSUM_ALGORITHM = "xxh3_64"
 
@@ -75,8 +78,8 @@ def document_v2_problem(doc: dict[str, Any]) -> str | None:
     """What is wrong with a version-2 manifest's fields (its entries are in index files: ``_versions/manifest_v2.py``,
     ``index.py``); None when nothing is."""
     world_size, take_id = doc.get("world_size"), doc.get("take_id")
-    if type(world_size) is not int or world_size < 1:
-        return f"world_size {world_size!r:.60} is not a positive integer"
+    if type(world_size) is not int or not 1 <= world_size < MAX_VALUE:
+        return f"world_size {world_size!r:.60} is not a positive integer below 2^56"
     if type(take_id) is not str or not take_id:
         return "take_id is not a non-empty string"
     if type(doc.get("metadata", {})) is not dict:
