@@ -108,7 +108,7 @@ def test_dcp_load_runs_no_code_of_a_crafted_dcp_value_without_allow_pickle(tmp_p
         dcp.load(target, storage_reader=SnapshotStorageReader(str(path)))
     ((error, _trace),) = info.value.failures.values()
     assert isinstance(error, UnsupportedValueError) and "'extra.hook'" in str(error)
-    assert "allow_pickle=True" in str(error) and "unsupported GLOBAL" in str(error)
+    assert "allow_pickle=True" in str(error) and "mkdir" in str(error)  # (torch's reason: the global refused)
     assert not marker.exists()
     out = tmp_path / "out.pt"  # the command line reads it through the same reader
     assert main(["convert", str(path), str(out)]) == 2
