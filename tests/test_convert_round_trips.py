@@ -134,3 +134,14 @@ def test_a_crafted_record_in_a_dcp_checkpoint_is_corrupt(tmp_path, capsys):
     metadata_file.write_bytes(pickle.dumps(metadata))
     with pytest.raises(ppe_snapshot.CorruptSnapshotError, match="index 1000000000000 beyond a list of 1"):
         ppe_snapshot.load_snapshot(str(tmp_path / "d"))
+
+
+def test_a_dtype_safetensors_cannot_store_is_named_before_anything_is_written(tmp_path, capsys):
+    """complex128 (and, with older safetensors, complex64, float8 and unsigned types): refused by name, no file."""
+    ppe_snapshot.Snapshot.take(str(tmp_path / "s"), {"m": ppe_snapshot.StateDict(
+        w=torch.ones(2), c=torch.ones(2, dtype=torch.complex128), d=torch.zeros(3, dtype=torch.complex128))})
+    assert main(["convert", str(tmp_path / "s"), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"UnsupportedValueError: safetensors \S+ cannot store torch\.complex128, the dtype of m\.c, m\.d;",
+                     err), err
+    assert not (tmp_path / "out.safetensors").exists()

@@ -21,6 +21,7 @@ from ppe_snapshot.cli.common import (
 )
 from ppe_snapshot.cli.dcp_dirs import failure, save_dcp
 from ppe_snapshot.engine import Snapshot, StateDict, read_manifest, upgrade_snapshot
+from ppe_snapshot.errors import UnsupportedValueError
 from ppe_snapshot.storage import open_storage, open_tree, open_url
 
 TARGETS = ("snapshot", "torch", "dcp", "safetensors")
@@ -82,9 +83,30 @@ def _write_safetensors(state: dict[str, Any], within: tuple[str, ...], dst: str,
 
     tensors = {k: v.detach().cpu().contiguous().clone()
                for k, v in _tensors_only(state, within, "safetensors").items()}
+    _check_safetensors_dtypes(tensors, save_safetensors)
     data = save_safetensors(tensors)
     with open_url(dst, "wb", storage_options) as f:
         f.write(data)
+
+
+def _check_safetensors_dtypes(tensors: dict[str, torch.Tensor], save: Any) -> None:
+    """Raise :class:`UnsupportedValueError` naming the tensors of a dtype the installed safetensors cannot store
+    (complex128 with safetensors 0.8; complex64, float8 and unsigned types too with 0.4), each dtype tried on an
+    empty tensor."""
+    refused = []
+    for dtype in sorted({t.dtype for t in tensors.values()}, key=str):
+        try:
+            save({"probe": torch.empty(0, dtype=dtype)})
+        except Exception:  # noqa: BLE001 - each release refuses in its own way (KeyError, ValueError, ...)
+            refused.append(dtype)
+    if refused:
+        import safetensors
+
+        keys = [k for k, t in tensors.items() if t.dtype in refused]
+        shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        raise UnsupportedValueError(
+            f"safetensors {safetensors.__version__} cannot store {', '.join(map(str, refused))}, the dtype of "
+            f"{shown}; convert --to torch, dcp or snapshot keeps them")
 
 
 def _write_torch(state: dict[str, Any], dst: str, storage_options: dict | None) -> None:
