@@ -200,7 +200,8 @@ def _check_object_paths(metadata: Any) -> None:
                                        "the object path DCP's flattening gives that key; the checkpoint is damaged")
         for i, part in enumerate(path):
             if type(part) is int:
-                longest[tuple(path[:i])] = max(longest.get(tuple(path[:i]), 0), part + 1)
+                prefix = tuple(path[:i])
+                longest[prefix] = max(longest.get(prefix, 0), part + 1)
     slots = sum(longest.values())
     if slots > max(MAX_LIST_SLOTS, len(items)):
         raise CorruptSnapshotError(f"the checkpoint's planner_data places its {len(items)} items in lists of "
@@ -224,13 +225,15 @@ def load_dcp(reader: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], d
 
     state: dict[str, Any] = {}
     planner = _RecordedLoadPlanner(allow_pickle)
-    reader.read_metadata()  # (what is wrong with it raised as it is: DCP's loader raises an AssertionError instead)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # as above
         try:
             _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
         except CheckpointException as e:
-            raise failure(e) from None
+            error = failure(e)
+            if type(error) is AssertionError:  # DCP's, for metadata the reader could not read: raise the reader's
+                reader.read_metadata()
+            raise error from None
     restore_structure(state, planner.extras)
     metadata = planner.extras.get("metadata")
     return state, (dict(metadata) if isinstance(metadata, Mapping) else None)

@@ -143,7 +143,7 @@ def check_restorable(manifest: Manifest, read: bool = False) -> None:
     """
     replicated, sharded, files = manifest.replicated, manifest.sharded, manifest.files
     # (the ranks' tables one at a time: a crafted world size sizes no list, and the first missing index raises)
-    entries = len(replicated) + len(sharded) + sum(map(len, manifest.ranks))
+    entries = sum(map(len, manifest.tables()))
     tables = chain([(None, replicated), (None, sharded)], enumerate(manifest.ranks))
     for rank, table in tables:
         own = table if rank is not None else {}
