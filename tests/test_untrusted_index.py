@@ -183,6 +183,37 @@ def test_a_container_naming_a_child_without_an_entry_is_refused_by_verify(small)
         _reads(small)
 
 
+def test_a_dict_naming_a_key_twice_is_refused_not_rebuilt_one_child_short(small):
+    """The dict 'm' naming 'w' twice and 'b' no more: the readers built it without 'b' (autoload resumed an Adam
+    optimizer without one parameter's state so); verify refuses 'm/b', which no container names."""
+    craft_index(small, lambda h, c: h["entries"]["m"]["keys"].__setitem__(h["entries"]["m"]["keys"].index("b"), "w"))
+    target = {"m": StateDict(w=torch.zeros(3, 4), b=torch.zeros(4, dtype=torch.float64))}
+    for read in (lambda: _reads(small), lambda: Snapshot(str(small)).restore(target)):
+        with pytest.raises(CorruptSnapshotError, match="the dict at 'm' names a key twice in the manifest"):
+            read()
+    with pytest.raises(CorruptSnapshotError, match="'m/b' is listed for rank 0, but 'm', the container it lies in, "
+                                                   "does not name it as a child"):
+        Snapshot(str(small)).verify()
+
+
+@pytest.mark.parametrize("section", ["rank", "shared"])
+def test_an_entry_its_container_does_not_name_is_refused_by_verify(small, section):
+    """A key dropped from a container, its entry left: a restore rebuilds the container without it (as a
+    consistent snapshot without that entry would be); verify names the entry that no container names."""
+    if section == "rank":
+        craft_index(small, lambda h, c: h["entries"]["m"]["keys"].remove("b"))
+        entry, where = "m/b", "rank 0"
+    else:
+        with written_as(2):
+            Snapshot.take(str(small.parent / "r"), {"m": StateDict(a=torch.ones(2), b=[torch.ones(1), torch.ones(1)])},
+                          replicated=["m/**"])
+        small = small.parent / "r"
+        craft_index(small, lambda h, c: h["entries"]["m/b"].__setitem__("length", 1), name="index/shared.idx")
+        entry, where = "m/b/1", "the shared entries"
+    with pytest.raises(CorruptSnapshotError, match=f"'{entry}' is listed for {where}, but "):
+        Snapshot(str(small)).verify()
+
+
 def test_a_list_of_a_crafted_length_sizes_nothing(small):
     """A list said to hold 2^22 children, none of them listed: refused as a missing child, without a path made
     for each of the children it claims (on the code before, verify made 4M paths, about 300 MB, first)."""

@@ -285,6 +285,10 @@ class IndexTable(LazyEntries):
         for path in self._others:
             self.get(path)
 
+    def non_tensor_paths(self) -> Iterator[str]:
+        """The paths of the entries that are no tensor rows (containers, values, pickles...)."""
+        return iter(self._others)
+
     def __contains__(self, path: object) -> bool:
         return path in self._index.tensor_rows or path in self._others
 

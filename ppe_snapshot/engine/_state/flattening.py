@@ -269,6 +269,8 @@ def inflate(path: str, lookup: Callable[[str], Entry | None], load_leaf: LoadLea
                     continue
                 key = decode_value(key)
                 out[key] = inflate(child_path(path, key), lookup, load_leaf, child(key), depth, load_children)
+            if len(out) != len(entry.keys):  # (a dict saved never names a key twice: one child would be lost)
+                raise CorruptSnapshotError(f"the dict at {path!r} names a key twice in the manifest")
             return out
         items = [inflate(child_path(path, i), lookup, load_leaf, child(i), depth, load_children)
                  for i in range(entry.length)]

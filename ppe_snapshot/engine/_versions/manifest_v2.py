@@ -159,6 +159,9 @@ class _LazyTable(Mapping[str, Entry]):
     def check_all(self) -> None:
         self.table.check_all()
 
+    def non_tensor_paths(self) -> Iterator[str]:
+        return self.table.non_tensor_paths()
+
 
 class _Ranks(Sequence[Mapping[str, Entry]]):
     """Every rank's entries; a rank's table is made when first asked for (nothing per rank up front)."""

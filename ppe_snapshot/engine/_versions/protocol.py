@@ -10,7 +10,7 @@ that a listing does not take it for a take in progress.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from itertools import chain
 from dataclasses import dataclass, field
 from typing import Callable
@@ -185,17 +185,50 @@ def check_restorable(manifest: Manifest, read: bool = False) -> None:
 def check_structure(manifest: Manifest) -> None:
     """Raise :class:`CorruptSnapshotError` unless a committed snapshot's manifest, its entries checked one by one
     already, rebuilds: every child a container names has an entry, every value decodes, and every entry but an
-    app state key's lies in a container that each rank seeing it sees."""
+    app state key's lies in a container that each rank seeing it sees and that names it (an entry no container
+    names would be lost to a restore without a word)."""
     check_restorable(manifest, read=True)
+    entries = sum(map(len, manifest.tables()))
     shared = set(manifest.replicated) | set(manifest.sharded)
+    named_shared = _named(manifest.replicated, entries)
     # (the shared entries whose container is not shared, found once: each rank must list it)
-    unhoused = [(path, parent) for path in shared if (parent := path.rpartition("/")[0]) and parent not in shared]
-    for rank, entries in enumerate(manifest.ranks):  # (what rank r sees: its own entries and the shared ones)
-        own = set(entries)
+    unhoused = []
+    for path in shared:
+        parent = path.rpartition("/")[0]
+        if parent and parent not in shared:
+            unhoused.append((path, parent))
+        elif parent and path not in named_shared:
+            raise _unnamed(path, parent, "the shared entries")
+    for rank, table in enumerate(manifest.ranks):  # (what rank r sees: its own entries and the shared ones)
+        own = set(table)
         for path, parent in chain(unhoused, ((path, path.rpartition("/")[0]) for path in own)):
             if parent and parent not in own and parent not in shared:
                 raise CorruptSnapshotError(f"{path!r} is listed for rank {rank}, but not {parent!r}, the container "
                                            "it would be in")
+        named = _named(table, entries)
+        # (set differences, in C: a model's state is a dict of thousands of entries)
+        for path in own.difference(named, named_shared).union(p for p, _ in unhoused if p not in named):
+            if "/" in path:  # (an app state key's entry lies in no container)
+                raise _unnamed(path, path.rpartition("/")[0], f"rank {rank}")
+
+
+def _named(table: Mapping[str, Entry], entries: int) -> set[str]:
+    """The paths the containers of ``table`` name as their children."""
+    if isinstance(table, EntryColumns):
+        objects: Iterable[tuple[str, Entry]] = table.objects.items()
+    else:  # (an index file's table lists its tensor rows apart: most entries, none a container)
+        paths = getattr(table, "non_tensor_paths", None)
+        objects = table.items() if paths is None else ((path, table[path]) for path in paths())
+    named: set[str] = set()
+    for path, entry in objects:
+        if isinstance(entry, ContainerEntry):
+            named.update(_children(path, entry, entries))
+    return named
+
+
+def _unnamed(path: str, parent: str, seen_by: str) -> CorruptSnapshotError:
+    return CorruptSnapshotError(f"{path!r} is listed for {seen_by}, but {parent!r}, the container it lies in, "
+                                "does not name it as a child")
 
 
 def _check_value(path: str, entry: ObjectEntry) -> None:
