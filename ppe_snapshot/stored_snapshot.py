@@ -76,6 +76,29 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _count(value: Any) -> int | None:
+    """A recorded iteration or epoch: an integer, not negative; None for anything else (a damaged manifest's
+    ``-4`` would order its snapshot before every other one)."""
+    return value if type(value) is int and value >= 0 else None
+
+
+def _finite(value: Any) -> float | None:
+    """A recorded number as a float; None for anything else, NaN, an infinity, or an integer beyond floats."""
+    if not _number(value):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _fraction(value: Any) -> float | None:
+    """A recorded epoch detail: a finite number, not negative (a NaN would leave the snapshots without an order)."""
+    number = _finite(value)
+    return number if number is not None and number >= 0 else None
+
+
 @dataclass(frozen=True)
 class Inspection:
     """What :func:`inspect` found at ``location``: a sound snapshot (``problem`` None, ``snapshot`` opened, its
@@ -121,12 +144,10 @@ def inspect(location: str, storage_options: dict[str, Any] | None = None, *, all
         metadata = {}
     iteration, epoch, detail = (metadata.get(key) for key in ("iteration", "epoch", "epoch_detail"))
     recorded_metrics = metadata.get(METRICS_KEY)
-    metrics = {k: float(v) for k, v in recorded_metrics.items() if isinstance(k, str) and _number(v)
-               and math.isfinite(v)} if isinstance(recorded_metrics, dict) else {}
-    return Inspection(location, iteration=iteration if isinstance(iteration, int) and _number(iteration) else None,
-                      epoch=epoch if isinstance(epoch, int) and _number(epoch) else None,
-                      epoch_detail=float(detail) if _number(detail) else None, metrics=metrics,
-                      metadata=metadata, snapshot=snapshot, references=references)
+    metrics = {k: v for k, v in ((k, _finite(v)) for k, v in recorded_metrics.items())
+               if isinstance(k, str) and v is not None} if isinstance(recorded_metrics, dict) else {}
+    return Inspection(location, iteration=_count(iteration), epoch=_count(epoch), epoch_detail=_fraction(detail),
+                      metrics=metrics, metadata=metadata, snapshot=snapshot, references=references)
 
 
 def retire_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:

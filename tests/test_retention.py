@@ -1,6 +1,7 @@
 """ppe_snapshot.retention: matching names, ordering by training position, pruning."""
 from __future__ import annotations
 
+import json
 import os
 import uuid
 import zipfile
@@ -9,7 +10,7 @@ import fsspec
 import pytest
 import torch
 
-from ppe_snapshot import Snapshot, StateDict
+from ppe_snapshot import AutoloadSkipWarning, Snapshot, StateDict
 from ppe_snapshot.engine._format.names import PARTS_DIR
 from ppe_snapshot.retention import Candidate, FilenameFormat, list_snapshots, prune, select_prunable
 from ppe_snapshot.run_dir import single_files
@@ -74,6 +75,57 @@ def test_ordered_by_recorded_position_never_by_name_or_mtime(tmp_path):
     assert [c.iteration for c in found] == [9, 10, 50, 100]
     assert all(c.kind == "snapshot" and c.complete for c in found)
     assert found[0].url == join(out, "snapshot_iter_9")
+
+
+def _record(snapshot, **metadata) -> None:
+    """Rewrite fields of the metadata in the manifest of the engine snapshot at ``snapshot`` (a Path)."""
+    manifest = snapshot / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["metadata"].update(metadata)
+    manifest.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("field, value, loss", [
+    ("iteration", -4, -4.0), ("iteration", True, None), ("iteration", 1.5, 1.5),
+    ("epoch_detail", float("nan"), None), ("epoch_detail", float("inf"), None), ("epoch_detail", -1.0, -1.0),
+    ("epoch_detail", 10**400, None)], ids=["iteration -4", "iteration true", "iteration 1.5", "epoch detail nan",
+                                        "epoch detail inf", "epoch detail -1", "epoch detail beyond floats"])
+def test_a_recorded_position_no_training_reaches_is_not_trusted(tmp_path, field, value, loss):
+    """A damaged manifest's position is not used (the name's iteration is): a recorded -4 ordered the newest
+    snapshot before every other, so that autoload resumed from an older one without a word; a NaN leaves
+    positions without an order. A number beyond floats, as a position or a metric, made the listing raise
+    OverflowError; it is dropped like any value that is no finite number."""
+    out = str(tmp_path)
+    _take(out, "snapshot_iter_2", 2)
+    _take(out, "snapshot_iter_4", 4)
+    _record(tmp_path / "snapshot_iter_4", **{field: value, "ppe_snapshot_metrics": {"loss": value, "acc": 0.5}})
+    found = list_snapshots(out, FMT)
+    assert _names(found) == ["snapshot_iter_2", "snapshot_iter_4"]
+    newest = found[-1]
+    assert newest.kind == "snapshot" and newest.iteration == 4
+    assert newest.epoch_detail == (0.4 if field == "iteration" else None)
+    assert dict(newest.metrics) == {"acc": 0.5, **({} if loss is None else {"loss": loss})}
+
+
+def test_a_snapshot_whose_state_is_not_at_its_recorded_position_is_skipped(tmp_path):
+    """snapshot_iter_4 records iteration 100, its state is at 4: trusted, it outranked every snapshot saved after
+    it, so that each restart resumed from it again and retention removed each new save (_6, then _8)."""
+    from _extension_workers import Run
+    out = str(tmp_path)
+    Run(out, 4, {}).train()
+    _record(tmp_path / "snapshot_iter_4", iteration=100)
+    first = Run(out, 6, {"autoload": True, "n_retains": 1})
+    with pytest.warns(AutoloadSkipWarning, match=r"snapshot_iter_4: CorruptSnapshotError: it is listed at iteration "
+                                                 r"100 \(what it records, or its name\), but the state it holds is at "
+                                                 r"iteration 4"):
+        first.manager.start_extensions()
+    assert first.snapshot.resumed_name == "snapshot_iter_2" and first.manager.iteration == 2
+    first.train()
+    assert _names(list_snapshots(out, FMT)) == ["snapshot_iter_6"]
+    second = Run(out, 8, {"autoload": True, "n_retains": 1})
+    second.train()
+    assert second.snapshot.resumed_name == "snapshot_iter_6"
+    assert _names(list_snapshots(out, FMT)) == ["snapshot_iter_8"]
 
 
 def test_classifies_incomplete_busy_damaged_and_ppe_files(tmp_path):

@@ -91,7 +91,7 @@ class _DistributedExtension:
         listed, agreed = listing()
         found = None
         for candidate in reversed(agreed):
-            failure = attempt(lambda: self._restore(candidate, target, self._restore_pg))
+            failure = attempt(lambda: self._restore_at_position(candidate, target, self._restore_pg))
             # (why, whether state was touched, whether the target did not fit): exceptions may not pickle; every
             # rank then falls back (or raises) together
             outcome = None if failure is None else (f"rank {self._rank}: {failure.reason}", failure.error is not None,

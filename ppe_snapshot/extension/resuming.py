@@ -14,6 +14,7 @@ from pytorch_pfn_extras.training import ExtensionsManagerProtocol
 
 from ppe_snapshot import run_dir
 from ppe_snapshot.engine import LOCAL
+from ppe_snapshot.errors import CorruptSnapshotError
 from ppe_snapshot.extension import saved_state
 from ppe_snapshot.local_tier import Fallback
 from ppe_snapshot.run_dir import Candidate, attempt, cannot_start_fresh, skip, target_changed
@@ -70,7 +71,7 @@ class Resuming:
         candidates, _ = listing()
         found = None
         for candidate in reversed(candidates):
-            failure = attempt(lambda: self._restore(candidate, target, LOCAL))
+            failure = attempt(lambda: self._restore_at_position(candidate, target, LOCAL))
             if failure is None:
                 found = candidate
                 break
@@ -123,6 +124,16 @@ class Resuming:
     def _restore(self, candidate: Candidate, target: Any, pg: Any) -> None:
         saved_state.restore(candidate, target, self._target_kind, pg, self._rng_rank, self._storage_options,
                             self._reads_pickle)
+
+    def _restore_at_position(self, candidate: Candidate, target: Any, pg: Any) -> None:
+        """:meth:`_restore`, then raise unless a manager resumed at the iteration the candidate is listed at (what
+        it records, or its name): a damaged record of iteration 10^6 would outrank every snapshot saved after it,
+        and retention would remove each of them."""
+        self._restore(candidate, target, pg)
+        if self._target_kind == "manager" and candidate.iteration is not None \
+                and target.iteration != candidate.iteration:
+            raise CorruptSnapshotError(f"it is listed at iteration {candidate.iteration} (what it records, or its "
+                                       f"name), but the state it holds is at iteration {target.iteration}")
 
     def _resumed(self, manager: ExtensionsManagerProtocol, found: Candidate | None,
                  candidates: list[Candidate]) -> None:

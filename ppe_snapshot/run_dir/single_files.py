@@ -86,7 +86,7 @@ def recorded_iteration(tree: Tree, path: str) -> int | None:
     except Exception:  # noqa: BLE001 - the position then comes from the file name
         return None
     value = state.get("_start_iteration") if isinstance(state, dict) else None
-    return value if type(value) is int else None
+    return value if type(value) is int and value >= 0 else None
 
 
 def load_file(url: str, storage_options: dict[str, Any] | None) -> Any:
