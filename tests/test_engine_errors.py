@@ -139,6 +139,26 @@ def test_verify_passes_on_a_good_snapshot(snap):
     Snapshot(str(path)).verify(deep=False)
 
 
+@pytest.mark.parametrize("budget", [1000, 4096, 1 << 20], ids=["an eighth of the weight", "half of it", "weight and bias at once"])
+def test_deep_verify_finds_a_flipped_byte_whatever_its_buffer(snap, budget):
+    """verify reads through one buffer grown to the largest read up to its budget, a chunk beyond the budget in
+    pieces: a sound snapshot passes each way, and a byte flipped in the weight's chunk or the bias's is found."""
+    from ppe_snapshot.engine import read_manifest
+    from ppe_snapshot.engine._files import verify_chunks
+    from ppe_snapshot.storage import open_storage
+
+    path, _ = snap
+    storage = open_storage(str(path))
+    verify_chunks(storage, read_manifest(storage), budget)
+    sound = (path / DATA).read_bytes()
+    for offset, tensor in ((5000, "model/weight"), (len(sound) - 100, "model/bias")):
+        damaged = bytearray(sound)
+        damaged[offset] ^= 0x5A
+        (path / DATA).write_bytes(bytes(damaged))
+        with pytest.raises(CorruptSnapshotError, match=f"checksum mismatch .*{tensor}"):
+            verify_chunks(storage, read_manifest(storage), budget)
+
+
 # -- taking onto an existing snapshot ---------------------------------------------
 
 def test_take_onto_existing_snapshot(snap):

@@ -346,8 +346,9 @@ def read_through_host(storage: Storage, chunks: list[Chunk], target: torch.Tenso
 
 
 def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTES) -> None:
-    """Read every chunk of every entry through one buffer and check its checksum."""
-    buffer = bytearray(budget)
+    """Read every chunk of every entry through one buffer and check its checksum. The buffer grows to the
+    largest read, at most ``budget`` bytes (made at once, zeroed 64 MiB cost a small snapshot's verify 35 ms)."""
+    buffer = bytearray()
     seen: set[Chunk] = set()  # entries may share chunks
     # Each section once, not each rank's view of them: a manifest of many ranks would make that quadratic.
     for table in manifest.tables():
@@ -357,8 +358,11 @@ def verify_chunks(storage: Storage, manifest: Manifest, budget: int = CHUNK_BYTE
             start = 0
             while start < len(chunks):  # neighbouring chunks that fit the buffer: one read
                 end = _run_end(chunks, start, budget)
+                need = min(budget, sum(chunk.nbytes for chunk in chunks[start:end]))
+                if len(buffer) < need:
+                    buffer = bytearray(min(budget, max(need, 2 * len(buffer))))
                 if chunks[start].nbytes <= budget:
-                    read_into(storage, chunks[start:end], memoryview(buffer), path, verify=True)
+                    read_into(storage, chunks[start:end], memoryview(buffer)[:need], path, verify=True)
                     start = end
                     continue
                 chunk, digest = chunks[start], xxhash.xxh3_64()
