@@ -128,6 +128,20 @@ def test_a_snapshot_whose_state_is_not_at_its_recorded_position_is_skipped(tmp_p
     assert _names(list_snapshots(out, FMT)) == ["snapshot_iter_8"]
 
 
+def test_a_snapshot_passed_over_for_what_it_records_is_named_when_its_name_is_newer(tmp_path):
+    """snapshot_iter_4 records iteration 1: ordered by what it records, autoload resumes from snapshot_iter_2,
+    and now says so of the snapshot whose name is the newest (it was silent)."""
+    from _extension_workers import Run
+    out = str(tmp_path)
+    Run(out, 4, {}).train()
+    _record(tmp_path / "snapshot_iter_4", iteration=1)
+    run = Run(out, 6, {"autoload": True})
+    with pytest.warns(AutoloadSkipWarning, match=r"snapshot_iter_4: its name says iteration 4, but it records "
+                                                 r"iteration 1, before snapshot_iter_2, which autoload resumes from"):
+        run.manager.start_extensions()
+    assert run.snapshot.resumed_name == "snapshot_iter_2"
+
+
 def test_classifies_incomplete_busy_damaged_and_ppe_files(tmp_path):
     out = str(tmp_path)
     _take(out, "snapshot_iter_1", 1)

@@ -144,6 +144,11 @@ class Resuming:
             logger.info("autoload found no usable snapshot matching %r under %s; starting fresh",
                         self.filename, self._out_dir)
             return
+        for c in candidates:  # (what a name says otherwise is not trusted, but said: a damaged record may be wrong)
+            if c.complete and c.is_older_than(found) and c.named_iteration is not None \
+                    and found.iteration is not None and c.named_iteration > found.iteration:
+                skip(c, f"its name says iteration {c.named_iteration}, but it records iteration {c.iteration}, "
+                        f"before {found.name}, which autoload resumes from")
         self.resumed_from = found.url
         self.resumed_name = found.name
         logger.info("resumed from %s at iteration %s (epoch %s)", found.url, manager.iteration,

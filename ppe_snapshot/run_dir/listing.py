@@ -78,6 +78,8 @@ class Candidate:
     snapshot: Snapshot | None = field(default=None, compare=False, hash=False, repr=False)
     #: An incremental snapshot's: the names of the snapshots it reads data files of, relative to ``out_dir``.
     references: tuple[str, ...] = field(default=(), compare=False, hash=False)
+    #: The iteration its name holds (``iteration`` is what it records, where it records one), for a complete one.
+    named_iteration: int | None = field(default=None, compare=False, hash=False)
     #: Rank files': how many ranks' files it holds (ranks 0 to ``ranks - 1``).
     ranks: int = 0
 
@@ -199,7 +201,8 @@ def _classify(tree: Tree, out_dir: str, rel: str, path: str, values: dict[str, s
         if problem is not None:
             return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=problem)
         stored = recorded_iteration(tree, path)
-        return Candidate(rel, url, CandidateKind.FILE, stored if stored is not None else iteration, epoch_detail)
+        return Candidate(rel, url, CandidateKind.FILE, stored if stored is not None else iteration, epoch_detail,
+                         named_iteration=iteration)
     if not tree.exists(f"{path}/{MANIFEST_NAME}"):
         if tree.exists(f"{path}/{RETIRED_NAME}"):
             return Candidate(rel, url, CandidateKind.RETIRED, iteration, epoch_detail,
@@ -220,7 +223,8 @@ def _classify(tree: Tree, out_dir: str, rel: str, path: str, values: dict[str, s
                      iteration if stored.iteration is None else stored.iteration,
                      epoch_detail if stored.epoch_detail is None else stored.epoch_detail,
                      metrics=stored.metrics, metadata=stored.metadata, snapshot=stored.snapshot,
-                     references=tuple(posixpath.join(posixpath.dirname(rel), name) for name in stored.references))
+                     references=tuple(posixpath.join(posixpath.dirname(rel), name) for name in stored.references),
+                     named_iteration=iteration)
 
 
 def _rank_files(tree: Tree, rel: str, url: str, path: str, iteration: int | None,
@@ -242,7 +246,7 @@ def _rank_files(tree: Tree, rel: str, url: str, path: str, iteration: int | None
         return Candidate(rel, url, CandidateKind.DAMAGED, iteration, epoch_detail, problem=problem)
     stored = recorded_iteration(tree, rank_file(path, 0))
     return Candidate(rel, url, CandidateKind.RANK_FILES, stored if stored is not None else iteration, epoch_detail,
-                     ranks=ranks)
+                     ranks=ranks, named_iteration=iteration)
 
 
 def leftover(tree: Tree, path: str) -> Any:
