@@ -5,9 +5,8 @@
 takes one small snapshot of KIND (``v2``: the default format, ``v1``: one JSON manifest, ``sharded``: a sharded
 tensor in version 2's index files, ``incremental``: version 3, most bytes read from a base, ``dcp``: a model's and
 its optimizer's state written by ``dcp.save`` through ``SnapshotStorageWriter``, read by ``dcp.load``), then COUNT times
-copies it, damages the copy at random the way a buggy or hostile writer would (a manifest or index header field
-replaced, removed or copied from elsewhere; an index column's value changed, or a column cut or grown, the index
-checksum recomputed; a data file's byte flipped or the file cut) and reads it back every way a user does. It
+copies it, damages the copy at random the way a buggy or hostile writer would (``_random_damage.py``) and reads
+it back every way a user does. It
 prints one JSON object: ``findings``, every read that raised something other than a ``SnapshotError`` (with the
 damage and the traceback's last lines), and ``outcomes``, how many reads ended each way. READERS ``cli`` reads
 it with the ``ppe-snapshot`` commands instead (their one-line failure raised here, to be seen by its type), and
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import io
 import json
 import os
@@ -29,7 +27,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 KIND, SEED, COUNT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 READERS = sys.argv[4] if len(sys.argv) > 4 else "api"
@@ -42,7 +40,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from _crafted import COLUMNS, craft, make_sharded, read_index, take_small, write_index  # noqa: E402
+from _crafted import craft, make_sharded, take_small  # noqa: E402
+from _random_damage import damage_snapshot  # noqa: E402
 import ppe_snapshot.cli  # noqa: E402
 from ppe_snapshot import RNGState, Snapshot, SnapshotError, StateDict  # noqa: E402
 from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter  # noqa: E402
@@ -50,13 +49,6 @@ from ppe_snapshot.engine import upgrade_snapshot  # noqa: E402
 from ppe_snapshot.storage import open_storage  # noqa: E402
 
 rng = random.Random(SEED)
-
-#: What a crafted field becomes: integers at the edges of every column type, and values of every JSON kind.
-NASTY_INTS = [0, -1, 1, 2, 3, 7, 64, 100_000, 1 << 31, 1 << 32, 1 << 40, (1 << 63) - 1, -(1 << 63)]
-NASTY = NASTY_INTS + [None, True, False, "", "../x", "/etc/passwd", "data/rank0.bin", 1.5, float("nan"), [], {},
-                      [0], [[0]], [1, 2], {"a": 1}, "float32", "<f4", "|O", "tensor", "ndarray", "object",
-                      "container", "sharded", "dict", "0" * 16]
-
 
 def full_state() -> dict[str, Any]:
     """A bit of every kind of value; the restore target of ``v2`` and ``incremental``."""
@@ -112,72 +104,9 @@ def build(root: Path) -> tuple[Path, Callable[[], dict[str, Any]]]:
     return base, full_state
 
 
-def nodes(doc: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    yield path, doc
-    children = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
-    for key, value in list(children):
-        yield from nodes(value, path + (key,))
-
-
-def damage_json(doc: Any) -> None:
-    """One to three fields of ``doc`` replaced by a nasty value or a neighbour, or removed."""
-    for _ in range(rng.choice([1, 1, 1, 2, 3])):
-        # (the 625 words of Python's generator state would take most picks)
-        where = [(p, v) for p, v in nodes(doc) if p and ("python" not in map(str, p) or rng.random() < 0.01)]
-        path, value = rng.choice(where)
-        parent = doc
-        for key in path[:-1]:
-            parent = parent[key]
-        pick = rng.random()
-        if pick < 0.6:
-            numeric = isinstance(value, int) and not isinstance(value, bool)
-            parent[path[-1]] = value + rng.choice([-1, 1, 8, -8, 64, 1 << 20]) if numeric and rng.random() < 0.5 \
-                else copy.deepcopy(rng.choice(NASTY))
-        elif pick < 0.9:
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = copy.deepcopy(rng.choice(where)[1])
-
-
 def damage(path: Path) -> str:
     """Damage the snapshot at ``path`` once; what was damaged."""
-    pick = rng.random()
-    if KIND == "v1" or pick < 0.2:
-        doc = json.loads((path / "manifest.json").read_text())
-        damage_json(doc)
-        (path / "manifest.json").write_text(json.dumps(doc))
-        return "manifest"
-    if pick > 0.95:
-        data = rng.choice(sorted((path / "data").iterdir()))
-        size = data.stat().st_size
-        with open(data, "r+b") as f:
-            if rng.random() < 0.5:
-                f.truncate(rng.randrange(size))
-            else:
-                f.seek(at := rng.randrange(size))
-                byte = f.read(1)
-                f.seek(at)
-                f.write(bytes([byte[0] ^ 0x5A]))
-        return f"data file {data.name}"
-    index = rng.choice(sorted((path / "index").iterdir()))
-    header, cols = read_index(index)
-    filled = [n for n, _ in COLUMNS if len(cols[n])]  # (the shared index of a state saved per rank has none)
-    if pick < 0.55 or not filled:
-        damage_json(header)
-        what = f"{index.name} header"
-    else:
-        name = rng.choice(filled)
-        column, change = cols[name], rng.random()
-        if change < 0.7:
-            at = rng.randrange(len(column))
-            limits = np.iinfo(column.dtype)
-            value = rng.choice(NASTY_INTS + [int(column[at]) + d for d in (-1, 1, 4, -4, 64)])
-            column[at] = max(limits.min, min(limits.max, value))
-        else:
-            cols[name] = column[:-1] if change < 0.85 else np.append(column, column[-1:]).astype(column.dtype)
-        what = f"{index.name} column {name}"
-    write_index(index, header, cols, fix_counts=rng.random() < 0.85)
-    return what
+    return damage_snapshot(rng, path, manifest_only=KIND == "v1")
 
 
 def reads(path: Path, target: Callable[[], dict[str, Any]]) -> dict[str, Callable[[], Any]]:

@@ -1,6 +1,7 @@
 """Snapshots damaged at random (seeded: every run crafts the same 200 of each kind): whatever a mutation of a
 manifest, an index file or a data file makes, every reader either reads it or raises a ``SnapshotError``, never
-another exception, a hang, or an allocation the bytes on disk do not back.
+another exception, a hang, or an allocation the bytes on disk do not back; and run directories damaged so resume
+from the newest snapshot that restores.
 
 The cases run in a child process (``_random_crafting.py``) under an address-space limit, so that an allocation
 sized by a crafted field fails there as a finding instead of exhausting this machine. The crafted cases of
@@ -33,6 +34,25 @@ def test_the_commands_refuse_randomly_damaged_snapshots_with_snapshot_errors_onl
     """The ``ppe-snapshot`` commands (inspect, verify, diff, ls, convert to each format): a damaged snapshot is
     refused by a SnapshotError, and a convert that fails leaves no destination behind."""
     _crafted_without_findings(kind, "cli", seed=seed, count=100)
+
+
+# (seed 2 of engine: a manifest recording a lower iteration than its name, at case 75, and a higher one, at case
+# 179, which retention then kept in place of the save after it; of incremental, at case 51 likewise)
+@pytest.mark.parametrize("kind, count", [("engine", 200), ("incremental", 100)])
+def test_randomly_damaged_run_directories_resume_where_training_was(kind, count):
+    """A run directory whose newest snapshot, older one or both are damaged at random: listed, autoloaded and
+    trained on with n_retains=1, it resumes exactly where training was from the newest snapshot that restores
+    (warning of each newer one), or refuses with a SnapshotError where none does, and retention keeps the save
+    after it (``_random_run_dirs.py`` says what each case must hold)."""
+    done = subprocess.run([sys.executable, os.path.join(HERE, "_random_run_dirs.py"), kind, "2", str(count)],
+                          capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["findings"] == [], json.dumps(report["findings"][:5], indent=1)
+    outcomes = report["outcomes"]
+    # (the damage reached autoload every way: some cases resumed from each snapshot, some from none)
+    assert min(outcomes.get(f"resumed from {name}", 0) for name in ("snapshot_iter_2", "snapshot_iter_4")) > \
+        count // 5 and outcomes.get("resumed from None", 0) > 0, outcomes
 
 
 def _crafted_without_findings(kind: str, readers: str, seed: int, count: int) -> None:
