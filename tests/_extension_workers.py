@@ -10,6 +10,7 @@ tests/test_extension_distributed.py, and as a script that a test kills:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -171,7 +172,8 @@ def flip_byte(path: str, offset: int = 100) -> None:
 
 
 def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: int,
-                          flip: str | None = None, own_rng: bool = False, incremental: bool = False) -> dict[str, Any]:
+                          flip: str | None = None, own_rng: bool = False, incremental: bool = False,
+                          recorded: int | None = None) -> dict[str, Any]:
     """A straight run, a run that crashes (on every rank), and a resumed run; what each rank saw.
 
     DISTRIBUTED: the model is replicated (gradients all-reduced), the last rank saves.
@@ -179,7 +181,8 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
     ``flip``: a file of the newest snapshot, relative to it, whose bytes rank 0 damages before resuming.
     ``own_rng``: no RNGState in the manager; each rank draws from its own seed, and only the
     extension's own RNG capture can bring each rank's generators back. ``incremental``: incremental snapshots,
-    with a frozen table (256 KiB, most of the state) that later snapshots reference.
+    with a frozen table (256 KiB, most of the state) that later snapshots reference. ``recorded``: the iteration
+    rank 0 makes the newest snapshot's manifest record before resuming.
     """
     rank, sharded = dist.get_rank(), mode == "SHARDED"
     straight = Run(os.path.join(out_dir, f"straight{rank}"), iterations, None, seed=rank if sharded else 0,
@@ -208,6 +211,12 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
     saved_ranks = sorted({int(key.split("/")[0]) for key in ppe_snapshot.Snapshot(newest).get_manifest()})
     if flip is not None and rank == 0:
         flip_byte(os.path.join(newest, flip))
+    if recorded is not None and rank == 0:
+        with open(os.path.join(newest, "manifest.json")) as f:
+            doc = json.load(f)
+        doc["metadata"]["iteration"] = recorded
+        with open(os.path.join(newest, "manifest.json"), "w") as f:
+            json.dump(doc, f)
     dist.barrier()
 
     kwargs["writer"] = make_writer("ThreadWriter", out_dir=out_dir)

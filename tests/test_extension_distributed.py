@@ -93,6 +93,21 @@ def test_ranks_fall_back_together_when_one_cannot_restore(dist_run, tmp_path, mo
     assert "skipping snapshot" in out.err and "snapshot_iter_6" in out.err and "checksum" in out.err
 
 
+@pytest.mark.parametrize("mode", ["SHARDED", "DISTRIBUTED"])
+def test_ranks_fall_back_together_from_a_snapshot_recording_another_iteration(dist_run, tmp_path, mode, capfd):
+    """snapshot_iter_6's manifest records iteration 100: every rank restores it, finds its manager at 6, and all
+    fall back to snapshot_iter_4 together (trusted, it would outrank every later save, and n_retains remove them)."""
+    results = dist_run(dist_crash_and_resume, 2, str(tmp_path), mode, ITERS, 7, None, False, False, 100)
+    for rank, r in enumerate(results):
+        assert r["resumed_at"] == 4 and r["resumed_from"] == os.path.join(str(tmp_path), "snapshot_iter_4")
+        if mode == "DISTRIBUTED" and rank == 0:  # the log restored is the saver rank's
+            r["straight"].pop("log"), r["resumed"].pop("log")
+        assert_same(r["resumed"], r["straight"], f"rank {rank}")
+        assert r["names_at_end"] == [f"snapshot_iter_{ITERS - 2}", f"snapshot_iter_{ITERS}"]
+    assert "it is listed at iteration 100 (what it records, or its name), but the state it holds is at iteration 6" \
+        in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("mode, failing", [("DISTRIBUTED", 1), ("DISTRIBUTED", 0), ("SHARDED", 1)])
 def test_snapshot_on_error_does_not_hang_the_other_ranks(dist_run, tmp_path, mode, failing):
     results = dist_run(dist_error_on_one_rank, 2, str(tmp_path), mode, failing, timeout=90)
