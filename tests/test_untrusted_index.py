@@ -297,7 +297,11 @@ def _generators() -> tuple:
 
 @pytest.mark.parametrize("generator, entry, mutate", [
     ("python", "rng/python/1", lambda e: e["value"]["$tuple"].pop()),  # a state vector one word short
-    ("numpy", "rng/numpy/2", lambda e: e.__setitem__("value", "not a position"))])  # (an integer in the key)
+    ("numpy", "rng/numpy/2", lambda e: e.__setitem__("value", "not a position")),  # (an integer in the key)
+    # (numpy takes these, and its next draw reads past its 624 words: at 2^31 - 1 a segmentation fault)
+    *[("numpy", "rng/numpy/2", lambda e, pos=pos: e.__setitem__("value", pos)) for pos in (625, -1, (1 << 31) - 1)]],
+    ids=["python one word short", "numpy position a string", "numpy position 625", "numpy position -1",
+         "numpy position 2^31-1"])
 def test_crafted_rng_state_is_refused_before_any_generator_is_set(tmp_path, generator, entry, mutate):
     """The saved RNG state of one generator is one its generator refuses: damage (CorruptSnapshotError, which
     autoload skips for an older snapshot) naming it, and none of the generators is set (the torch one is set

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import operator
 import random
 from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
@@ -66,7 +67,7 @@ class RNGState:
         before any generator is set. CUDA states beyond this machine's devices are left out; without CUDA, all."""
         # Each part is tried on a generator of its own first: the global ones are set once all are known good.
         cpu = _checked("torch", lambda: _tried(torch.Generator().set_state, _byte_tensor(state_dict["torch"])))
-        numpy = _checked("numpy", lambda: _tried(np.random.RandomState().set_state, tuple(state_dict["numpy"])))
+        numpy = _checked("numpy", lambda: _tried(np.random.RandomState().set_state, _numpy_state(state_dict["numpy"])))
         python = _checked("python", lambda: _tried(random.Random().setstate, _python_state(state_dict["python"])))
         cuda = state_dict.get("cuda") if torch.cuda.is_available() else None
         cuda = [] if cuda is None else _checked("cuda", lambda: [
@@ -134,6 +135,19 @@ def _byte_tensor(value: Any) -> torch.Tensor:
     if value.dtype != torch.uint8 or value.device.type != "cpu":
         raise TypeError(f"a tensor of {value.dtype} on {value.device}, not of uint8 on the CPU")
     return value
+
+
+#: The words of numpy's MT19937 state; its position runs from 0 to this (there, the next draw refills them).
+_MT19937_WORDS = 624
+
+
+def _numpy_state(value: Any) -> tuple[Any, ...]:
+    """numpy's legacy state, its position checked: ``RandomState.set_state`` takes any position that fits a C
+    int, and the next draw reads the generator's words there (2^31 - 1: a segmentation fault)."""
+    name, keys, pos, has_gauss, gauss = value
+    if not 0 <= operator.index(pos) <= _MT19937_WORDS:
+        raise ValueError(f"its position {pos} is outside 0..{_MT19937_WORDS}")
+    return name, keys, pos, has_gauss, gauss
 
 
 def _python_state(value: Any) -> tuple[Any, ...]:
