@@ -215,8 +215,9 @@ def dist_crash_and_resume(out_dir: str, mode: str, iterations: int, crash_at: in
         with open(os.path.join(newest, "manifest.json")) as f:
             doc = json.load(f)
         doc["metadata"]["iteration"] = recorded
-        with open(os.path.join(newest, "manifest.json"), "w") as f:
+        with open(os.path.join(newest, "manifest.tmp"), "w") as f:
             json.dump(doc, f)
+        os.replace(os.path.join(newest, "manifest.tmp"), os.path.join(newest, "manifest.json"))  # (rank 1 reads it)
     dist.barrier()
 
     kwargs["writer"] = make_writer("ThreadWriter", out_dir=out_dir)
