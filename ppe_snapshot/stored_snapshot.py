@@ -76,9 +76,9 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _count(value: Any) -> int | None:
-    """A recorded iteration or epoch: an integer, not negative; None for anything else (a damaged manifest's
-    ``-4`` would order its snapshot before every other one)."""
+def recorded_count(value: Any) -> int | None:
+    """A recorded iteration or epoch (a manifest's, or the ``_start_iteration`` of ppe's file): an integer, not
+    negative; None for anything else (a damaged manifest's ``-4`` would order its snapshot before every other)."""
     return value if type(value) is int and value >= 0 else None
 
 
@@ -146,8 +146,9 @@ def inspect(location: str, storage_options: dict[str, Any] | None = None, *, all
     recorded_metrics = metadata.get(METRICS_KEY)
     metrics = {k: v for k, v in ((k, _finite(v)) for k, v in recorded_metrics.items())
                if isinstance(k, str) and v is not None} if isinstance(recorded_metrics, dict) else {}
-    return Inspection(location, iteration=_count(iteration), epoch=_count(epoch), epoch_detail=_fraction(detail),
-                      metrics=metrics, metadata=metadata, snapshot=snapshot, references=references)
+    return Inspection(location, iteration=recorded_count(iteration), epoch=recorded_count(epoch),
+                      epoch_detail=_fraction(detail), metrics=metrics, metadata=metadata, snapshot=snapshot,
+                      references=references)
 
 
 def retire_snapshot(location: str, storage_options: dict[str, Any] | None = None) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ppe_snapshot.storage import Tree, open_url
+from ppe_snapshot.stored_snapshot import recorded_count
 
 #: How a ``torch.save`` file begins: a zip archive (the default), or a pickle (the legacy format).
 _FILE_MAGIC = (b"PK\x03\x04", b"\x80")
@@ -86,7 +87,7 @@ def recorded_iteration(tree: Tree, path: str) -> int | None:
     except Exception:  # noqa: BLE001 - the position then comes from the file name
         return None
     value = state.get("_start_iteration") if isinstance(state, dict) else None
-    return value if type(value) is int and value >= 0 else None
+    return recorded_count(value)
 
 
 def load_file(url: str, storage_options: dict[str, Any] | None) -> Any:
