@@ -3,9 +3,10 @@
 Spawning a torch process costs seconds on a small machine, so a session keeps
 one pool of spawned workers and reuses it across tests.  Each call to
 :meth:`DistPool.run` sends ``(fn, rank, world_size, port, args)`` to
-``world_size`` workers; every worker joins a fresh gloo process group, runs
-``fn(*args)``, and always destroys the group afterwards, so a worker whose
-``fn`` raised is clean for the next call.  Rank 0 starts the group's store on
+``world_size`` workers; every worker joins a fresh gloo process group, waits
+at a barrier until every rank has, runs ``fn(*args)``, and always destroys
+the group afterwards, so a worker whose ``fn`` raised is clean for the next
+call (one that failed to join restarts the pool).  Rank 0 starts the group's store on
 a port the kernel picks and reports it before the other ranks get their task:
 no two groups, of this suite or of another on the same machine, can meet on
 one port.
@@ -100,6 +101,7 @@ def _worker_main(conn, env: dict, paths: list) -> None:
             return  # parent went away
         out, err = io.StringIO(), io.StringIO()
         rank = -1
+        joined = False
         try:
             task = pickle.loads(msg)
             if task is None:
@@ -112,6 +114,11 @@ def _worker_main(conn, env: dict, paths: list) -> None:
                     "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
                 )
                 del store  # the group holds it; rank 0's server closes with the group
+                # gloo lets a rank out of init_process_group once its own pairs are up, while a peer may still
+                # be finishing its handshakes: a rank whose fn returns at once and destroys the group would
+                # close a pair under that peer ("connectFullMesh failed ... Connection closed by peer").
+                dist.barrier()
+                joined = True
                 try:
                     result = fn(*args)
                 finally:
@@ -126,11 +133,15 @@ def _worker_main(conn, env: dict, paths: list) -> None:
                     dist.destroy_process_group()
             except BaseException:  # noqa: BLE001
                 tb += "\n(destroy_process_group also failed:)\n" + traceback.format_exc()
-            payload = pickle.dumps(("err", tb, out.getvalue(), err.getvalue()))
+            payload = pickle.dumps(("err" if joined else _NOT_JOINED, tb, out.getvalue(), err.getvalue()))
         try:
             conn.send_bytes(payload)
         except (EOFError, OSError):
             return
+
+
+#: The reply of a rank that failed before its group was up: its gloo and store state is not to be trusted again.
+_NOT_JOINED = "err-joining"
 
 
 def _join_store(conn, rank: int, world_size: int, port: int | None, timeout: timedelta):
@@ -323,7 +334,13 @@ class DistPool:
         failures = self._format_failures(replies)
         if failures:
             nfail = sum(1 for rep in replies.values() if rep[0] != "ok")
-            raise DistRunError(f"dist_run({fname}, world_size={world_size}): {nfail} rank(s) failed" + failures)
+            restart = ""
+            if any(rep[0] == _NOT_JOINED for rep in replies.values()):
+                self.shutdown(kill=True)  # a worker left half-joined hung the next group on this pool
+                restart = " before the group was up (pool killed and will restart)"
+            raise DistRunError(
+                f"dist_run({fname}, world_size={world_size}): {nfail} rank(s) failed{restart}" + failures
+            )
         return [replies[r][1] for r in range(world_size)]
 
     def _store_port(self, worker: _Worker, fname: str, world_size: int, timeout: float, deadline: float) -> int:
