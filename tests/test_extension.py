@@ -262,6 +262,20 @@ def test_autoload_without_valid_snapshot_starts_fresh(tmp_path, straight, caplog
     assert_same(fresh.state(), straight)
 
 
+
+def test_a_fresh_run_among_an_earlier_runs_later_snapshots_is_warned_and_keeps_its_newest(tmp_path):
+    out = str(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Run(out, 10, {"n_retains": 2}).train()  # into an empty directory: nothing to warn of
+    assert not [w for w in caught if "past this run's first save" in str(w.message)]
+    assert _iterations(tmp_path) == [8, 10]
+    fresh = Run(out, 4, {"n_retains": 2}, seed=1)
+    with pytest.warns(UserWarning, match=r"holds snapshots named up to iteration 10, past this run's first save "
+                                         r"at iteration 2, and autoload=False resumed none of them"):
+        fresh.train()
+    assert _iterations(tmp_path) == [4, 8, 10]  # the earlier run's two newest, and this run's newest
+
 def test_autoload_refuses_to_start_fresh_after_a_partial_restore(tmp_path):
     out = str(tmp_path)
     Run(out, 2, {}).train()

@@ -295,6 +295,14 @@ def test_select_prunable_rules():
     assert select_prunable([_c("i1", "incomplete", 1), _c("d2", "damaged", 2)], 1) == []
 
 
+
+def test_the_newest_of_a_runs_own_saves_stays_among_an_earlier_runs_later_ones():
+    # A run started without autoload where an earlier run went further: the earlier run's snapshots outrank it.
+    cands = [_c("s2", "snapshot", 2), _c("s4", "snapshot", 4), _c("s8", "snapshot", 8), _c("s10", "snapshot", 10)]
+    assert _names(select_prunable(cands, 2)) == ["s2", "s4"]
+    assert _names(select_prunable(cands, 2, own={"s2", "s4", "s6"})) == ["s2"]  # s6: saved, not listed complete
+    assert _names(select_prunable(cands, 2, own={"s8", "s10"})) == ["s2", "s4"]  # its newest is kept anyway
+
 def _prune_scenario(out: str, storage_options, exists):
     for it in (10, 20, 30):
         _take(out, f"snapshot_iter_{it}", it, storage_options)

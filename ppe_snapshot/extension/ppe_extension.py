@@ -110,6 +110,8 @@ class SnapshotExtension(Resuming, extension.Extension):
         self._superseded: dict[str, Candidate] = {}
         # Names autoload skipped: retention never counts them as kept snapshots until saved again.
         self._rejected: set[str] = set()
+        # Names this run saved: retention keeps the newest of them, even where an earlier run's outrank them.
+        self._saved: set[str] = set()
         # Reports the stats into the next iteration's observation (set when the manager starts its extensions).
         self._stats_reporter: stats_report.StatsReporter | None = None
 
@@ -301,6 +303,9 @@ class SnapshotExtension(Resuming, extension.Extension):
     def _save(self, manager: ExtensionsManagerProtocol, name: str, state: Any, pg: Any,
               rng: dict[int, Any] | None = None, self_contained: bool = False) -> None:
         """Save ``state`` as ``name``; ``self_contained``: never incremental (a snapshot retention does not see)."""
+        if not self._saved and not self.autoload:
+            self._warn_of_later_runs(manager)
+        self._saved.add(name)
         writer = self._engine_writer
         if writer is None:  # ppe's protocol
             start = time.perf_counter()
@@ -387,7 +392,8 @@ class SnapshotExtension(Resuming, extension.Extension):
         try:
             assert self.policy is not None
             run_dir.prune(self._out_dir, self._format, self.policy, self._storage_options, rejected=self._rejected,
-                          protect=() if self.resumed_name is None else (self.resumed_name,), listed=listed)
+                          protect=() if self.resumed_name is None else (self.resumed_name,), own=self._saved,
+                          listed=listed)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail the save or the training
             logger.warning("removing old snapshots under %s failed: %s: %s", self._out_dir,
                            type(e).__name__, e)

@@ -1,5 +1,6 @@
 """Autoload of the snapshot extension: the newest snapshot that restores, from the local tier or the output
-directory, and what the run keeps of it (``resumed_from``, the names it saves again).
+directory, and what the run keeps of it (``resumed_from``, the names it saves again); without autoload, the
+warning of a run that an earlier one in its output directory outranks.
 
 :class:`Resuming` is a base of :class:`~.ppe_extension.SnapshotExtension` holding these steps; the ranks of
 DISTRIBUTED / SHARDED modes extend them in :mod:`.rank_agreement`.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from typing import Any, Callable
 
 from pytorch_pfn_extras.training import ExtensionsManagerProtocol
@@ -85,6 +87,27 @@ class Resuming:
             raise cannot_start_fresh(f"{touched[0]} ({error})") from (error if isinstance(error, Exception) else None)
         self._resumed(manager, found, candidates)
         return candidates
+
+    def _warn_of_later_runs(self, manager: ExtensionsManagerProtocol) -> None:
+        """At the first save of a run without autoload: warn where the output directory's names hold a later
+        position (an earlier run's snapshots, which outrank this run's: every snapshot is ordered by the training
+        position it records). Not at ``initialize``: another extension may autoload the manager after it."""
+        if self._format is None or not self._owns_out_dir:
+            return
+        try:
+            named = run_dir.named_positions(self._out_dir, self._format, self._storage_options)
+        except Exception as e:  # noqa: BLE001 - only a warning: the saves will say what is wrong with the directory
+            logger.debug("listing %s at the first save failed: %s: %s", self._out_dir, type(e).__name__, e)
+            return
+        if named is None or not named.complete or named.newest is None or named.newest <= manager.iteration:
+            return
+        warnings.warn(
+            f"ppe_snapshot: {self._out_dir} holds snapshots named up to iteration {named.newest}, past this run's "
+            f"first save at iteration {manager.iteration}, and autoload=False resumed none of them. Snapshots are "
+            "ordered by training position, so theirs outrank this run's: n_retains keeps them first (and of this "
+            "run's only the newest), and autoload=True would resume from them rather than from this run. To "
+            "continue that run, pass autoload=True; to start over, save to another out_dir or remove them.",
+            stacklevel=3)
 
     def _durable_names(self) -> dict[str, Any] | None:
         """What the names under the output directory tell of the durable snapshots (JSON), opening none."""

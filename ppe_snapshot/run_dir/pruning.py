@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 
 def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: Collection[str] = (),
-                    protect: Collection[str] = ()) -> list[Candidate]:
+                    protect: Collection[str] = (), own: Collection[str] = ()) -> list[Candidate]:
     """What retention removes from ``candidates`` (oldest first, as :func:`list_snapshots` gives them).
 
     ``keep``: an int (``n_retains``: the newest complete snapshots to keep; 0 or less keeps all) or a
@@ -23,11 +23,13 @@ def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: C
     snapshot and anything newer (a save may be writing it), unless it is a leftover whose writers are
     provably gone (``Candidate.abandoned``); incomplete names whose directory holds a take in progress;
     names in ``protect`` (the snapshot autoload resumed from) until a complete snapshot newer than them
-    exists. Incomplete or damaged names older than the newest complete one
-    are removed. Names in ``rejected`` (those autoload could not restore, though they pass the quick
-    check) count as damaged: they are never kept in place of a good one. Retired names (a removed
-    snapshot's data files, kept while incremental snapshots read them) are removed once no snapshot
-    that stays references them; :func:`needed` says which a removed snapshot must leave its data files for.
+    exists; the newest complete snapshot among ``own`` (the names this run saved: a run started without
+    autoload where an earlier run went further is outranked by that run's snapshots). Incomplete or damaged
+    names older than the newest complete one are removed. Names in ``rejected`` (those autoload could not
+    restore, though they pass the quick check) count as damaged: they are never kept in place of a good
+    one. Retired names (a removed snapshot's data files, kept while incremental snapshots read them) are
+    removed once no snapshot that stays references them; :func:`needed` says which a removed snapshot must
+    leave its data files for.
     """
     policy = as_policy(keep)
     complete = [c for c in candidates if c.complete and c.name not in rejected]
@@ -36,6 +38,7 @@ def select_prunable(candidates: list[Candidate], keep: int | Policy, rejected: C
     newest = complete[-1]
     kept = set(policy.keep(complete)) | {newest.name}
     kept |= {c.name for c in complete if c.name in protect and not any(c.is_older_than(o) for o in complete)}
+    kept |= set([c.name for c in complete if c.name in own][-1:])
     stale = {id(c) for c in complete if c.name not in kept}
     for c in candidates:
         if c.abandoned or (c not in complete and c.kind != CandidateKind.RETIRED and not c.busy
@@ -64,14 +67,15 @@ def remove(candidate: Candidate, storage_options: dict[str, Any] | None = None, 
 
 def prune(out_dir: str, fmt: str | FilenameFormat, keep: int | Policy,
           storage_options: dict[str, Any] | None = None, *, rejected: Collection[str] = (),
-          protect: Collection[str] = (), dry_run: bool = False, listed: list[Candidate] | None = None) -> list[str]:
+          protect: Collection[str] = (), own: Collection[str] = (), dry_run: bool = False,
+          listed: list[Candidate] | None = None) -> list[str]:
     """Apply retention to ``out_dir``: see :func:`select_prunable`. Returns the removed locations (with
     ``dry_run``, those that would be removed; nothing is removed). ``listed``: what :func:`list_snapshots`
     gave for ``out_dir`` and ``fmt`` just now, when the caller has it (else it is listed here)."""
     policy = as_policy(keep)
     removed = []
     candidates = list_snapshots(out_dir, fmt, storage_options) if listed is None else listed
-    prunable = select_prunable(candidates, policy, rejected, protect)
+    prunable = select_prunable(candidates, policy, rejected, protect, own)
     referenced = needed(candidates, {id(c) for c in prunable})
     for c in prunable:
         if not dry_run:
