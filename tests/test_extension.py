@@ -262,7 +262,6 @@ def test_autoload_without_valid_snapshot_starts_fresh(tmp_path, straight, caplog
     assert_same(fresh.state(), straight)
 
 
-
 def test_a_fresh_run_among_an_earlier_runs_later_snapshots_is_warned_and_keeps_its_newest(tmp_path):
     out = str(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
