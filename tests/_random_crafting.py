@@ -15,8 +15,6 @@ finds too a failed ``convert`` that leaves its destination behind.
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import json
 import os
 import random
@@ -40,9 +38,9 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
+from _cli_raising import run_command  # noqa: E402
 from _crafted import craft, make_sharded, take_small  # noqa: E402
 from _random_damage import damage_snapshot  # noqa: E402
-import ppe_snapshot.cli  # noqa: E402
 from ppe_snapshot import RNGState, Snapshot, SnapshotError, StateDict  # noqa: E402
 from ppe_snapshot.dcp import SnapshotStorageReader, SnapshotStorageWriter  # noqa: E402
 from ppe_snapshot.engine import upgrade_snapshot  # noqa: E402
@@ -152,34 +150,21 @@ def dcp_load(path: Path, target: dict[str, Any]) -> None:
         raise error from None
 
 
-def _raise(error: BaseException, *_: Any) -> int:
-    raise error
-
-
-def _command(*argv: str) -> None:
-    """Run ``ppe-snapshot argv``; its output dropped, whatever failed raised (not printed as one line)."""
-    ppe_snapshot.cli.fail = _raise  # type: ignore[attr-defined]
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        status = ppe_snapshot.cli.main(list(argv))
-    if status not in (0, 1):  # (1: verify found damage, diff a difference)
-        raise RuntimeError(f"ppe-snapshot {argv[0]} exited {status} without raising")
-
-
 def cli_reads(path: Path) -> dict[str, Callable[[], Any]]:
     """Every command that reads a snapshot."""
     def convert(to: str) -> None:
         out = path.parent / f"out-{to}"
         try:
-            _command("convert", str(path), str(out), "--to", to)
+            run_command("convert", str(path), str(out), "--to", to)
         except BaseException:
             if out.exists():
                 raise RuntimeError(f"the failed convert --to {to} left {out.name} behind") from None
             raise
         finally:
             shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
-    return {"inspect": lambda: _command("inspect", str(path)), "verify": lambda: _command("verify", str(path)),
-            "diff": lambda: _command("diff", str(path.parent / "base"), str(path)),
-            "ls": lambda: _command("ls", str(path.parent)),
+    return {"inspect": lambda: run_command("inspect", str(path)), "verify": lambda: run_command("verify", str(path)),
+            "diff": lambda: run_command("diff", str(path.parent / "base"), str(path)),
+            "ls": lambda: run_command("ls", str(path.parent)),
             **{f"convert {to}": lambda to=to: convert(to) for to in ("torch", "dcp", "safetensors")}}
 
 
@@ -218,8 +203,8 @@ def main() -> None:
             try:
                 outcomes[outcome(name, read)] += 1
             except BaseException as e:  # noqa: BLE001 - what the test is for
-                findings.append({"case": case, "damage": what, "read": name,
-                                 "error": f"{type(e).__name__}: {e}"[:300], "where": traceback.format_exception(e)[-3:]})
+                findings.append({"case": case, "damage": what, "read": name, "error": f"{type(e).__name__}: {e}"[:300],
+                                 "where": traceback.format_exception(e)[-3:]})
         shutil.rmtree(path)
     shutil.rmtree(root)
     print(json.dumps({"findings": findings, "outcomes": outcomes}))

@@ -28,8 +28,6 @@ ended each way.
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import json
 import random
 import resource
@@ -47,7 +45,7 @@ resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # an allocation size
 
 import torch  # noqa: E402
 
-import ppe_snapshot.cli  # noqa: E402
+from _cli_raising import run_command  # noqa: E402
 from _asserts import assert_same  # noqa: E402
 from _extension_workers import Run  # noqa: E402
 from _random_damage import damage_snapshot  # noqa: E402
@@ -79,17 +77,6 @@ def _training_state(run: Run) -> dict[str, Any]:
     return {k: state[k] for k in ("iteration", "model", "optimizer", "scheduler", "rng")}
 
 
-def _listed(out: Path) -> None:
-    """``ppe-snapshot ls out``; whatever failed raised (not printed as one line)."""
-    def fail(error: BaseException, *_: Any) -> int:
-        raise error
-    ppe_snapshot.cli.fail = fail  # type: ignore[attr-defined]
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        status = ppe_snapshot.cli.main(["ls", str(out)])
-    if status != 0:
-        raise RuntimeError(f"ppe-snapshot ls exited {status}")
-
-
 def _verifies(path: Path) -> bool:
     try:
         Snapshot(str(path)).verify()
@@ -108,7 +95,7 @@ def damage(out: Path) -> dict[str, str]:
 def resume(out: Path, crafted: dict[str, str], straight: dict[str, Any]) -> str:
     """List and resume the run directory at ``out``, damaged as ``crafted`` says; the outcome (raises
     AssertionError for a finding)."""
-    _listed(out)
+    run_command("ls", str(out), statuses=(0,))  # (a damaged snapshot is a line of the listing, not a failure)
     run = _run(out, 6, autoload=True, n_retains=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -319,7 +319,8 @@ def test_snapshot_object_targets_resume(tmp_path, target):
     first = Run(out, ITERS, {"filename": "obj_{.iteration}"}, target=target)
     with pytest.raises(Crash):
         first.train(crash_at=5)
-    with pytest.raises(Crash):  # manager snapshots obj_3 and obj_6, of the wrong target
+    with pytest.raises(Crash), pytest.warns(UserWarning, match="named up to iteration 4, past this run's first save"):
+        # manager snapshots obj_3 and obj_6, of the wrong target, beside the first run's later obj_4
         Run(out, ITERS, {"filename": "obj_{.iteration}"}, trigger=(3, "iteration")).train(crash_at=6)
     resumed = Run(out, ITERS, {"filename": "obj_{.iteration}", "autoload": True}, target=target, seed=1)
     with pytest.warns(UserWarning, match="obj_6: it holds a manager target and this extension's target is a"):
