@@ -358,8 +358,10 @@ class DistPool:
             self.shutdown(kill=True)
             raise DistRunError(f"{what}: rank 0 died (exit code {code}) (pool killed and will restart)") from None
         if message[0] != "port":  # rank 0 failed before its store listened; the other workers got nothing
+            self.shutdown(kill=True)  # (like any worker that failed before its group was up)
             self._replay_output({0: message})
-            raise DistRunError(f"{what}: rank 0 failed" + self._format_failures({0: message}))
+            raise DistRunError(f"{what}: rank 0 failed before its store listened (pool killed and will restart)"
+                               + self._format_failures({0: message}))
         return message[1]
 
     @staticmethod

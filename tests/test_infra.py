@@ -48,6 +48,16 @@ def _sleep(seconds):
     return dist.get_rank()
 
 
+def _refuse_to_unpickle():
+    raise ValueError("this argument does not unpickle")
+
+
+class _Unpicklable:
+    """An argument that pickles here and raises where a worker unpickles it: rank 0 fails before its store."""
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
 def _s3_write_rank(url_prefix, storage_options):
     rank = dist.get_rank()
     fs = fsspec.filesystem("s3", **storage_options)
@@ -96,6 +106,15 @@ def test_dist_run_groups_take_their_port_from_the_kernel(dist_run):
     ports = dist_run(_store_port, 3)
     blocks = range(_dist._FIRST_PORT, _dist._FIRST_PORT + _dist._PORT_BLOCK * _dist._BLOCKS)
     assert len(set(ports)) == 1 and ports[0] not in blocks
+
+
+def test_dist_run_rank_0_failing_before_its_store_restarts_the_pool(dist_run):
+    pids = dist_run(_print_and_return_pid, 2)
+    with pytest.raises(AssertionError, match="rank 0 failed before its store listened") as excinfo:
+        dist_run(_sleep, 2, _Unpicklable())
+    assert "ValueError: this argument does not unpickle" in str(excinfo.value)
+    again = dist_run(_print_and_return_pid, 2)
+    assert not set(again) & set(pids)  # workers of a new pool
 
 
 def test_dist_run_timeout_kills_pool_and_restarts(dist_run):
