@@ -45,8 +45,8 @@ resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # an allocation size
 
 import torch  # noqa: E402
 
-from _cli_raising import run_command  # noqa: E402
 from _asserts import assert_same  # noqa: E402
+from _cli_raising import run_command  # noqa: E402
 from _extension_workers import Run  # noqa: E402
 from _random_damage import damage_snapshot  # noqa: E402
 from ppe_snapshot import AutoloadSkipWarning, Snapshot, SnapshotError, StateDict, StateMismatchError  # noqa: E402
